@@ -1,0 +1,277 @@
+"""`fully_shard`: wrap a module's parameters into flat, row-aligned, sharded buckets.
+
+Called bottom-up like PyTorch FSDP2 (blocks first, then the root). Afterwards every
+managed parameter is an `nn.Parameter(DTensor)` on the mesh, `Shard(0)`, whose local tensor
+is a view of the unit's sharded main-weight buffer; the module's class gains the
+`FlatShardModule` methods.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from flatshard import comm, optim_hooks
+from flatshard.errors import MeshError, WrappingError
+from flatshard.flat_bucket import FlatBucket
+from flatshard.layout import ParamInfo, plan_unit_layout
+from flatshard.policy import MixedPrecisionPolicy, as_mixed_precision, resolve_zero_stage
+from flatshard.row_shard import install_redistribute_override, make_row_sharded_dtensor
+from flatshard.unit import ManagedParam, Unit
+
+
+class FlatShardModule(nn.Module):
+    """Methods a `fully_shard`-ed module gains (the `FSDPModule` ones that apply here)."""
+
+    _flatshard_unit: Unit
+
+    def unshard(self, async_op: bool = False):
+        """Gather this unit's parameters now; with `async_op`, return a handle to `wait()` on."""
+        unit = self._flatshard_unit
+        unit.unshard(async_op=async_op)
+        return _UnshardHandle(unit) if async_op else None
+
+    def reshard(self) -> None:
+        """Free this unit's unsharded parameters."""
+        self._flatshard_unit.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
+        """False: keep accumulating unsharded gradients locally, with no communication."""
+        for unit in self._units(recurse):
+            unit.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):
+        for unit in self._units(recurse):
+            unit.reshard_after_backward = reshard_after_backward
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True):
+        for unit in self._units(recurse):
+            unit.reshard_after_forward = reshard_after_forward
+
+    def set_modules_to_forward_prefetch(self, modules: list[FlatShardModule]) -> None:
+        self._flatshard_unit.forward_prefetch = [_require_unit(m) for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list[FlatShardModule]) -> None:
+        self._flatshard_unit.backward_prefetch = [_require_unit(m) for m in modules]
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide summed gradients by `factor` instead of the data-parallel world size."""
+        if factor <= 0:
+            raise WrappingError(f"gradient divide factor must be positive, got {factor}")
+        for unit in self._units(recurse=True):
+            unit.gradient_divide_factor = float(factor)
+
+    def _units(self, recurse: bool) -> list[Unit]:
+        if not recurse:
+            return [self._flatshard_unit]
+        return [m._flatshard_unit for m in self.modules() if isinstance(m, FlatShardModule)]
+
+    def _apply(self, fn, recurse=True):
+        # `to_empty()`, `.to()` etc. must not replace the sharded parameters: they are views
+        # of flat buffers. Hide them while the conversion runs over everything else.
+        unit = self._flatshard_unit
+        hidden = []
+        for param in unit.params:
+            for module, name in param.occurrences:
+                hidden.append((module, name, module._parameters.pop(name)))
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            for module, name, value in reversed(hidden):
+                module._parameters[name] = value
+
+
+class _UnshardHandle:
+    def __init__(self, unit: Unit):
+        self._unit = unit
+
+    def wait(self) -> None:
+        self._unit.wait_unshard()
+
+
+def _require_unit(module) -> Unit:
+    if not isinstance(module, FlatShardModule):
+        raise WrappingError(f"{type(module).__name__} is not fully_shard-ed; prefetch needs units")
+    return module._flatshard_unit
+
+
+_CLASS_CACHE: dict[type, type] = {}
+
+
+def _wrapped_class(cls: type) -> type:
+    if cls not in _CLASS_CACHE:
+        _CLASS_CACHE[cls] = type(f"FlatShard{cls.__name__}", (FlatShardModule, cls), {})
+    return _CLASS_CACHE[cls]
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    zero_stage: int | None = None,
+) -> nn.Module:
+    """Shard `module`'s parameters (those not already managed by an inner `fully_shard`).
+
+    reshard_after_forward: True (default) is ZeRO-3, False is ZeRO-2.
+    zero_stage: 1, 2 or 3, the same choice by name; 1 also keeps gradients unsharded
+        between optimizer steps (only the optimizer state and main weights are sharded).
+    mp_policy: mixed precision, as in FSDP2 (param_dtype, reduce_dtype, output_dtype).
+    Returns `module`, whose class now also derives from `FlatShardModule`.
+    """
+    if isinstance(module, FlatShardModule):
+        raise WrappingError(
+            f"{type(module).__name__} is already fully_shard-ed; call fully_shard once per "
+            "module (inner blocks first, then the root)"
+        )
+    stage = resolve_zero_stage(zero_stage, reshard_after_forward)
+    policy = as_mixed_precision(mp_policy)
+    mesh = mesh if mesh is not None else _default_mesh()
+    if mesh.ndim != 1:
+        raise MeshError(
+            f"fully_shard takes a 1-D data-parallel mesh for now; got a {mesh.ndim}-D mesh "
+            f"{mesh.mesh_dim_names or ''}. Pass the data-parallel dimension, e.g. mesh['dp']."
+        )
+    install_redistribute_override()
+    optim_hooks.install()
+
+    found = _collect_params(module)
+    problem = _check_params(found, mesh)
+    comm.agree(problem, dist.group.WORLD if dist.is_initialized() else None, WrappingError)
+
+    rank, world_size = mesh.get_local_rank(), mesh.size()
+    device = comm.compute_device(mesh.device_type)
+    infos = [
+        ParamInfo(fqn, tuple(p.shape), p.dtype, p.requires_grad) for fqn, p, _ in found
+    ]
+    layout = plan_unit_layout(infos, world_size)
+    if found and layout.empty_ranks():
+        # Legal (e.g. 8 experts over 64 ranks) but wasteful: say so, with the fix.
+        warnings.warn(
+            f"fully_shard({type(module).__name__}): at world size {world_size}, ranks "
+            f"{_ranges(layout.empty_ranks())} hold none of its {layout.used_size} parameter "
+            f"elements (padding {100 * layout.padding_fraction:.1f}%). Wrap a larger module "
+            "or use fewer data-parallel ranks.",
+            stacklevel=2,
+        )
+    buckets = [
+        FlatBucket(
+            bucket_layout,
+            rank,
+            mesh.get_group(),
+            device,
+            main_dtype=bucket_layout.dtype,
+            param_dtype=policy.param_dtype or bucket_layout.dtype,
+            reduce_dtype=policy.reduce_dtype or policy.param_dtype or bucket_layout.dtype,
+        )
+        for bucket_layout in layout.buckets
+    ]
+    managed = []
+    for position, (fqn, original, occurrences) in enumerate(found):
+        bucket_index, slot = layout.locate(position)
+        bucket = buckets[bucket_index]
+        index = bucket.layout.slots.index(slot)
+        rows = bucket.main_rows(index)
+        piece = bucket.pieces[index]
+        if not original.is_meta:
+            with torch.no_grad():
+                rows.copy_(original.detach()[piece.row_start : piece.row_end])
+        sharded = nn.Parameter(
+            make_row_sharded_dtensor(
+                rows, mesh, slot.info.shape, bucket.layout.row_bounds(slot), rank
+            ),
+            requires_grad=original.requires_grad,
+        )
+        managed.append(ManagedParam(fqn, occurrences, bucket_index, index, sharded))
+        _retire(original, sharded)
+
+    unit = Unit(module, mesh, layout, buckets, managed, stage, policy)
+    for param in managed:
+        param.sharded._flatshard_param = (unit, param)
+        for owner, name in param.occurrences:
+            owner._parameters[name] = param.sharded
+    module._flatshard_unit = unit
+    module.__class__ = _wrapped_class(type(module))
+    module.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
+    module.register_forward_hook(unit.post_forward)
+    return module
+
+
+def _ranges(ranks) -> str:
+    ranks = list(ranks)
+    return f"{ranks[0]}..{ranks[-1]}" if len(ranks) > 3 else str(ranks)
+
+
+def _default_mesh() -> DeviceMesh:
+    if not dist.is_initialized():
+        raise MeshError(
+            "torch.distributed is not initialised: call dist.init_process_group() (torchrun "
+            "sets the environment) or pass mesh=init_device_mesh(...)"
+        )
+    return init_device_mesh(comm.default_device_type(), (dist.get_world_size(),))
+
+
+def _collect_params(root: nn.Module):
+    """[(fqn, param, [(module, attr), ...])] for the params this unit manages: every param
+    below `root` that no inner unit manages, tied params once with all their places."""
+    found: dict[int, tuple[str, nn.Parameter, list]] = {}
+    stack = [("", root)]
+    while stack:
+        prefix, module = stack.pop()
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            fqn = prefix + name
+            if hasattr(param, "_flatshard_param"):
+                owner = param._flatshard_param[0]
+                raise WrappingError(
+                    f"parameter {fqn!r} is shared with a parameter that the fully_shard unit "
+                    f"of {type(owner.module).__name__} already manages (tied weights). "
+                    "Tied parameters must live in one unit: do not fully_shard the "
+                    "submodule holding one of them on its own."
+                )
+            if id(param) in found:
+                found[id(param)][2].append((module, name))
+            else:
+                found[id(param)] = (fqn, param, [(module, name)])
+        children = [
+            (f"{prefix}{name}.", child)
+            for name, child in module._modules.items()
+            if child is not None and not isinstance(child, FlatShardModule)
+        ]
+        stack.extend(reversed(children))
+    return list(found.values())
+
+
+def _check_params(found, mesh: DeviceMesh) -> str | None:
+    if mesh.get_coordinate() is None:
+        return (
+            f"rank {dist.get_rank()} is not in the device mesh {mesh}; every rank that calls "
+            "fully_shard must belong to the mesh"
+        )
+    devices = {p.device for _, p, _ in found if not p.is_meta}
+    if len(devices) > 1:
+        return (
+            f"one unit mixes parameters on devices {sorted(map(str, devices))}; move the "
+            "module to one device (or the meta device) before fully_shard"
+        )
+    for fqn, param, _ in found:
+        if not torch.is_floating_point(param):
+            return f"parameter {fqn!r} has dtype {param.dtype}; only floating-point parameters shard"
+        if param.dim() == 0:
+            return f"parameter {fqn!r} is 0-dimensional; make it shape (1,) to shard it"
+        if isinstance(param, torch.distributed.tensor.DTensor):
+            return f"parameter {fqn!r} is already a DTensor; tensor parallel + fully_shard is not supported yet"
+    return None
+
+
+def _retire(original: nn.Parameter, replacement: nn.Parameter) -> None:
+    """Free the unsharded original and mark it, so an optimizer built on it is caught."""
+    original._flatshard_replaced_by = replacement
+    if not original.is_meta:
+        original.data = torch.empty(0, dtype=original.dtype, device=original.device)

@@ -1,0 +1,84 @@
+"""Backends and devices: the one place that knows gloo from NCCL and CPU from CUDA.
+
+Collectives move whole flat buckets with `all_gather_single` / `reduce_scatter_single`.
+They are issued with `async_op=True`; on CUDA, NCCL runs them on its own stream and
+`Work.wait()` makes the current stream wait, so compute on the current stream overlaps
+them. On CPU, gloo runs them on its own threads and `wait()` blocks the caller.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from flatshard.errors import FlatShardError
+
+
+def default_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def compute_device(device_type: str) -> torch.device:
+    """Where unsharded parameters and buffers live for a mesh on `device_type`."""
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)
+
+
+def supports_premul_sum(group: dist.ProcessGroup) -> bool:
+    # gloo rejects PREMUL_SUM; NCCL has it.
+    return dist.get_backend(group) == "nccl"
+
+
+def free_storage(tensor: torch.Tensor) -> None:
+    """Release a buffer's memory while views of it (saved for backward) stay valid objects."""
+    storage = tensor.untyped_storage()
+    if storage.size() != 0:
+        storage.resize_(0)
+
+
+def alloc_storage(tensor: torch.Tensor) -> None:
+    """Give a buffer freed by `free_storage` its memory back (contents undefined)."""
+    storage = tensor.untyped_storage()
+    needed = tensor.numel() * tensor.element_size()
+    if storage.size() != needed:
+        storage.resize_(needed)
+
+
+def has_storage(tensor: torch.Tensor) -> bool:
+    return tensor.untyped_storage().size() != 0
+
+
+def all_gather(output: torch.Tensor, shard: torch.Tensor, group) -> dist.Work | None:
+    """Start gathering every rank's equal `shard` into the flat `output`."""
+    return dist.all_gather_single(output, shard, group=group, async_op=True)
+
+
+def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, group, average: bool):
+    """Start summing (or averaging) `flat` over ranks, leaving this rank's shard in `output`."""
+    op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+    return dist.reduce_scatter_single(output, flat, op=op, group=group, async_op=True)
+
+
+def all_reduce_max(values: torch.Tensor, group) -> torch.Tensor:
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return values
+
+
+def agree(local_problem: str | None, group, error_type: type[FlatShardError]) -> None:
+    """Raise on every rank if any rank found a problem, so no rank waits alone in a collective.
+
+    Costs one small all-reduce; used only at set-up, never per step.
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        if local_problem:
+            raise error_type(local_problem)
+        return
+    flag = torch.tensor([1 if local_problem else 0], dtype=torch.int32)
+    all_reduce_max(flag, group)
+    if not flag.item():
+        return
+    problems: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(problems, local_problem, group=group)
+    found = [f"rank {rank}: {text}" for rank, text in enumerate(problems) if text]
+    raise error_type("; ".join(found))

@@ -1,0 +1,25 @@
+"""Errors a user can cause. Each message says what was wrong and how to fix it."""
+
+
+class FlatShardError(Exception):
+    """Base class of every error flatshard raises for bad input."""
+
+
+class WrappingError(FlatShardError):
+    """`fully_shard` was called on a module it cannot wrap as asked."""
+
+
+class MeshError(FlatShardError):
+    """The device mesh does not fit this process or this use."""
+
+
+class LayoutError(FlatShardError):
+    """The parameters cannot be laid out in row-aligned, equal shards as asked."""
+
+
+class UnevenShardError(FlatShardError):
+    """A DTensor operation that cannot be made correct on flatshard's uneven row shards."""
+
+
+class OptimizerOrderError(FlatShardError):
+    """An optimizer was built on parameters before they were sharded."""

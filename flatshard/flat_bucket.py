@@ -1,0 +1,113 @@
+"""Storage of one bucket: sharded main weights, the unsharded compute copy, gradients.
+
+Every offset comes from the bucket's `BucketLayout`; this file only allocates, views and
+moves whole flat buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flatshard import comm
+from flatshard.layout import BucketLayout
+
+
+class FlatBucket:
+    def __init__(
+        self,
+        layout: BucketLayout,
+        rank: int,
+        group,
+        device: torch.device,
+        main_dtype: torch.dtype,
+        param_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+    ):
+        self.layout = layout
+        self.rank = rank
+        self.group = group
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
+        self.pieces = [layout.local_piece(slot, rank) for slot in layout.slots]
+        # Padding stays zero: it is all-gathered but never read.
+        self.main = torch.zeros(layout.shard_size, dtype=main_dtype, device=device)
+        self.unsharded = torch.empty(layout.padded_size, dtype=param_dtype, device=device)
+        comm.free_storage(self.unsharded)
+        self.unsharded_grad: torch.Tensor | None = None
+        self.sharded_grad: torch.Tensor | None = None
+        self._gather_input: torch.Tensor | None = None
+        self._version = 0
+
+    # --- views -------------------------------------------------------------------------
+    def main_rows(self, index: int) -> torch.Tensor:
+        """This rank's rows of the index-th param, a view of the main-weight shard."""
+        return self._piece_view(self.main, index)
+
+    def grad_rows(self, grad_shard: torch.Tensor, index: int) -> torch.Tensor:
+        return self._piece_view(grad_shard, index)
+
+    def _piece_view(self, shard: torch.Tensor, index: int) -> torch.Tensor:
+        piece, slot = self.pieces[index], self.layout.slots[index]
+        rows = piece.row_end - piece.row_start
+        flat = shard[piece.shard_offset : piece.shard_offset + piece.numel]
+        return flat.view(rows, *slot.info.shape[1:]) if slot.info.shape else flat.view(())
+
+    def unsharded_view(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
+        slot = self.layout.slots[index]
+        return buffer[slot.offset : slot.offset + slot.numel].view(slot.info.shape)
+
+    # --- all-gather ----------------------------------------------------------------------
+    def start_all_gather(self):
+        comm.alloc_storage(self.unsharded)
+        source = self.main
+        if self.param_dtype != self.main.dtype:
+            source = self.main.to(self.param_dtype)
+        self._gather_input = source  # alive until the collective is waited on
+        self._version = self.unsharded._version
+        return comm.all_gather(self.unsharded, source, self.group)
+
+    def finish_all_gather(self, work) -> None:
+        work.wait()
+        # Views of this buffer saved for backward must not see a version bump from a
+        # re-gather of the same values; gloo bumps it when the collective completes.
+        torch._C._autograd._unsafe_set_version_counter((self.unsharded,), (self._version,))
+        self._gather_input = None
+
+    def free_unsharded(self) -> None:
+        comm.free_storage(self.unsharded)
+
+    # --- gradients -----------------------------------------------------------------------
+    def zeroed_unsharded_grad(self) -> torch.Tensor:
+        if self.unsharded_grad is None:
+            self.unsharded_grad = torch.zeros(
+                self.layout.padded_size, dtype=self.param_dtype, device=self.main.device
+            )
+        return self.unsharded_grad
+
+    def start_reduce_scatter(self, divide_factor: float, world_size: int):
+        """Reduce the unsharded gradient; returns (work, output shard, post-scale)."""
+        flat = self.unsharded_grad
+        if flat.dtype != self.reduce_dtype:
+            flat = flat.to(self.reduce_dtype)
+        output = torch.empty(self.layout.shard_size, dtype=self.reduce_dtype, device=flat.device)
+        average = divide_factor == world_size
+        if not average and flat.dtype == torch.float32:
+            post_scale = 1.0 / divide_factor
+        else:
+            post_scale = None
+            if not average:
+                # Low-precision sums can overflow: scale before reducing.
+                flat = flat * (1.0 / divide_factor) if flat is self.unsharded_grad else flat.mul_(
+                    1.0 / divide_factor
+                )
+        work = comm.reduce_scatter(output, flat, self.group, average=average)
+        return work, output, flat, post_scale
+
+    def accumulate_sharded_grad(self, reduced: torch.Tensor) -> torch.Tensor:
+        """Add a reduced gradient shard into this bucket's sharded gradient; return it."""
+        reduced = reduced.to(self.main.dtype)
+        if self.sharded_grad is None:
+            self.sharded_grad = reduced
+        else:
+            self.sharded_grad.add_(reduced)
+        return self.sharded_grad

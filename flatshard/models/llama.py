@@ -1,0 +1,277 @@
+"""A Llama-style decoder used as flatshard's reference model.
+
+The module and parameter names are the checkpoint keys, so keep them stable. The layout
+follows Hugging Face's Llama/Qwen2/Qwen3 closely enough that their weights load by a
+name mapping alone: RoPE uses the rotate-half convention (no permutation of q/k rows),
+and the only structural difference is that gate_proj and up_proj are fused into one
+`gate_up_proj` whose weight is [gate; up] stacked along dim 0.
+
+Initialisation contract (the meta-device materialisation relies on it): every random
+draw happens inside a leaf module's own `reset_parameters()`, which its constructor
+calls, in construction order, and construction order equals `modules()` order. Nothing
+else touches the RNG, and weight tying happens only after every submodule exists. So
+building on the meta device, allocating each module's tensors and calling
+`reset_parameters()` in `modules()` order reproduces an eager construction exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# GPT-style init scale. nn.Embedding's default N(0, 1) would give huge logits once the
+# embedding is tied to lm_head, so every weight matrix uses the same small normal init.
+INIT_STD = 0.02
+
+
+@dataclass(kw_only=True)
+class LlamaConfig:
+    """Sizes and options of a Llama-style decoder.
+
+    `n_kv_heads` defaults to `n_heads` (plain multi-head attention) and `head_dim` to
+    `dim // n_heads`; both are filled in by `__post_init__`, so after construction they
+    are always ints.
+    """
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    ffn_dim: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    qk_norm: bool = False
+    attention_bias: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "max_seq_len"):
+            _check_positive_int(name, getattr(self, name))
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        _check_positive_int("n_kv_heads", self.n_kv_heads)
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(
+                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads "
+                f"({self.n_kv_heads}): each kv head serves a whole group of query heads"
+            )
+        if self.head_dim is None:
+            if self.dim % self.n_heads != 0:
+                raise ValueError(
+                    f"dim ({self.dim}) is not divisible by n_heads ({self.n_heads}); "
+                    "set head_dim explicitly"
+                )
+            self.head_dim = self.dim // self.n_heads
+        _check_positive_int("head_dim", self.head_dim)
+        if self.head_dim % 2 != 0:
+            raise ValueError(
+                f"head_dim ({self.head_dim}) must be even: RoPE rotates pairs of halves"
+            )
+        if not self.norm_eps > 0:
+            raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+
+    @classmethod
+    def tiny(cls, **overrides) -> LlamaConfig:
+        """A model small enough for unit tests.
+
+        Row counts are deliberately mixed (vocab 61 is prime, gate_up has 90 rows, q has
+        32, k/v 16) so that sharding tests meet rows that do not split evenly.
+        """
+        # head_dim is left out so that it follows dim and n_heads when those are overridden.
+        defaults = dict(
+            vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=45, max_seq_len=64
+        )
+        return cls(**{**defaults, **overrides})
+
+    def num_params(self) -> int:
+        """Number of distinct parameters of `Llama(self)` (a tied lm_head counts once)."""
+        hd, h, kv, d = self.head_dim, self.n_heads, self.n_kv_heads, self.dim
+        attn = d * h * hd + 2 * d * kv * hd + h * hd * d
+        if self.attention_bias:
+            attn += h * hd + 2 * kv * hd
+        if self.qk_norm:
+            attn += 2 * hd
+        mlp = d * 2 * self.ffn_dim + self.ffn_dim * d
+        block = attn + mlp + 2 * d  # two RMSNorm weights
+        total = self.vocab_size * d + self.n_layers * block + d
+        if not self.tie_embeddings:
+            total += self.vocab_size * d
+        return total
+
+
+def _check_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+class Linear(nn.Linear):
+    """nn.Linear with a GPT-style init: weight ~ N(0, INIT_STD), bias zero."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=INIT_STD)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding with weight ~ N(0, INIT_STD) (no padding row in this model)."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=INIT_STD)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dim, computed in float32 like HF."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 for accuracy under bf16, cast back, then scale: the same
+        # order of operations as HF, so fp32 results agree to rounding.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def rope_cos_sin(
+    seq_len: int, head_dim: int, theta: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [seq_len, head_dim] for rotate-half RoPE.
+
+    Computed on the fly from positions rather than stored in a buffer: it is cheap, and
+    it leaves nothing to re-create when the model was built on the meta device.
+    """
+    inv_freq = 1.0 / theta ** (
+        torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+    )
+    freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    # Frequencies repeat over the two halves (not interleaved), matching HF's layout.
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, H, T, D] by position; cos/sin [T, D] broadcast over batch and heads."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with RoPE (and optional Qwen-style extras)."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        bias = cfg.attention_bias  # Qwen2: bias on q, k, v only, never on o
+        self.q_proj = Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=bias)
+        self.k_proj = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        # Qwen3: per-head RMSNorm on q and k, shared across heads, applied before RoPE.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # -> [B, heads, T, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.n_kv_heads != self.n_heads:
+            # Query head i reads kv head i // group. Repeating explicitly rather than
+            # passing enable_gqa=True keeps every SDPA backend eligible (on CUDA the
+            # memory-efficient kernel does not take enable_gqa and would fall back to math).
+            group = self.n_heads // self.n_kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), with gate and up fused."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        # One matmul instead of two; its weight is [gate; up] along dim 0, gate first.
+        self.gate_up_proj = Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)
+        # Declares how the fused weight splits into the unfused checkpoint tensors:
+        # {param name: ((component name, rows), ...)} in dim-0 order. Component names are
+        # relative to the parent MLP module (HF's `mlp.gate_proj.weight`, ...).
+        self.gate_up_proj.fused_components = {
+            "weight": (("gate_proj.weight", cfg.ffn_dim), ("up_proj.weight", cfg.ffn_dim)),
+        }
+        self.down_proj = Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then h + mlp(norm(h))."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attn(self.attn_norm(x), cos, sin)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class Llama(nn.Module):
+    """Decoder-only language model: tokens [B, T] -> logits [B, T, vocab_size]."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        # Submodules are assigned in the order they are built: modules() order must equal
+        # construction (and so RNG) order for meta-device replay to match.
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        # lm_head draws its own (discarded) init even when tied, so the RNG stream is the
+        # same with tying on or off, and replay can re-run it on a throwaway copy.
+        self.lm_head = Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            # Only after every submodule exists: tying is not part of any reset.
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        _, t = tokens.shape
+        if t > self.config.max_seq_len:
+            raise ValueError(f"sequence length {t} exceeds max_seq_len ({self.config.max_seq_len})")
+        cos, sin = rope_cos_sin(t, self.config.head_dim, self.config.rope_theta, tokens.device)
+        h = self.embed_tokens(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.lm_head(self.norm(h))
