@@ -1,6 +1,7 @@
 """flatshard: fully sharded data parallel training on flat, row-aligned buffers."""
 
 from flatshard.api import FlatShardModule, fully_shard
+from flatshard.materialize import materialize
 from flatshard.errors import (
     FlatShardError,
     LayoutError,
@@ -21,4 +22,5 @@ __all__ = [
     "UnevenShardError",
     "WrappingError",
     "fully_shard",
+    "materialize",
 ]

@@ -1,0 +1,79 @@
+"""Initialise a model that was built on the meta device and then `fully_shard`-ed.
+
+Eager construction initialises each leaf module in construction order through its
+`reset_parameters()`. Replaying exactly that, one module at a time at full size, and
+keeping only this rank's rows gives bitwise the eager weights for the same seed, at any
+world size, while peak memory stays at the sharded model plus one module's parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from flatshard import comm
+from flatshard.errors import WrappingError
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: torch.device | str | None = None) -> nn.Module:
+    """Give every meta parameter and buffer real values by replaying `reset_parameters()`
+    over `model.modules()` (the order eager construction runs them).
+
+    Tied parameters are initialised by their first module; a later module that shares one
+    runs its `reset_parameters()` on a throwaway copy, as eager construction did before
+    tying. Call it on every rank with the same RNG seed.
+    """
+    device = torch.device(device) if device is not None else _default_device()
+    done: set[int] = set()
+    for module in model.modules():
+        pending = _swap_in_full_tensors(module, device, done)
+        meta_buffers = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
+        for name in meta_buffers:
+            module._buffers[name] = torch.empty_like(module._buffers[name], device=device)
+        if not pending and not meta_buffers:
+            continue
+        reset = getattr(module, "reset_parameters", None)
+        if reset is None:
+            raise WrappingError(
+                f"{type(module).__name__} has meta-device parameters or buffers but no "
+                "reset_parameters(); give it one so it can be initialised after sharding"
+            )
+        reset()
+        for name, (original, full, first) in pending.items():
+            _keep_rows(module, name, original, full, first)
+            done.add(id(original))
+    return model
+
+
+def _default_device() -> torch.device:
+    return comm.compute_device(comm.default_device_type())
+
+
+def _swap_in_full_tensors(module: nn.Module, device, done: set[int]) -> dict:
+    pending = {}
+    for name, param in list(module._parameters.items()):
+        if param is None or not (hasattr(param, "_flatshard_param") or param.is_meta):
+            continue
+        full = torch.empty(param.shape, dtype=param.dtype, device=device)
+        pending[name] = (param, full, id(param) not in done)
+        module._parameters[name] = nn.Parameter(full, requires_grad=param.requires_grad)
+    return pending
+
+
+def _keep_rows(module: nn.Module, name: str, original, full: torch.Tensor, first: bool) -> None:
+    if not hasattr(original, "_flatshard_param"):
+        # not sharded: the full tensor becomes the parameter (or is dropped if tied)
+        if not first:
+            module._parameters[name] = original
+        else:
+            original.data = full
+            module._parameters[name] = original
+        return
+    if first:
+        unit, managed = original._flatshard_param
+        bucket = unit.buckets[managed.bucket]
+        piece = bucket.pieces[managed.index]
+        bucket.main_rows(managed.index).copy_(full[piece.row_start : piece.row_end])
+        unit.mark_stale()
+    module._parameters[name] = original

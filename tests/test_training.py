@@ -1,0 +1,110 @@
+"""Sharded training equals single-process training (fp32): losses and final weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_distributed, world_sizes
+from reference import (
+    GLOBAL_BATCH,
+    batches,
+    build_model,
+    config,
+    full_state,
+    rel_diff,
+    rel_losses,
+    shard,
+    train,
+)
+
+import flatshard
+
+TOLERANCE = 1e-6
+STEPS = 5
+
+
+def _compare(zero_stage, microbatches=1, sync_last_only=False, cfg_overrides=None, freeze=None,
+             make_optimizer=None, meta_init=False):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = config(**(cfg_overrides or {}))
+    data = batches(cfg, STEPS, batch=GLOBAL_BATCH * microbatches)
+    extra = {} if make_optimizer is None else {"make_optimizer": make_optimizer}
+
+    reference = build_model(cfg)
+    if freeze:
+        reference.get_parameter(freeze).requires_grad_(False)
+    ref_losses = train(reference, data, microbatches=microbatches, **extra)
+
+    if meta_init:
+        with torch.device("meta"):
+            model = Llama_on_meta(cfg)
+    else:
+        model = build_model(cfg)
+    if freeze:
+        model.get_parameter(freeze).requires_grad_(False)
+    shard(model, zero_stage)
+    if meta_init:
+        torch.manual_seed(0)
+        flatshard.materialize(model)
+    losses = train(model, data, rank=rank, world=world, microbatches=microbatches,
+                   sync_last_only=sync_last_only, **extra)
+    return rel_losses(losses, ref_losses), rel_diff(full_state(model), reference.state_dict())
+
+
+def Llama_on_meta(cfg):
+    from flatshard.models import Llama
+
+    return Llama(cfg)
+
+
+def _check(results):
+    for loss_error, weight_error in results:
+        assert loss_error <= TOLERANCE, results
+        assert weight_error <= TOLERANCE, results
+
+
+@world_sizes
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+def test_matches_single_process(world_size, zero_stage):
+    _check(run_distributed(_compare, world_size, zero_stage))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+@pytest.mark.parametrize("sync_last_only", [False, True])
+def test_gradient_accumulation(world_size, zero_stage, sync_last_only):
+    _check(run_distributed(_compare, world_size, zero_stage, microbatches=4,
+                           sync_last_only=sync_last_only))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_tied_embeddings(world_size, zero_stage):
+    _check(run_distributed(_compare, world_size, zero_stage,
+                           cfg_overrides={"tie_embeddings": True}))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_frozen_embedding(world_size, zero_stage):
+    _check(run_distributed(_compare, world_size, zero_stage, freeze="embed_tokens.weight"))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_meta_device_init(world_size):
+    _check(run_distributed(_compare, world_size, 3, meta_init=True,
+                           cfg_overrides={"tie_embeddings": True}))
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def _adam(params):
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+@pytest.mark.parametrize("make_optimizer", [_sgd, _adam])
+def test_other_optimizers(make_optimizer):
+    _check(run_distributed(_compare, 3, 3, make_optimizer=make_optimizer))
