@@ -227,8 +227,9 @@ def _collect_params(root: nn.Module):
             if param is None:
                 continue
             fqn = prefix + name
-            if hasattr(param, "_flatshard_param"):
-                owner = param._flatshard_param[0]
+            managed = getattr(param, "_flatshard_replaced_by", param)
+            if hasattr(managed, "_flatshard_param"):
+                owner = managed._flatshard_param[0]
                 raise WrappingError(
                     f"parameter {fqn!r} is shared with a parameter that the fully_shard unit "
                     f"of {type(owner.module).__name__} already manages (tied weights). "

@@ -37,6 +37,7 @@ class FlatBucket:
         self.sharded_grad: torch.Tensor | None = None
         self._gather_input: torch.Tensor | None = None
         self._version = 0
+        self._unsynced: torch.Tensor | None = None
 
     # --- views -------------------------------------------------------------------------
     def main_rows(self, index: int) -> torch.Tensor:
@@ -84,10 +85,23 @@ class FlatBucket:
             )
         return self.unsharded_grad
 
+    def hold_unsynced_grad(self) -> None:
+        """Keep this microbatch's gradient for a later sync. Low-precision gradients are
+        summed in the reduce dtype (as FSDP2 does), not in place in param_dtype."""
+        if self.reduce_dtype == self.param_dtype:
+            return  # the next backward accumulates in place
+        if self._unsynced is None:
+            self._unsynced = self.unsharded_grad.to(self.reduce_dtype)
+        else:
+            self._unsynced.add_(self.unsharded_grad)
+        self.unsharded_grad.zero_()
+
     def start_reduce_scatter(self, divide_factor: float, world_size: int):
-        """Reduce the unsharded gradient; returns (work, output shard, post-scale)."""
+        """Reduce the unsharded gradient; returns (work, output, input, post-scale)."""
         flat = self.unsharded_grad
-        if flat.dtype != self.reduce_dtype:
+        if self._unsynced is not None:
+            flat, self._unsynced = self._unsynced.add_(flat), None
+        elif flat.dtype != self.reduce_dtype:
             flat = flat.to(self.reduce_dtype)
         output = torch.empty(self.layout.shard_size, dtype=self.reduce_dtype, device=flat.device)
         average = divide_factor == world_size
@@ -97,9 +111,7 @@ class FlatBucket:
             post_scale = None
             if not average:
                 # Low-precision sums can overflow: scale before reducing.
-                flat = flat * (1.0 / divide_factor) if flat is self.unsharded_grad else flat.mul_(
-                    1.0 / divide_factor
-                )
+                flat.mul_(1.0 / divide_factor)  # consumed by this reduce: scale in place
         work = comm.reduce_scatter(output, flat, self.group, average=average)
         return work, output, flat, post_scale
 

@@ -241,6 +241,9 @@ class Unit:
             # resharded at the end of backward instead.
             self.reshard()
         if not self.requires_gradient_sync:
+            for bucket in self.buckets:
+                if bucket.layout.requires_grad:
+                    bucket.hold_unsynced_grad()
             self._holds_unsynced_grads = True
             return
         context = self.context

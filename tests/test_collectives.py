@@ -1,0 +1,113 @@
+"""Communication per ZeRO-3 step: one all-gather per bucket in forward, one per bucket in
+backward (the model root keeps its parameters through backward, as in FSDP2), one
+reduce-scatter per trainable bucket, nothing else; bytes equal the layout's padded sizes."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_distributed
+from reference import adamw, batches, build_model, config, lm_loss, rank_slice, shard
+
+COUNTED = [
+    "all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
+    "reduce_scatter_tensor", "all_reduce", "all_gather", "reduce_scatter", "broadcast",
+    "all_to_all_single", "all_gather_object", "barrier", "send", "recv",
+]
+
+
+class CollectiveCounter:
+    def __init__(self):
+        self.calls = collections.Counter()
+        self.bytes = collections.Counter()
+        self.phase = "idle"
+        self._originals = {}
+
+    def __enter__(self):
+        for name in COUNTED:
+            original = getattr(dist, name)
+            self._originals[name] = original
+
+            def counted(*args, _name=name, _original=original, **kwargs):
+                key = (self.phase, _name)
+                self.calls[key] += 1
+                if _name in ("all_gather_single", "reduce_scatter_single"):
+                    big = args[0] if _name == "all_gather_single" else args[1]
+                    self.bytes[key] += big.numel() * big.element_size()
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+
+
+def _count_one_step(param_dtype):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = config()
+    policy = None
+    if param_dtype is not None:
+        from flatshard import MixedPrecisionPolicy
+
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    model = shard(build_model(cfg), 3, mp_policy=policy)
+    optimizer = adamw(model.parameters())
+    data = batches(cfg, 2)
+    for step, tokens in enumerate(data):
+        counter = CollectiveCounter() if step == 1 else None  # step 0 records the order
+        with counter or _null():
+            if counter:
+                counter.phase = "forward"
+            loss = lm_loss(model, rank_slice(tokens, rank, world))
+            if counter:
+                counter.phase = "backward"
+            loss.backward()
+            if counter:
+                counter.phase = "optimizer"
+            optimizer.step()
+            optimizer.zero_grad()
+    units = [m._flatshard_unit for m in model.modules() if hasattr(m, "_flatshard_unit")]
+    root = model._flatshard_unit
+    element = 2 if param_dtype == torch.bfloat16 else 4
+    expected_calls = {
+        ("forward", "all_gather_single"): sum(len(u.buckets) for u in units),
+        ("backward", "all_gather_single"): sum(len(u.buckets) for u in units if u is not root),
+        ("backward", "reduce_scatter_single"): sum(
+            b.layout.requires_grad for u in units for b in u.buckets
+        ),
+    }
+    expected_bytes = {
+        ("forward", "all_gather_single"): element * sum(
+            b.layout.padded_size for u in units for b in u.buckets
+        ),
+        ("backward", "all_gather_single"): element * sum(
+            b.layout.padded_size for u in units if u is not root for b in u.buckets
+        ),
+        ("backward", "reduce_scatter_single"): 4 * sum(
+            b.layout.padded_size for u in units for b in u.buckets if b.layout.requires_grad
+        ),
+    }
+    return dict(counter.calls), dict(counter.bytes), expected_calls, expected_bytes
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16])
+def test_zero3_collectives_per_step(world_size, param_dtype):
+    for calls, sizes, expected_calls, expected_bytes in run_distributed(
+        _count_one_step, world_size, param_dtype
+    ):
+        assert calls == expected_calls
+        assert sizes == expected_bytes

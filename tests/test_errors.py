@@ -1,0 +1,116 @@
+"""Bad input gets a clear error on every rank, never a hang."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from distributed import run_distributed
+from reference import batches, build_model, config, lm_loss, rank_slice
+from torch.distributed.device_mesh import DeviceMesh
+
+import flatshard
+
+
+def _outcome(fn):
+    try:
+        fn()
+        return "ok", ""
+    except flatshard.FlatShardError as error:
+        return type(error).__name__, str(error)
+
+
+def _wrap_twice():
+    model = build_model(config())
+    flatshard.fully_shard(model)
+    return _outcome(lambda: flatshard.fully_shard(model))
+
+
+def test_wrapping_twice():
+    for kind, message in run_distributed(_wrap_twice, 2):
+        assert kind == "WrappingError" and "already fully_shard-ed" in message
+
+
+def _mesh_without_rank_1():
+    # Only rank 1 can see the problem; every rank must still raise (agreed first).
+    mesh = DeviceMesh("cpu", [0], _init_backend=False) if dist.get_rank() == 1 else None
+    if mesh is None:
+        mesh = DeviceMesh("cpu", [0, 1])
+    return _outcome(lambda: flatshard.fully_shard(nn.Linear(4, 4), mesh=mesh))
+
+
+def test_mesh_that_does_not_contain_this_rank():
+    results = run_distributed(_mesh_without_rank_1, 2, timeout=60)
+    for kind, message in results:
+        assert kind == "WrappingError" and "rank 1: rank 1 is not in the device mesh" in message
+
+
+def _integer_parameter():
+    module = nn.Linear(4, 4)
+    module.steps = nn.Parameter(torch.zeros(3, dtype=torch.long), requires_grad=False)
+    return _outcome(lambda: flatshard.fully_shard(module))
+
+
+def test_non_floating_parameter():
+    for kind, message in run_distributed(_integer_parameter, 2):
+        assert kind == "WrappingError" and "'steps'" in message and "torch.int64" in message
+
+
+def _optimizer_before_wrapping():
+    cfg = config()
+    model = build_model(cfg)
+    optimizer = torch.optim.AdamW(model.parameters())
+    flatshard.fully_shard(model)
+    lm_loss(model, rank_slice(batches(cfg, 1)[0], dist.get_rank(), dist.get_world_size())).backward()
+    return _outcome(optimizer.step)
+
+
+def test_optimizer_built_before_wrapping():
+    for kind, message in run_distributed(_optimizer_before_wrapping, 2):
+        assert kind == "OptimizerOrderError" and "Build the optimizer after fully_shard" in message
+
+
+def _tied_across_units():
+    model = build_model(config(tie_embeddings=True))
+    flatshard.fully_shard(model.embed_tokens)
+    return _outcome(lambda: flatshard.fully_shard(model))
+
+
+def test_tied_weights_split_across_units():
+    for kind, message in run_distributed(_tied_across_units, 2):
+        assert kind == "WrappingError" and "'lm_head.weight'" in message and "one unit" in message
+
+
+def _conflicting_stage():
+    return _outcome(
+        lambda: flatshard.fully_shard(nn.Linear(4, 4), zero_stage=3, reshard_after_forward=False)
+    )
+
+
+def test_conflicting_zero_stage():
+    for kind, message in run_distributed(_conflicting_stage, 1):
+        assert kind == "WrappingError" and "zero_stage=3 conflicts" in message
+
+
+def _ranks_left_empty():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = flatshard.fully_shard(nn.Linear(3, 2, bias=False))  # 2 rows over 4 ranks
+        value = module.weight.full_tensor()
+    return [str(w.message) for w in caught], tuple(value.shape), module.weight.to_local().shape[0]
+
+
+def test_world_larger_than_rows_warns_and_still_shards():
+    results = run_distributed(_ranks_left_empty, 4)
+    assert [rows for _, _, rows in results] == [1, 1, 0, 0]
+    for messages, shape, _ in results:
+        assert shape == (2, 3)
+        assert any("ranks [2, 3] hold none" in m for m in messages), messages
+
+
+def test_no_process_group():
+    with pytest.raises(flatshard.MeshError, match="init_process_group"):
+        flatshard.fully_shard(nn.Linear(2, 2))

@@ -1,0 +1,223 @@
+"""FSDPModule-style methods, gradient clipping, uneven rows, bf16, meta-init memory."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from distributed import run_distributed
+from reference import (
+    adamw,
+    batches,
+    build_model,
+    config,
+    full_state,
+    lm_loss,
+    rank_slice,
+    rel_diff,
+    rel_losses,
+    shard,
+    train,
+)
+
+import flatshard
+from flatshard.models import Llama, LlamaConfig
+
+
+# --- uneven rows: rows not divisible by the world size, params with zero rows -----------
+class Odd(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 41)
+        self.down = nn.Linear(41, 3)
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x))) * self.scale
+
+
+def _odd_rows():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    reference = Odd()
+    model = flatshard.fully_shard(copy.deepcopy(reference))
+    rows = {n: p.to_local().shape[0] for n, p in model.named_parameters()}
+    generator = torch.Generator().manual_seed(3)
+    data = [(torch.randn(8, 16, generator=generator), torch.randn(8, 3, generator=generator))
+            for _ in range(5)]
+    losses = {}
+    for name, net in (("ref", reference), ("ours", model)):
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        losses[name] = []
+        for x, y in data:
+            if name == "ours":
+                x, y = rank_slice(x, rank, world), rank_slice(y, rank, world)
+            loss = nn.functional.mse_loss(net(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[name].append(_mean(loss.item(), world if name == "ours" else 1))
+    weights = {n: p.full_tensor() for n, p in model.named_parameters()}
+    return rows, rel_losses(losses["ours"], losses["ref"]), rel_diff(weights, dict(reference.named_parameters()))
+
+
+def _mean(value, world):
+    tensor = torch.tensor([value], dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(tensor)
+    return (tensor / world).item()
+
+
+def test_rows_not_divisible_and_zero_rows_on_some_ranks():
+    results = run_distributed(_odd_rows, 4)
+    per_rank_rows = [rows for rows, _, _ in results]
+    assert any(rows["down.weight"] == 0 for rows in per_rank_rows)  # 3 rows over 4 ranks
+    assert sum(rows["up.weight"] for rows in per_rank_rows) == 41
+    assert len({rows["up.weight"] for rows in per_rank_rows}) > 1  # uneven
+    for _, loss_error, weight_error in results:
+        assert loss_error <= 1e-6 and weight_error <= 1e-6
+
+
+# --- clip_grad_norm_ ---------------------------------------------------------------------
+def _grad_norm():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = config()
+    tokens = batches(cfg, 1)[0]
+    reference = build_model(cfg)
+    lm_loss(reference, tokens).backward()
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
+    model = shard(build_model(cfg))
+    lm_loss(model, rank_slice(tokens, rank, world)).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    clipped = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    reference_grads = {n: p.grad for n, p in reference.named_parameters()}
+    return norm.full_tensor().item(), expected.item(), rel_diff(clipped, reference_grads)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_clip_grad_norm_returns_single_process_norm(world_size):
+    for norm, expected, grad_error in run_distributed(_grad_norm, world_size):
+        assert abs(norm - expected) <= 1e-6 * expected
+        assert grad_error <= 1e-6
+
+
+# --- bf16 compute, fp32 reduce against a single-process bf16 reference ----------------------
+BF16_TOLERANCE = 2e-2  # bf16 has 8 mantissa bits; batch splits change rounding
+
+
+def _bf16_reference_train(model, data):
+    """fp32 main weights, bf16 forward/backward, fp32 optimizer: one process."""
+    optimizer = adamw(model.parameters())
+    losses = []
+    for tokens in data:
+        compute = copy.deepcopy(model).to(torch.bfloat16)
+        loss = lm_loss(compute, tokens)
+        loss.backward()
+        for main, low in zip(model.parameters(), compute.parameters()):
+            main.grad = low.grad.float()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _bf16():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = config()
+    data = batches(cfg, 5)
+    reference = build_model(cfg)
+    ref_losses = _bf16_reference_train(reference, data)
+    policy = flatshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = shard(build_model(cfg), 3, mp_policy=policy)
+    losses = train(model, data, rank=rank, world=world)
+    main_dtypes = {p.dtype for p in model.parameters()}
+    return rel_losses(losses, ref_losses), rel_diff(full_state(model), reference.state_dict()), main_dtypes
+
+
+def test_bf16_params_fp32_reduce_matches_bf16_reference():
+    for loss_error, weight_error, main_dtypes in run_distributed(_bf16, 2):
+        assert main_dtypes == {torch.float32}  # main weights stay fp32
+        assert loss_error <= BF16_TOLERANCE and weight_error <= BF16_TOLERANCE
+        assert loss_error > 0 or weight_error > 0  # it really computed in bf16
+
+
+# --- FSDPModule methods ----------------------------------------------------------------------
+def _methods():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = config()
+    tokens = rank_slice(batches(cfg, 1)[0], rank, world)
+    model = shard(build_model(cfg))
+    layer = model.layers[0]
+    unit = layer._flatshard_unit
+    handle = layer.unshard(async_op=True)
+    handle.wait()
+    gathered = all(b.unsharded.untyped_storage().size() > 0 for b in unit.buckets)
+    layer.reshard()
+    freed = all(b.unsharded.untyped_storage().size() == 0 for b in unit.buckets)
+
+    # explicit prefetch lists change scheduling, not results
+    plain = shard(build_model(cfg))
+    lm_loss(plain, tokens).backward()
+    layers = list(model.layers)
+    for i, block in enumerate(layers):
+        block.set_modules_to_forward_prefetch(layers[i + 1 : i + 2])
+        block.set_modules_to_backward_prefetch(layers[i - 1 : i] if i else [])
+    model.set_reshard_after_backward(False)
+    lm_loss(model, tokens).backward()
+    kept = all(b.unsharded.untyped_storage().size() > 0 for b in unit.buckets)
+    same = all(
+        torch.equal(p.grad.to_local(), q.grad.to_local())
+        for p, q in zip(model.parameters(), plain.parameters())
+    )
+
+    # divide factor 1: summed, not averaged, gradients
+    summed = shard(build_model(cfg))
+    summed.set_gradient_divide_factor(1.0)
+    lm_loss(summed, tokens).backward()
+    ratio_ok = all(
+        torch.allclose(p.grad.to_local(), q.grad.to_local() * world, rtol=1e-5, atol=1e-7)
+        for p, q in zip(summed.parameters(), plain.parameters())
+    )
+    return gathered, freed, kept, same, ratio_ok
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fsdp_module_methods(world_size):
+    for result in run_distributed(_methods, world_size):
+        assert result == (True, True, True, True, True)
+
+
+# --- meta-device init: memory bounded by the largest unit -------------------------------------
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field):
+                return int(line.split()[1])
+    raise RuntimeError(field)
+
+
+def _meta_init_peak():
+    cfg = LlamaConfig(vocab_size=4096, dim=512, n_layers=8, n_heads=8, ffn_dim=1536)
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # reset the peak-RSS mark
+    before = _rss_kib("VmRSS")
+    with torch.device("meta"):
+        model = Llama(cfg)
+    shard(model)
+    torch.manual_seed(0)
+    flatshard.materialize(model)
+    peak = _rss_kib("VmHWM") - before
+    full_kib = sum(p.numel() for p in build_model(cfg).parameters()) * 4 // 1024
+    eager = build_model(cfg).state_dict()
+    exact = all(torch.equal(v, eager[k]) for k, v in full_state(model).items())
+    return peak, full_kib, exact
+
+
+def test_meta_init_peak_memory_is_bounded_by_largest_unit():
+    for peak, full_kib, exact in run_distributed(_meta_init_peak, 4):
+        assert exact
+        # sharded model (1/4) + one module at full size (embedding: 1/6 of the model) + slack
+        assert peak < full_kib * 0.6, (peak, full_kib)
