@@ -1,7 +1,6 @@
 """flatshard: fully sharded data parallel training on flat, row-aligned buffers."""
 
 from flatshard.api import FlatShardModule, fully_shard
-from flatshard.materialize import materialize
 from flatshard.errors import (
     FlatShardError,
     LayoutError,
@@ -10,6 +9,7 @@ from flatshard.errors import (
     UnevenShardError,
     WrappingError,
 )
+from flatshard.materialize import materialize
 from flatshard.policy import MixedPrecisionPolicy
 
 __all__ = [

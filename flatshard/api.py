@@ -146,9 +146,7 @@ def fully_shard(
 
     rank, world_size = mesh.get_local_rank(), mesh.size()
     device = comm.compute_device(mesh.device_type)
-    infos = [
-        ParamInfo(fqn, tuple(p.shape), p.dtype, p.requires_grad) for fqn, p, _ in found
-    ]
+    infos = [ParamInfo(fqn, tuple(p.shape), p.dtype, p.requires_grad) for fqn, p, _ in found]
     layout = plan_unit_layout(infos, world_size)
     if found and layout.empty_ranks():
         # Legal (e.g. 8 experts over 64 ranks) but wasteful: say so, with the fix.
@@ -263,11 +261,16 @@ def _check_params(found, mesh: DeviceMesh) -> str | None:
         )
     for fqn, param, _ in found:
         if not torch.is_floating_point(param):
-            return f"parameter {fqn!r} has dtype {param.dtype}; only floating-point parameters shard"
+            return (
+                f"parameter {fqn!r} has dtype {param.dtype}; only floating-point parameters shard"
+            )
         if param.dim() == 0:
             return f"parameter {fqn!r} is 0-dimensional; make it shape (1,) to shard it"
         if isinstance(param, torch.distributed.tensor.DTensor):
-            return f"parameter {fqn!r} is already a DTensor; tensor parallel + fully_shard is not supported yet"
+            return (
+                f"parameter {fqn!r} is already a DTensor; tensor parallel + fully_shard "
+                "is not supported yet"
+            )
     return None
 
 

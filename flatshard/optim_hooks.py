@@ -40,8 +40,11 @@ def _check_first_step(optimizer, args, kwargs) -> None:
                 "built before the model was wrapped and would train nothing. Build the "
                 "optimizer after fully_shard, e.g. AdamW(model.parameters())."
             )
-    units = {id(p._flatshard_param[0]): p._flatshard_param[0] for p in _params(optimizer)
-             if hasattr(p, "_flatshard_param")}
+    units = {
+        id(p._flatshard_param[0]): p._flatshard_param[0]
+        for p in _params(optimizer)
+        if hasattr(p, "_flatshard_param")
+    }
     _units_of[optimizer] = list(units.values())
 
 

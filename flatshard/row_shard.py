@@ -76,7 +76,9 @@ class RowShard(torch.Tensor):
             raise UnevenShardError(_unsupported(f"the collective {func}"))
         inner_of = {id(s.data_): s for s in shards}
         unwrap = lambda t: t.data_
-        out = func(*tree_map_only(RowShard, unwrap, args), **tree_map_only(RowShard, unwrap, kwargs))
+        out = func(
+            *tree_map_only(RowShard, unwrap, args), **tree_map_only(RowShard, unwrap, kwargs)
+        )
 
         def rewrap(t, like):
             if id(t) in inner_of:  # in-place / out= ops return their (unwrapped) input
@@ -89,7 +91,8 @@ class RowShard(torch.Tensor):
             # foreach: output i has the rows of the i-th tensor of the first list argument
             firsts = args[0] if isinstance(args[0], (list, tuple)) else [None] * len(out)
             return type(out)(
-                rewrap(o, f if isinstance(f, RowShard) else None) if isinstance(o, torch.Tensor)
+                rewrap(o, f if isinstance(f, RowShard) else None)
+                if isinstance(o, torch.Tensor)
                 else o
                 for o, f in zip(out, firsts)
             )
@@ -119,7 +122,9 @@ def gather_rows(shard: RowShard, group: dist.ProcessGroup) -> torch.Tensor:
     longest = max(counts)
     send = torch.zeros(longest * row_numel, dtype=shard.dtype, device=shard.device)
     send[: counts[shard.index] * row_numel].copy_(shard.data_.reshape(-1))
-    received = torch.empty(longest * row_numel * len(counts), dtype=shard.dtype, device=shard.device)
+    received = torch.empty(
+        longest * row_numel * len(counts), dtype=shard.dtype, device=shard.device
+    )
     dist.all_gather_single(received, send, group=group)
     received = received.view(len(counts), longest, *row_shape)
     return torch.cat([received[r, :n] for r, n in enumerate(counts)])

@@ -26,7 +26,9 @@ def build_model(cfg: LlamaConfig, seed: int = 0) -> Llama:
 
 def batches(cfg: LlamaConfig, steps: int, batch: int = GLOBAL_BATCH, seed: int = 1):
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, cfg.vocab_size, (batch, SEQ), generator=generator) for _ in range(steps)]
+    return [
+        torch.randint(0, cfg.vocab_size, (batch, SEQ), generator=generator) for _ in range(steps)
+    ]
 
 
 def lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
@@ -43,7 +45,9 @@ def rank_slice(tokens: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return tokens[rank * per_rank : (rank + 1) * per_rank]
 
 
-def train(model, data, *, rank=0, world=1, microbatches=1, make_optimizer=adamw, sync_last_only=False):
+def train(
+    model, data, *, rank=0, world=1, microbatches=1, make_optimizer=adamw, sync_last_only=False
+):
     """Train on `data` (global batches); returns the global mean loss of every step.
 
     With microbatches > 1 each global batch is split in that many pieces whose gradients

@@ -13,9 +13,19 @@ from distributed import run_distributed
 from reference import adamw, batches, build_model, config, lm_loss, rank_slice, shard
 
 COUNTED = [
-    "all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
-    "reduce_scatter_tensor", "all_reduce", "all_gather", "reduce_scatter", "broadcast",
-    "all_to_all_single", "all_gather_object", "barrier", "send", "recv",
+    "all_gather_single",
+    "reduce_scatter_single",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "all_to_all_single",
+    "all_gather_object",
+    "barrier",
+    "send",
+    "recv",
 ]
 
 
@@ -82,15 +92,12 @@ def _count_one_step(param_dtype):
         ),
     }
     expected_bytes = {
-        ("forward", "all_gather_single"): element * sum(
-            b.layout.padded_size for u in units for b in u.buckets
-        ),
-        ("backward", "all_gather_single"): element * sum(
-            b.layout.padded_size for u in units if u is not root for b in u.buckets
-        ),
-        ("backward", "reduce_scatter_single"): 4 * sum(
-            b.layout.padded_size for u in units for b in u.buckets if b.layout.requires_grad
-        ),
+        ("forward", "all_gather_single"): element
+        * sum(b.layout.padded_size for u in units for b in u.buckets),
+        ("backward", "all_gather_single"): element
+        * sum(b.layout.padded_size for u in units if u is not root for b in u.buckets),
+        ("backward", "reduce_scatter_single"): 4
+        * sum(b.layout.padded_size for u in units for b in u.buckets if b.layout.requires_grad),
     }
     return dict(counter.calls), dict(counter.bytes), expected_calls, expected_bytes
 

@@ -62,7 +62,9 @@ def _optimizer_before_wrapping():
     model = build_model(cfg)
     optimizer = torch.optim.AdamW(model.parameters())
     flatshard.fully_shard(model)
-    lm_loss(model, rank_slice(batches(cfg, 1)[0], dist.get_rank(), dist.get_world_size())).backward()
+    lm_loss(
+        model, rank_slice(batches(cfg, 1)[0], dist.get_rank(), dist.get_world_size())
+    ).backward()
     return _outcome(optimizer.step)
 
 

@@ -24,8 +24,15 @@ TOLERANCE = 1e-6
 STEPS = 5
 
 
-def _compare(zero_stage, microbatches=1, sync_last_only=False, cfg_overrides=None, freeze=None,
-             make_optimizer=None, meta_init=False):
+def _compare(
+    zero_stage,
+    microbatches=1,
+    sync_last_only=False,
+    cfg_overrides=None,
+    freeze=None,
+    make_optimizer=None,
+    meta_init=False,
+):
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = config(**(cfg_overrides or {}))
     data = batches(cfg, STEPS, batch=GLOBAL_BATCH * microbatches)
@@ -47,8 +54,15 @@ def _compare(zero_stage, microbatches=1, sync_last_only=False, cfg_overrides=Non
     if meta_init:
         torch.manual_seed(0)
         flatshard.materialize(model)
-    losses = train(model, data, rank=rank, world=world, microbatches=microbatches,
-                   sync_last_only=sync_last_only, **extra)
+    losses = train(
+        model,
+        data,
+        rank=rank,
+        world=world,
+        microbatches=microbatches,
+        sync_last_only=sync_last_only,
+        **extra,
+    )
     return rel_losses(losses, ref_losses), rel_diff(full_state(model), reference.state_dict())
 
 
@@ -74,15 +88,19 @@ def test_matches_single_process(world_size, zero_stage):
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
 @pytest.mark.parametrize("sync_last_only", [False, True])
 def test_gradient_accumulation(world_size, zero_stage, sync_last_only):
-    _check(run_distributed(_compare, world_size, zero_stage, microbatches=4,
-                           sync_last_only=sync_last_only))
+    _check(
+        run_distributed(
+            _compare, world_size, zero_stage, microbatches=4, sync_last_only=sync_last_only
+        )
+    )
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_tied_embeddings(world_size, zero_stage):
-    _check(run_distributed(_compare, world_size, zero_stage,
-                           cfg_overrides={"tie_embeddings": True}))
+    _check(
+        run_distributed(_compare, world_size, zero_stage, cfg_overrides={"tie_embeddings": True})
+    )
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -93,8 +111,11 @@ def test_frozen_embedding(world_size, zero_stage):
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_meta_device_init(world_size):
-    _check(run_distributed(_compare, world_size, 3, meta_init=True,
-                           cfg_overrides={"tie_embeddings": True}))
+    _check(
+        run_distributed(
+            _compare, world_size, 3, meta_init=True, cfg_overrides={"tie_embeddings": True}
+        )
+    )
 
 
 def _sgd(params):
