@@ -25,9 +25,11 @@ def compute_device(device_type: str) -> torch.device:
     return torch.device(device_type)
 
 
-def supports_premul_sum(group: dist.ProcessGroup) -> bool:
-    # gloo rejects PREMUL_SUM; NCCL has it.
-    return dist.get_backend(group) == "nccl"
+def group_device(group) -> torch.device:
+    """Where small control tensors for `group` must live: NCCL only moves CUDA tensors."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def free_storage(tensor: torch.Tensor) -> None:
@@ -74,7 +76,7 @@ def agree(local_problem: str | None, group, error_type: type[FlatShardError]) ->
         if local_problem:
             raise error_type(local_problem)
         return
-    flag = torch.tensor([1 if local_problem else 0], dtype=torch.int32)
+    flag = torch.tensor([1 if local_problem else 0], dtype=torch.int32, device=group_device(group))
     all_reduce_max(flag, group)
     if not flag.item():
         return

@@ -11,5 +11,5 @@ python -m pip install -q --upgrade pip >/dev/null
 # torch first and pinned, so nothing later can resolve it to a CUDA build.
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[dev]"
-ruff check flatshard tests benchmarks scripts
+ruff check .
 python -m pytest "$@"
