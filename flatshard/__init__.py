@@ -1,6 +1,6 @@
 """flatshard: fully sharded data parallel training on flat, row-aligned buffers."""
 
-from flatshard.api import FlatShardModule, fully_shard
+from flatshard.api import FlatShardModule, fully_shard, weights_changed
 from flatshard.errors import (
     FlatShardError,
     LayoutError,
@@ -11,6 +11,7 @@ from flatshard.errors import (
 )
 from flatshard.materialize import materialize
 from flatshard.policy import MixedPrecisionPolicy
+from flatshard.row_shard import row_range
 
 __all__ = [
     "FlatShardError",
@@ -23,4 +24,6 @@ __all__ = [
     "WrappingError",
     "fully_shard",
     "materialize",
+    "row_range",
+    "weights_changed",
 ]

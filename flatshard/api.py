@@ -85,6 +85,14 @@ class FlatShardModule(nn.Module):
                 module._parameters[name] = value
 
 
+def weights_changed(model: nn.Module) -> None:
+    """Tell flatshard that sharded weights were written outside an optimizer step (e.g. a
+    checkpoint load), so unsharded copies kept between steps (ZeRO-1) are gathered again."""
+    for module in model.modules():
+        if isinstance(module, FlatShardModule):
+            module._flatshard_unit.mark_stale()
+
+
 class _UnshardHandle:
     def __init__(self, unit: Unit):
         self._unit = unit
@@ -197,6 +205,8 @@ def fully_shard(
     module.__class__ = _wrapped_class(type(module))
     module.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(unit.post_forward)
+    # load_state_dict writes the sharded weights: kept unsharded copies are out of date
+    module.register_load_state_dict_post_hook(lambda module, keys: unit.mark_stale())
     return module
 
 

@@ -23,3 +23,7 @@ class UnevenShardError(FlatShardError):
 
 class OptimizerOrderError(FlatShardError):
     """An optimizer was built on parameters before they were sharded."""
+
+
+class CheckpointError(FlatShardError):
+    """A checkpoint is missing, incomplete, corrupted, or does not match the model."""

@@ -59,6 +59,35 @@ class RowShard(torch.Tensor):
     def __repr__(self):
         return f"RowShard(rows={self.row_start}:{self.row_bounds[self.index + 1]}, {self.data_!r})"
 
+    # --- DCP: this rank's chunk is known from the row bounds, with no communication --------
+    def __create_chunk_list__(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        if self.shape[0] == 0:
+            return []  # an empty piece writes and reads nothing
+        offsets = torch.Size((self.row_start,) + (0,) * (self.dim() - 1))
+        return [ChunkStorageMetadata(offsets=offsets, sizes=self.shape)]
+
+    def __create_write_items__(self, fqn: str, dtensor):
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, chunk.offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=chunk,
+                    properties=TensorProperties.create_from_tensor(self.data_),
+                    size=dtensor.size(),
+                ),
+            )
+            for chunk in self.__create_chunk_list__()
+        ]
+
+    def __get_tensor_shard__(self, index):
+        return self.data_  # DCP reads from it on save and loads into it in place
+
     def __tensor_flatten__(self):
         return ["data_"], (self.row_bounds, self.index)
 
@@ -159,6 +188,14 @@ def install_redistribute_override() -> None:
     _original_redistribute = _redistribute.redistribute_local_tensor
     for module in (_api, _dispatch, _redistribute):
         module.redistribute_local_tensor = _redistribute_local_tensor
+
+
+def row_range(param: DTensor) -> tuple[int, int]:
+    """The global rows `[start, end)` of a flatshard DTensor that this rank holds."""
+    local = param._local_tensor if isinstance(param, DTensor) else None
+    if not isinstance(local, RowShard):
+        raise TypeError(f"expected a flatshard-sharded DTensor, got {type(param).__name__}")
+    return local.row_start, local.row_bounds[local.index + 1]
 
 
 def local_data(dtensor: DTensor) -> torch.Tensor:

@@ -1,0 +1,171 @@
+"""`load`: verify a committed checkpoint, check it against the model, then load it (DCP
+reshards to this run's world size, ZeRO stage and bucket layout)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from flatshard import comm
+from flatshard.api import weights_changed
+from flatshard.checkpoint import commit, manifest
+from flatshard.checkpoint.save import wait_for_pending_save
+from flatshard.checkpoint.state import app_state, checkpoint_group, rank_and_world, set_rng_state
+from flatshard.errors import CheckpointError
+
+
+@dataclass
+class LoadResult:
+    step: int
+    path: str
+    world_size: int  # of the run that saved it
+    skipped: list[str] = field(default_factory=list)  # non-strict: what was not loaded
+    rng_restored: bool = False
+    extra: dict = field(default_factory=dict)  # loaded values of the extra names asked for
+
+
+def load(
+    directory: str,
+    *,
+    model,
+    optimizer=None,
+    step: int | None = None,
+    strict: bool = True,
+    verify: bool = True,
+    **extra,
+) -> LoadResult:
+    """Load `step` (default: `latest`) from `directory` into `model`/`optimizer` (call on every
+    rank). Pass the same extra names as to `save`, with `Stateful` objects or placeholders.
+
+    strict: missing or unexpected keys and shape/dtype mismatches raise one error naming them
+        all; with strict=False they are skipped and listed in the result.
+    verify: check every file's size and CRC-32 first (each rank checks a share of them).
+    """
+    wait_for_pending_save()
+    group = checkpoint_group()
+    rank, world = rank_and_world(group)
+    path = _resolve(directory, step)
+    saved = manifest.read(path)
+    problems = []
+    if verify:
+        names = sorted(saved["files"])
+        problems = manifest.verify_files(path, saved, names[rank::world])
+    comm.agree("; ".join(problems) or None, group, CheckpointError)
+    differences = manifest.config_differences(
+        saved.get("model_config"), manifest.model_config(model)
+    )
+    if differences:
+        raise CheckpointError(
+            f"{path} was saved from a model with a different config: " + "; ".join(differences)
+        )
+
+    state = app_state(model, optimizer, extra)
+    reader = dcp.FileSystemReader(path)
+    skipped = _mismatches(state, reader.read_metadata(), strict, path)
+    dcp.load(state, storage_reader=reader, process_group=group)
+    options = StateDictOptions(strict=not skipped)
+    if optimizer is not None:
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=options,
+        )
+    else:
+        set_model_state_dict(model, state["model"], options=options)
+    weights_changed(model)
+
+    rng_path = os.path.join(path, "rng", f"rank{rank}.pt")
+    if os.path.exists(rng_path):
+        set_rng_state(torch.load(rng_path, weights_only=False))
+    loaded_extra = {
+        name: value
+        for name, value in state.get("extra", {}).items()
+        if not isinstance(extra[name], Stateful)
+    }
+    return LoadResult(
+        saved["step"], path, saved["world_size"], skipped, os.path.exists(rng_path), loaded_extra
+    )
+
+
+def _resolve(directory: str, step: int | None) -> str:
+    if step is None:
+        path = commit.latest_dir(directory)
+        if path is None:
+            raise CheckpointError(f"no committed checkpoint in {directory} (no 'latest' marker)")
+        return path
+    path = os.path.join(directory, commit.step_dir_name(step))
+    if not os.path.isdir(path):
+        raise CheckpointError(
+            f"no checkpoint of step {step} in {directory}; committed steps: "
+            f"{commit.committed_steps(directory)}"
+        )
+    return path
+
+
+def _mismatches(state: dict, metadata, strict: bool, path: str) -> list[str]:
+    """Compare what we load with what the checkpoint holds; drop or raise on mismatches."""
+    flat, _ = flatten_state_dict(_plain(state))
+    stored = metadata.state_dict_metadata
+    sections = tuple(f"{key}." for key in state if key != "extra")
+    sections += tuple(f"extra.{name}" for name in state.get("extra", {}))
+    missing = [key for key in flat if key not in stored]
+    unexpected = [key for key in stored if key.startswith(sections) and key not in flat]
+    wrong = []
+    for key, value in flat.items():
+        info = stored.get(key)
+        if isinstance(value, torch.Tensor) and isinstance(info, TensorStorageMetadata):
+            if tuple(value.shape) != tuple(info.size):
+                wrong.append(
+                    f"{key}: checkpoint shape {tuple(info.size)}, model {tuple(value.shape)}"
+                )
+            elif value.dtype != info.properties.dtype:
+                wrong.append(
+                    f"{key}: checkpoint dtype {info.properties.dtype}, model {value.dtype}"
+                )
+    if not (missing or unexpected or wrong):
+        return []
+    report = []
+    if missing:
+        report.append(f"missing in checkpoint: {missing}")
+    if unexpected:
+        report.append(f"unexpected in checkpoint: {unexpected}")
+    if wrong:
+        report.append(f"mismatched: {wrong}")
+    if strict:
+        raise CheckpointError(
+            f"{path} does not match the model/optimizer: "
+            + "; ".join(report)
+            + ". Pass strict=False to load the rest."
+        )
+    _drop(state, set(missing) | {w.split(":")[0] for w in wrong})
+    return missing + unexpected + wrong
+
+
+def _plain(state):
+    if isinstance(state, dict):
+        return {k: _plain(v) for k, v in state.items()}
+    if isinstance(state, Stateful) and not isinstance(state, torch.Tensor):
+        return _plain(state.state_dict())
+    return state
+
+
+def _drop(state: dict, keys: set[str], prefix: str = "") -> None:
+    for key in list(state):
+        name = f"{prefix}{key}"
+        if name in keys:
+            del state[key]
+        elif isinstance(state[key], dict):
+            _drop(state[key], keys, name + ".")

@@ -1,0 +1,97 @@
+"""`flatshard.json`: what a checkpoint holds and how to tell it is intact.
+
+Every data file is listed with its size and CRC-32, so a truncated or corrupted file is
+detected before anything is loaded. The model's config is kept to explain mismatches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import zlib
+
+from flatshard.errors import CheckpointError
+
+MANIFEST = "flatshard.json"
+FORMAT = 1
+
+
+def checksum(path: str) -> dict:
+    crc, size = 0, 0
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 22):
+            crc = zlib.crc32(block, crc)
+            size += len(block)
+    return {"size": size, "crc32": crc}
+
+
+def files_of_rank(directory: str, rank: int) -> list[str]:
+    """The files one rank wrote: its DCP data files and its RNG state."""
+    prefix = f"__{rank}_"
+    names = [n for n in os.listdir(directory) if n.startswith(prefix) and n.endswith(".distcp")]
+    rng = os.path.join("rng", f"rank{rank}.pt")
+    if os.path.exists(os.path.join(directory, rng)):
+        names.append(rng)
+    return sorted(names)
+
+
+def model_config(model) -> dict | None:
+    config = getattr(model, "config", None)
+    if dataclasses.is_dataclass(config):
+        return dataclasses.asdict(config)
+    return None
+
+
+def write(directory: str, *, step: int, world_size: int, files: dict, config: dict | None):
+    manifest = {
+        "format": FORMAT,
+        "step": step,
+        "world_size": world_size,
+        "model_config": config,
+        "files": files,
+    }
+    with open(os.path.join(directory, MANIFEST), "w") as handle:
+        json.dump(manifest, handle, indent=1, sort_keys=True)
+
+
+def read(directory: str) -> dict:
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.exists(path):
+        raise CheckpointError(
+            f"{directory} is not a complete flatshard checkpoint (no {MANIFEST}); "
+            "it may be from an interrupted save. Load another step."
+        )
+    try:
+        with open(path) as handle:
+            return json.load(handle)
+    except ValueError as error:
+        raise CheckpointError(f"{path} is corrupted: {error}") from error
+
+
+def verify_files(directory: str, manifest: dict, names: list[str]) -> list[str]:
+    """Problems found in the given files (missing, truncated, corrupted)."""
+    problems = []
+    for name in names:
+        expected = manifest["files"][name]
+        path = os.path.join(directory, name)
+        if not os.path.exists(path):
+            problems.append(f"{name} is missing")
+            continue
+        size = os.path.getsize(path)
+        if size != expected["size"]:
+            problems.append(f"{name} has {size} bytes, expected {expected['size']} (truncated?)")
+        elif checksum(path)["crc32"] != expected["crc32"]:
+            problems.append(f"{name} fails its CRC-32 check (corrupted)")
+    return problems
+
+
+def config_differences(saved: dict | None, current: dict | None) -> list[str]:
+    if not saved or not current:
+        return []
+    keys = sorted(set(saved) | set(current))
+    return [
+        f"{key}: checkpoint {saved.get(key)!r}, model {current.get(key)!r}"
+        for key in keys
+        if saved.get(key) != current.get(key)
+    ]

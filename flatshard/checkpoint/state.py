@@ -1,0 +1,86 @@
+"""What a checkpoint holds: the application state dict, per-rank RNG, and the checkpoint
+process group (a separate gloo group, so async saves never share a communicator with
+training collectives)."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+
+_group = None
+
+
+def checkpoint_group():
+    """A gloo group over all ranks for checkpoint I/O (None without torch.distributed)."""
+    global _group
+    if not dist.is_initialized():
+        return None
+    if _group is None:
+        _group = dist.new_group(backend="gloo")
+    return _group
+
+
+def rank_and_world(group) -> tuple[int, int]:
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def barrier(group) -> None:
+    if group is not None:
+        dist.barrier(group=group)
+
+
+def gather_to_rank0(value, group) -> list | None:
+    if group is None:
+        return [value]
+    rank, world = rank_and_world(group)
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(value, gathered, dst=dist.get_global_rank(group, 0), group=group)
+    return gathered
+
+
+def app_state(model, optimizer, extra: dict) -> dict:
+    """{"model": ..., "optim": ..., "extra": {...}} keyed by the unwrapped model's FQNs."""
+    if optimizer is not None:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+    else:
+        state = {"model": get_model_state_dict(model)}
+    if extra:
+        state["extra"] = dict(extra)
+    return state
+
+
+def stage(state):
+    """A copy of `state` taken now, so training may change the originals during an
+    asynchronous write. Stateful objects are captured through their state_dict()."""
+    if isinstance(state, dict):
+        return {key: stage(value) for key, value in state.items()}
+    if isinstance(state, list):
+        return [stage(value) for value in state]
+    if isinstance(state, Stateful) and not isinstance(state, torch.Tensor):
+        return stage(state.state_dict())
+    if isinstance(state, (torch.Tensor, DTensor)):
+        return state.detach().clone()
+    return copy.deepcopy(state)
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

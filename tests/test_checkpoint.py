@@ -1,0 +1,326 @@
+"""Checkpoints: exact resume across world sizes and ZeRO stages, FSDP2 interop, async save,
+atomic commit under SIGKILL, constant collectives, strictness and integrity checks."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from distributed import run_distributed, spawn_fresh
+from reference import adamw, batches, build_model, config, full_state, lm_loss, rank_slice, shard
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+import flatshard
+from flatshard import checkpoint
+from flatshard.errors import CheckpointError
+
+STEPS = 8
+
+
+def _run_steps(model, optimizer, data, first, last):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in range(first, last):
+        loss = lm_loss(model, rank_slice(data[step], rank, world))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        reduced = torch.tensor([loss.item()], dtype=torch.float64)
+        dist.all_reduce(reduced)
+        losses.append((reduced / world).item())
+    return losses
+
+
+def _straight(zero_stage):
+    cfg = config()
+    model = shard(build_model(cfg), zero_stage)
+    optimizer = adamw(model.parameters())
+    losses = _run_steps(model, optimizer, batches(cfg, STEPS), 0, STEPS)
+    return losses, full_state(model)
+
+
+def _first_half(path, zero_stage):
+    cfg = config()
+    model = shard(build_model(cfg), zero_stage)
+    optimizer = adamw(model.parameters())
+    losses = _run_steps(model, optimizer, batches(cfg, STEPS), 0, STEPS // 2)
+    checkpoint.save(
+        path, model=model, optimizer=optimizer, step=STEPS // 2, data_position=STEPS // 2
+    )
+    return losses
+
+
+def _second_half(path, zero_stage):
+    cfg = config()
+    model = shard(build_model(cfg, seed=123), zero_stage)  # other weights: the load must win
+    optimizer = adamw(model.parameters())
+    result = checkpoint.load(path, model=model, optimizer=optimizer, data_position=None)
+    start = result.extra["data_position"]
+    assert result.step == start == STEPS // 2
+    losses = _run_steps(model, optimizer, batches(cfg, STEPS), start, STEPS)
+    return losses, full_state(model), result.world_size
+
+
+RESUMES = [
+    # (save world, save stage, load world, load stage, bitwise)
+    (2, 3, 2, 3, True),
+    (2, 3, 4, 3, False),
+    (4, 2, 1, 2, False),
+    (3, 3, 2, 3, False),
+    (2, 3, 3, 1, False),
+]
+
+
+@pytest.mark.parametrize("save_world,save_stage,load_world,load_stage,bitwise", RESUMES)
+def test_exact_resume(tmp_path, save_world, save_stage, load_world, load_stage, bitwise):
+    expected_losses, expected_weights = run_distributed(_straight, save_world, save_stage)[0]
+    first = run_distributed(_first_half, save_world, str(tmp_path), save_stage)[0]
+    second, weights, saved_world = spawn_fresh(_second_half, load_world, str(tmp_path), load_stage)[
+        0
+    ]
+    assert saved_world == save_world
+    losses = first + second
+    if bitwise:
+        assert losses == expected_losses
+        assert all(torch.equal(weights[k], expected_weights[k]) for k in expected_weights)
+    else:
+        for ours, theirs in zip(losses, expected_losses):
+            assert abs(ours - theirs) <= 1e-6 * abs(theirs)
+        for key, value in expected_weights.items():
+            assert (weights[key] - value).norm() <= 1e-6 * value.norm(), key
+
+
+# --- PyTorch FSDP2 interop (plain DCP on both sides) -------------------------------------
+def _fsdp2_model(cfg, seed=0):
+    from torch.distributed.fsdp import fully_shard
+
+    model = build_model(cfg, seed)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _writer(path, framework, steps):
+    cfg = config()
+    model = _fsdp2_model(cfg) if framework == "fsdp2" else shard(build_model(cfg))
+    optimizer = adamw(model.parameters())
+    _run_steps(model, optimizer, batches(cfg, 6), 0, steps)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    if path:
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    rest = _run_steps(model, optimizer, batches(cfg, 6), steps, 6)
+    return rest, full_state(model)
+
+
+def _reader(path, framework, steps):
+    cfg = config()
+    model = _fsdp2_model(cfg, 7) if framework == "fsdp2" else shard(build_model(cfg, 7))
+    optimizer = adamw(model.parameters())
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    flatshard.weights_changed(model)
+    rest = _run_steps(model, optimizer, batches(cfg, 6), steps, 6)
+    return rest, full_state(model)
+
+
+@pytest.mark.parametrize(
+    "writer,reader,save_world,load_world",
+    [
+        ("fsdp2", "flatshard", 2, 3),
+        ("flatshard", "fsdp2", 3, 2),
+    ],
+)
+def test_interop_with_fsdp2(tmp_path, writer, reader, save_world, load_world):
+    expected_losses, expected_weights = run_distributed(
+        _writer, save_world, str(tmp_path), writer, 3
+    )[0]
+    losses, weights = run_distributed(_reader, load_world, str(tmp_path), reader, 3)[0]
+    for ours, theirs in zip(losses, expected_losses):
+        assert abs(ours - theirs) <= 1e-6 * abs(theirs)
+    for key, value in expected_weights.items():
+        assert (weights[key] - value).norm() <= 1e-6 * value.norm(), key
+
+
+# --- async save ----------------------------------------------------------------------------
+def _async_save(path):
+    cfg = config()
+    model = shard(build_model(cfg))
+    optimizer = adamw(model.parameters())
+    data = batches(cfg, 6)
+    _run_steps(model, optimizer, data, 0, 2)
+    at_call = full_state(model)
+    handle = checkpoint.save(path, model=model, optimizer=optimizer, step=2, async_save=True)
+    _run_steps(model, optimizer, data, 2, 5)  # training goes on during the write
+    trained_during_write = not handle.done()
+    handle.wait()
+    blocking = handle.blocking_seconds
+    fresh = shard(build_model(cfg, seed=9))
+    checkpoint.load(path, model=fresh)
+    saved = full_state(fresh)
+    exact = all(torch.equal(saved[k], at_call[k]) for k in at_call)
+    return exact, blocking, trained_during_write
+
+
+def test_async_save_captures_state_at_call(tmp_path):
+    for exact, blocking, _ in run_distributed(_async_save, 2, str(tmp_path)):
+        assert exact
+        print(f"async save blocking time: {blocking * 1000:.1f} ms")
+
+
+# --- collectives per save do not grow with the model ---------------------------------------
+def _count_save_collectives(path, n_layers):
+    from test_collectives import CollectiveCounter
+
+    model = shard(build_model(config(n_layers=n_layers)))
+    optimizer = adamw(model.parameters())
+    checkpoint.save(path, model=model, optimizer=optimizer, step=0)  # warm-up: groups exist
+    with CollectiveCounter() as counter:
+        counter.phase = "save"
+        checkpoint.save(path, model=model, optimizer=optimizer, step=1)
+    return sum(counter.calls.values())
+
+
+def test_save_collectives_do_not_grow_with_parameters(tmp_path):
+    small = run_distributed(_count_save_collectives, 2, str(tmp_path / "a"), 2)[0]
+    large = run_distributed(_count_save_collectives, 2, str(tmp_path / "b"), 16)[0]
+    assert small == large
+    assert small <= 12, small
+
+
+# --- strictness and integrity ----------------------------------------------------------------
+class Small(torch.nn.Module):
+    def __init__(self, extra_param=False, wide=False):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 6 if not wide else 7)
+        if extra_param:
+            self.b = torch.nn.Linear(2, 2)
+
+
+def _strict(path):
+    checkpoint.save(path, model=flatshard.fully_shard(Small()), step=1)
+    outcomes = {}
+    for name, module in [("extra", Small(extra_param=True)), ("wide", Small(wide=True))]:
+        try:
+            checkpoint.load(path, model=flatshard.fully_shard(module))
+            outcomes[name] = "ok"
+        except CheckpointError as error:
+            outcomes[name] = str(error)
+    relaxed = checkpoint.load(
+        path, model=flatshard.fully_shard(Small(extra_param=True)), strict=False
+    )
+    outcomes["skipped"] = relaxed.skipped
+    big = build_model(config())
+    checkpoint.save(path + "-llama", model=shard(big), step=1)
+    try:
+        checkpoint.load(path + "-llama", model=shard(build_model(config(n_layers=3))))
+    except CheckpointError as error:
+        outcomes["config"] = str(error)
+    return outcomes
+
+
+def test_mismatches_are_reported_together(tmp_path):
+    outcomes = run_distributed(_strict, 2, str(tmp_path / "ckpt"))[0]
+    assert "missing in checkpoint: ['model.b.weight', 'model.b.bias']" in outcomes["extra"]
+    assert "model.a.weight: checkpoint shape (6, 4), model (7, 4)" in outcomes["wide"]
+    assert "model.a.bias: checkpoint shape (6,), model (7,)" in outcomes["wide"]
+    assert outcomes["skipped"] == ["model.b.weight", "model.b.bias"]
+    assert "n_layers: checkpoint 2, model 3" in outcomes["config"]
+
+
+def _save_small(path, step):
+    model = flatshard.fully_shard(Small())
+    checkpoint.save(path, model=model, step=step, keep_last=2)
+
+
+def _load_small(path):
+    try:
+        checkpoint.load(path, model=flatshard.fully_shard(Small()))
+        return "ok"
+    except CheckpointError as error:
+        return str(error)
+
+
+def test_corruption_truncation_retention(tmp_path):
+    root = str(tmp_path)
+    for step in (1, 2, 3):
+        run_distributed(_save_small, 2, root, step)
+    assert checkpoint.commit.committed_steps(root) == [2, 3]
+    assert run_distributed(_load_small, 2, root) == ["ok", "ok"]
+    data = sorted(
+        f for f in os.listdir(os.path.join(root, "step-00000003")) if f.endswith(".distcp")
+    )
+    target = os.path.join(root, "step-00000003", data[0])
+    blob = bytearray(open(target, "rb").read())
+    blob[len(blob) // 2] ^= 0xFF
+    open(target, "wb").write(bytes(blob))
+    for message in run_distributed(_load_small, 2, root):
+        assert "fails its CRC-32 check" in message and data[0] in message
+    open(target, "wb").write(bytes(blob[:-10]))
+    for message in run_distributed(_load_small, 2, root):
+        assert "truncated" in message
+
+
+# --- SIGKILL during saves: `latest` always names a complete checkpoint ----------------------
+KILL_SCRIPT = textwrap.dedent("""
+    import os, sys, torch, torch.distributed as dist
+    sys.path[:0] = [{repo!r}]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo")
+    import flatshard
+    from flatshard import checkpoint
+    layers = [torch.nn.Linear(512, 512) for _ in range(8)]
+    model = flatshard.fully_shard(torch.nn.Sequential(*layers))
+    optimizer = torch.optim.AdamW(model.parameters())
+    for step in range(1, 1000):
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        checkpoint.save(sys.argv[1], model=model, optimizer=optimizer, step=step, keep_last=2)
+        print(step, flush=True)
+""")
+
+
+def _check_after_kill(root):
+    model = flatshard.fully_shard(
+        torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
+    )
+    optimizer = torch.optim.AdamW(model.parameters())
+    return checkpoint.load(root, model=model, optimizer=optimizer).step
+
+
+def test_sigkill_during_save_keeps_latest_loadable(tmp_path):
+    script = tmp_path / "saver.py"
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script.write_text(KILL_SCRIPT.format(repo=repo))
+    rng = random.Random(0)
+    for trial in range(4):
+        root = str(tmp_path / f"run{trial}")
+        process = subprocess.Popen(
+            [sys.executable, str(script), root, str(29700 + trial)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        process.stdout.readline()  # at least one committed checkpoint
+        time.sleep(rng.uniform(0.0, 1.5))
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        steps = checkpoint.commit.committed_steps(root)
+        latest = checkpoint.commit.latest_dir(root)
+        assert steps and latest and os.path.basename(latest) == f"step-{steps[-1]:08d}"
+        loaded = run_distributed(_check_after_kill, 1, root)[0]
+        assert loaded == steps[-1]
