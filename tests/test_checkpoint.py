@@ -324,3 +324,62 @@ def test_sigkill_during_save_keeps_latest_loadable(tmp_path):
         assert steps and latest and os.path.basename(latest) == f"step-{steps[-1]:08d}"
         loaded = run_distributed(_check_after_kill, 1, root)[0]
         assert loaded == steps[-1]
+
+
+# --- consolidated full weights ----------------------------------------------------------------
+def _export(path):
+    cfg = config(tie_embeddings=True)
+    model = shard(build_model(cfg))
+    optimizer = adamw(model.parameters())
+    _run_steps(model, optimizer, batches(cfg, 2), 0, 2)
+    checkpoint.export_full(model, path)
+    return full_state(model)
+
+
+def _import(path):
+    model = shard(build_model(config(tie_embeddings=True), seed=4))
+    checkpoint.load_full(model, path)
+    wrong = shard(build_model(config(tie_embeddings=True, dim=48, n_heads=4, n_kv_heads=2)))
+    try:
+        checkpoint.load_full(wrong, path)
+        message = "ok"
+    except CheckpointError as error:
+        message = str(error)
+    return full_state(model), message
+
+
+def test_full_weights_export_and_sharded_import(tmp_path):
+    from safetensors.torch import load_file
+
+    path = str(tmp_path / "full.safetensors")
+    expected = run_distributed(_export, 3, path)[0]
+    on_disk = load_file(path)
+    assert on_disk.keys() == expected.keys()
+    assert all(torch.equal(on_disk[k], expected[k]) for k in expected)
+    for weights, message in run_distributed(_import, 2, path):
+        assert all(torch.equal(weights[k], expected[k]) for k in expected)
+        assert "embed_tokens.weight: file shape (61, 32), model (61, 48)" in message
+
+
+def _export_peak(path):
+    import ctypes
+
+    from test_features import _rss_kib
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # freed buffers leave RSS at once
+    layers = [torch.nn.Linear(1024, 1024, bias=False) for _ in range(32)]
+    model = flatshard.fully_shard(torch.nn.Sequential(*layers))
+    checkpoint.export_full(model, path + ".warmup")  # loads code paths first
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+    before = _rss_kib("VmRSS")
+    checkpoint.export_full(model, path)
+    return _rss_kib("VmHWM") - before
+
+
+def test_full_weights_export_memory_is_bounded_by_largest_tensor(tmp_path):
+    model_kib, tensor_kib = 32 * 4096, 4096
+    for peak in run_distributed(_export_peak, 2, str(tmp_path / "big.safetensors")):
+        # a few buffers of one tensor's size (send, receive, the transport's copies): a
+        # constant number of tensors, not the model (32 tensors)
+        assert peak <= 6 * tensor_kib, (peak, model_kib)

@@ -1,0 +1,104 @@
+"""Consolidated full weights in one safetensors file, streamed one tensor at a time.
+
+Export: every rank helps gather one tensor, rank 0 appends it to the file, and the tensor is
+dropped before the next: peak memory per rank is the largest tensor, not the model.
+Import: each rank reads only its own rows of each tensor from the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from torch.distributed.tensor import DTensor
+
+from flatshard.api import weights_changed
+from flatshard.errors import CheckpointError
+from flatshard.row_shard import RowShard, row_range
+
+_DTYPE_NAMES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def export_full(model: torch.nn.Module, path: str) -> None:
+    """Write `model.state_dict()` at full size to the safetensors file `path` (every rank
+    calls it; rank 0 writes)."""
+    state = model.state_dict()
+    writing = not dist.is_initialized() or dist.get_rank() == 0
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for key, value in state.items():
+        size = value.numel() * value.element_size()
+        header[key] = {
+            "dtype": _DTYPE_NAMES[value.dtype],
+            "shape": list(value.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # keep the data 8-byte aligned
+    handle = open(path + ".tmp", "wb") if writing else None
+    try:
+        if handle:
+            handle.write(struct.pack("<Q", len(encoded)) + encoded)
+        for value in state.values():
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            if handle:
+                # numpy exposes the bytes without a copy; bf16 goes through its uint8 view
+                handle.write(full.detach().cpu().contiguous().view(torch.uint8).numpy())
+            del full
+        if handle:
+            handle.flush()
+            os.fsync(handle.fileno())
+    finally:
+        if handle:
+            handle.close()
+    if writing:
+        os.replace(path + ".tmp", path)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@torch.no_grad()
+def load_full(model: torch.nn.Module, path: str) -> None:
+    """Load a full-weights safetensors file into a (sharded) model; each rank reads only the
+    rows it holds. Missing, unexpected and mismatched tensors are reported together."""
+    state = model.state_dict()
+    with safe_open(path, framework="pt") as source:
+        stored = set(source.keys())
+        problems = (
+            [f"missing in file: {sorted(set(state) - stored)}"] if set(state) - stored else []
+        )
+        if stored - set(state):
+            problems.append(f"unexpected in file: {sorted(stored - set(state))}")
+        for key in sorted(stored & set(state)):
+            piece = source.get_slice(key)
+            if tuple(piece.get_shape()) != tuple(state[key].shape):
+                problems.append(
+                    f"{key}: file shape {tuple(piece.get_shape())}, model {tuple(state[key].shape)}"
+                )
+        if problems:
+            raise CheckpointError(f"{path} does not match the model: " + "; ".join(problems))
+        for key, value in state.items():
+            piece = source.get_slice(key)
+            if isinstance(value, DTensor) and isinstance(value._local_tensor, RowShard):
+                start, end = row_range(value)
+                value.to_local().copy_(piece[start:end] if end > start else value.to_local())
+            elif isinstance(value, DTensor):
+                raise CheckpointError(f"{key} is a DTensor flatshard did not shard; load it by DCP")
+            else:
+                value.copy_(piece[:])
+    weights_changed(model)
