@@ -383,3 +383,92 @@ def test_full_weights_export_memory_is_bounded_by_largest_tensor(tmp_path):
         # a few buffers of one tensor's size (send, receive, the transport's copies): a
         # constant number of tensors, not the model (32 tensors)
         assert peak <= 6 * tensor_kib, (peak, model_kib)
+
+
+# --- layouts that differ only in how the model was wrapped or in param_dtype -----------------
+def _save_variant(path, wrap_blocks, param_dtype):
+    cfg = config()
+    model = build_model(cfg)
+    policy = flatshard.MixedPrecisionPolicy(param_dtype=param_dtype)
+    if wrap_blocks:
+        shard(model, mp_policy=policy)
+    else:
+        flatshard.fully_shard(model, mp_policy=policy)  # one unit: other buckets, other cuts
+    optimizer = adamw(model.parameters())
+    _run_steps(model, optimizer, batches(cfg, 2), 0, 2)
+    counter = Counter()
+    counter.value = 41
+    checkpoint.save(path, model=model, optimizer=optimizer, step=2, counter=counter)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return full_state(model), _full_optim(optim_state)
+
+
+class Counter:
+    """A Stateful object saved alongside the model."""
+
+    def __init__(self):
+        self.value = 0
+
+    def state_dict(self):
+        return {"value": torch.tensor(self.value)}
+
+    def load_state_dict(self, state):
+        self.value = int(state["value"])
+
+
+def _full_optim(optim_state):
+    return {
+        (fqn, name): value.full_tensor() if hasattr(value, "full_tensor") else value
+        for fqn, states in optim_state["state"].items()
+        for name, value in states.items()
+    }
+
+
+def _load_into(path, wrap_blocks, param_dtype):
+    model = build_model(config(), seed=3)
+    policy = flatshard.MixedPrecisionPolicy(param_dtype=param_dtype)
+    if wrap_blocks:
+        shard(model, mp_policy=policy)
+    else:
+        flatshard.fully_shard(model, mp_policy=policy)
+    optimizer = adamw(model.parameters())
+    counter = Counter()
+    checkpoint.load(path, model=model, optimizer=optimizer, counter=counter)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return full_state(model), _full_optim(optim_state), counter.value
+
+
+def test_reshard_across_wrapping_and_param_dtype(tmp_path):
+    path = str(tmp_path)
+    weights, optim = run_distributed(_save_variant, 2, path, True, torch.bfloat16)[0]
+    loaded, loaded_optim, counter = run_distributed(_load_into, 3, path, False, None)[0]
+    assert counter == 41
+    assert all(torch.equal(loaded[k], weights[k]) for k in weights)
+    assert loaded_optim.keys() == optim.keys()
+    assert all(torch.equal(loaded_optim[k], optim[k]) for k in optim)
+
+
+def _save_empty_pieces(path):
+    from test_features import Odd
+
+    torch.manual_seed(0)
+    model = flatshard.fully_shard(Odd())
+    empty = model.down.weight.to_local().shape[0] == 0
+    checkpoint.save(path, model=model, step=1)
+    return empty, {k: v.full_tensor() for k, v in model.state_dict().items()}
+
+
+def _load_odd(path):
+    from test_features import Odd
+
+    model = flatshard.fully_shard(Odd())
+    checkpoint.load(path, model=model)
+    return {k: v.full_tensor() for k, v in model.state_dict().items()}
+
+
+def test_empty_local_shards_save_and_load(tmp_path):
+    results = run_distributed(_save_empty_pieces, 4, str(tmp_path))
+    assert any(empty for empty, _ in results)
+    expected = results[0][1]
+    loaded = run_distributed(_load_odd, 1, str(tmp_path))[0]
+    assert all(torch.equal(loaded[k], expected[k]) for k in expected)

@@ -15,13 +15,18 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-from torch.distributed.checkpoint.stateful import Stateful
 
 from flatshard import comm
 from flatshard.api import weights_changed
 from flatshard.checkpoint import commit, manifest
 from flatshard.checkpoint.save import wait_for_pending_save
-from flatshard.checkpoint.state import app_state, checkpoint_group, rank_and_world, set_rng_state
+from flatshard.checkpoint.state import (
+    app_state,
+    checkpoint_group,
+    rank_and_world,
+    restore_stateful,
+    set_rng_state,
+)
 from flatshard.errors import CheckpointError
 
 
@@ -90,11 +95,7 @@ def load(
     rng_path = os.path.join(path, "rng", f"rank{rank}.pt")
     if os.path.exists(rng_path):
         set_rng_state(torch.load(rng_path, weights_only=False))
-    loaded_extra = {
-        name: value
-        for name, value in state.get("extra", {}).items()
-        if not isinstance(extra[name], Stateful)
-    }
+    loaded_extra = restore_stateful(extra, state.get("extra", {}))
     return LoadResult(
         saved["step"], path, saved["world_size"], skipped, os.path.exists(rng_path), loaded_extra
     )
@@ -117,7 +118,7 @@ def _resolve(directory: str, step: int | None) -> str:
 
 def _mismatches(state: dict, metadata, strict: bool, path: str) -> list[str]:
     """Compare what we load with what the checkpoint holds; drop or raise on mismatches."""
-    flat, _ = flatten_state_dict(_plain(state))
+    flat, _ = flatten_state_dict(state)
     stored = metadata.state_dict_metadata
     sections = tuple(f"{key}." for key in state if key != "extra")
     sections += tuple(f"extra.{name}" for name in state.get("extra", {}))
@@ -152,14 +153,6 @@ def _mismatches(state: dict, metadata, strict: bool, path: str) -> list[str]:
         )
     _drop(state, set(missing) | {w.split(":")[0] for w in wrong})
     return missing + unexpected + wrong
-
-
-def _plain(state):
-    if isinstance(state, dict):
-        return {k: _plain(v) for k, v in state.items()}
-    if isinstance(state, Stateful) and not isinstance(state, torch.Tensor):
-        return _plain(state.state_dict())
-    return state
 
 
 def _drop(state: dict, keys: set[str], prefix: str = "") -> None:

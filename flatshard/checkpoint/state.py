@@ -54,19 +54,39 @@ def app_state(model, optimizer, extra: dict) -> dict:
     else:
         state = {"model": get_model_state_dict(model)}
     if extra:
-        state["extra"] = dict(extra)
+        # DCP only expands Stateful objects at the top level: expand ours here
+        state["extra"] = {name: _expand(value) for name, value in extra.items()}
     return state
+
+
+def _is_stateful(value) -> bool:
+    return isinstance(value, Stateful) and not isinstance(value, torch.Tensor)
+
+
+def _expand(value):
+    return value.state_dict() if _is_stateful(value) else value
+
+
+def restore_stateful(extra: dict, loaded: dict) -> dict:
+    """Hand loaded state to Stateful extras; return the loaded plain values."""
+    plain = {}
+    for name, value in extra.items():
+        if name not in loaded:  # skipped by a non-strict load
+            continue
+        if _is_stateful(value):
+            value.load_state_dict(loaded[name])
+        else:
+            plain[name] = loaded[name]
+    return plain
 
 
 def stage(state):
     """A copy of `state` taken now, so training may change the originals during an
-    asynchronous write. Stateful objects are captured through their state_dict()."""
+    asynchronous write."""
     if isinstance(state, dict):
         return {key: stage(value) for key, value in state.items()}
     if isinstance(state, list):
         return [stage(value) for value in state]
-    if isinstance(state, Stateful) and not isinstance(state, torch.Tensor):
-        return stage(state.state_dict())
     if isinstance(state, (torch.Tensor, DTensor)):
         return state.detach().clone()
     return copy.deepcopy(state)
