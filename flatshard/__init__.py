@@ -1,5 +1,7 @@
 """flatshard: fully sharded data parallel training on flat, row-aligned buffers."""
 
+
+from flatshard import checkpoint, hf
 from flatshard.api import FlatShardModule, fully_shard, weights_changed
 from flatshard.errors import (
     FlatShardError,
@@ -22,7 +24,9 @@ __all__ = [
     "OptimizerOrderError",
     "UnevenShardError",
     "WrappingError",
+    "checkpoint",
     "fully_shard",
+    "hf",
     "materialize",
     "row_range",
     "weights_changed",

@@ -86,8 +86,9 @@ class FlatShardModule(nn.Module):
 
 
 def weights_changed(model: nn.Module) -> None:
-    """Tell flatshard that sharded weights were written outside an optimizer step (e.g. a
-    checkpoint load), so unsharded copies kept between steps (ZeRO-1) are gathered again."""
+    """Make every unit gather again before its next use. In-place writes to the sharded
+    weights are noticed on their own (version counters); this is for writes that bypass
+    autograd's version tracking (e.g. through `.data` or raw storage)."""
     for module in model.modules():
         if isinstance(module, FlatShardModule):
             module._flatshard_unit.mark_stale()
@@ -149,8 +150,13 @@ def fully_shard(
     optim_hooks.install()
 
     found = _collect_params(module)
-    problem = _check_params(found, mesh)
-    comm.agree(problem, dist.group.WORLD if dist.is_initialized() else None, WrappingError)
+    if mesh.get_coordinate() is None:
+        # no member of the mesh waits for this rank: raising alone cannot hang anyone
+        raise MeshError(
+            f"rank {dist.get_rank()} is not in the device mesh {mesh}; only the mesh's ranks "
+            "may call fully_shard with it"
+        )
+    comm.agree(_check_params(found), mesh.get_group(), WrappingError)
 
     rank, world_size = mesh.get_local_rank(), mesh.size()
     device = comm.compute_device(mesh.device_type)
@@ -189,7 +195,7 @@ def fully_shard(
                 rows.copy_(original.detach()[piece.row_start : piece.row_end])
         sharded = nn.Parameter(
             make_row_sharded_dtensor(
-                rows, mesh, slot.info.shape, bucket.layout.row_bounds(slot), rank
+                rows, mesh, slot.info.shape, bucket.layout.row_bounds(slot), rank, bucket.main
             ),
             requires_grad=original.requires_grad,
         )
@@ -205,8 +211,6 @@ def fully_shard(
     module.__class__ = _wrapped_class(type(module))
     module.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(unit.post_forward)
-    # load_state_dict writes the sharded weights: kept unsharded copies are out of date
-    module.register_load_state_dict_post_hook(lambda module, keys: unit.mark_stale())
     return module
 
 
@@ -257,12 +261,7 @@ def _collect_params(root: nn.Module):
     return list(found.values())
 
 
-def _check_params(found, mesh: DeviceMesh) -> str | None:
-    if mesh.get_coordinate() is None:
-        return (
-            f"rank {dist.get_rank()} is not in the device mesh {mesh}; every rank that calls "
-            "fully_shard must belong to the mesh"
-        )
+def _check_params(found) -> str | None:
     devices = {p.device for _, p, _ in found if not p.is_meta}
     if len(devices) > 1:
         return (

@@ -37,6 +37,7 @@ class FlatBucket:
         self.sharded_grad: torch.Tensor | None = None
         self._gather_input: torch.Tensor | None = None
         self._version = 0
+        self._main_version = -1
         self._unsynced: torch.Tensor | None = None
 
     # --- views -------------------------------------------------------------------------
@@ -69,32 +70,41 @@ class FlatBucket:
 
     def finish_all_gather(self, work) -> None:
         work.wait()
+        self._main_version = self.main._version
         # Views of this buffer saved for backward must not see a version bump from a
         # re-gather of the same values; gloo bumps it when the collective completes.
         torch._C._autograd._unsafe_set_version_counter((self.unsharded,), (self._version,))
         self._gather_input = None
 
+    def gathered_version_changed(self) -> bool:
+        """Whether the sharded weights were written since they were last gathered."""
+        return self.main._version != self._main_version
+
     def free_unsharded(self) -> None:
         comm.free_storage(self.unsharded)
 
     # --- gradients -----------------------------------------------------------------------
-    def zeroed_unsharded_grad(self) -> torch.Tensor:
+    def prepare_unsharded_grad(self, keep: bool) -> None:
+        """A zeroed flat gradient buffer, or the current one when `keep` (accumulating)."""
         if self.unsharded_grad is None:
             self.unsharded_grad = torch.zeros(
                 self.layout.padded_size, dtype=self.param_dtype, device=self.main.device
             )
-        return self.unsharded_grad
+        elif not keep:
+            self.unsharded_grad.zero_()
 
-    def hold_unsynced_grad(self) -> None:
+    def hold_unsynced_grad(self) -> bool:
         """Keep this microbatch's gradient for a later sync. Low-precision gradients are
-        summed in the reduce dtype (as FSDP2 does), not in place in param_dtype."""
+        summed in the reduce dtype (as FSDP2 does), not in place in param_dtype; then the
+        param-dtype buffer is dropped (returns True) and the next backward gets a new one."""
         if self.reduce_dtype == self.param_dtype:
-            return  # the next backward accumulates in place
+            return False  # the next backward accumulates in place
         if self._unsynced is None:
             self._unsynced = self.unsharded_grad.to(self.reduce_dtype)
         else:
             self._unsynced.add_(self.unsharded_grad)
-        self.unsharded_grad.zero_()
+        self.unsharded_grad = None
+        return True
 
     def start_reduce_scatter(self, divide_factor: float, world_size: int):
         """Reduce the unsharded gradient; returns (work, output, input, post-scale)."""

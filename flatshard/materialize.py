@@ -25,7 +25,7 @@ def materialize(model: nn.Module, device: torch.device | str | None = None) -> n
     tying. Call it on every rank with the same RNG seed.
     """
     device = torch.device(device) if device is not None else _default_device()
-    done: set[int] = set()
+    done: dict[int, nn.Parameter] = {}  # id(original) -> what now holds its values
     for module in model.modules():
         pending = _swap_in_full_tensors(module, device, done)
         meta_buffers = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
@@ -41,8 +41,7 @@ def materialize(model: nn.Module, device: torch.device | str | None = None) -> n
             )
         reset()
         for name, (original, full, first) in pending.items():
-            _keep_rows(module, name, original, full, first)
-            done.add(id(original))
+            done.setdefault(id(original), _keep(module, name, original, full, first, done))
     return model
 
 
@@ -50,7 +49,7 @@ def _default_device() -> torch.device:
     return comm.compute_device(comm.default_device_type())
 
 
-def _swap_in_full_tensors(module: nn.Module, device, done: set[int]) -> dict:
+def _swap_in_full_tensors(module: nn.Module, device, done: dict) -> dict:
     pending = {}
     for name, param in list(module._parameters.items()):
         if param is None or not (hasattr(param, "_flatshard_param") or param.is_meta):
@@ -61,19 +60,17 @@ def _swap_in_full_tensors(module: nn.Module, device, done: set[int]) -> dict:
     return pending
 
 
-def _keep_rows(module: nn.Module, name: str, original, full: torch.Tensor, first: bool) -> None:
+def _keep(module: nn.Module, name: str, original, full: torch.Tensor, first: bool, done):
+    """Put the initialised values where they belong; returns the parameter that holds them."""
     if not hasattr(original, "_flatshard_param"):
-        # not sharded: the full tensor becomes the parameter (or is dropped if tied)
-        if not first:
-            module._parameters[name] = original
-        else:
-            original.data = full
-            module._parameters[name] = original
-        return
+        # not sharded: a new full-size parameter replaces the meta one (tied ones share it)
+        value = module._parameters[name] if first else done[id(original)]
+        module._parameters[name] = value
+        return value
     if first:
         unit, managed = original._flatshard_param
         bucket = unit.buckets[managed.bucket]
         piece = bucket.pieces[managed.index]
         bucket.main_rows(managed.index).copy_(full[piece.row_start : piece.row_end])
-        unit.mark_stale()
     module._parameters[name] = original
+    return original

@@ -29,9 +29,18 @@ class RowShard(torch.Tensor):
     data_: torch.Tensor
     row_bounds: tuple[int, ...]
     index: int
+    # The flat buffer this piece is a view of. Ops run below autograd here, where views do
+    # not share version counters: writes bump the base's counter explicitly.
+    version_base: torch.Tensor | None
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, row_bounds: tuple[int, ...], index: int):
+    def __new__(
+        cls,
+        data: torch.Tensor,
+        row_bounds: tuple[int, ...],
+        index: int,
+        version_base: torch.Tensor | None = None,
+    ):
         if isinstance(data, RowShard):
             data = data.data_
         wrapper = torch.Tensor._make_wrapper_subclass(
@@ -47,9 +56,10 @@ class RowShard(torch.Tensor):
         wrapper.data_ = data
         wrapper.row_bounds = row_bounds
         wrapper.index = index
+        wrapper.version_base = version_base
         return wrapper
 
-    def __init__(self, data, row_bounds, index):  # state is set in __new__
+    def __init__(self, data, row_bounds, index, version_base=None):  # set in __new__
         super().__init__()
 
     @property
@@ -98,22 +108,29 @@ class RowShard(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        flat_in, _ = tree_flatten((args, kwargs))
-        shards = [t for t in flat_in if isinstance(t, RowShard)]
         if func.namespace in ("_c10d_functional", "c10d", "_dtensor"):
             # A collective on row shards means DTensor took its chunk-based path.
             raise UnevenShardError(_unsupported(f"the collective {func}"))
+        shards = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, RowShard)]
         inner_of = {id(s.data_): s for s in shards}
         unwrap = lambda t: t.data_
-        out = func(
-            *tree_map_only(RowShard, unwrap, args), **tree_map_only(RowShard, unwrap, kwargs)
-        )
+        plain_args = tree_map_only(RowShard, unwrap, args)
+        plain_kwargs = tree_map_only(RowShard, unwrap, kwargs)
+        out = func(*plain_args, **plain_kwargs)
+        _bump_written(func, args, kwargs)
+        keeps_rows = _keeps_rows(func)
 
         def rewrap(t, like):
             if id(t) in inner_of:  # in-place / out= ops return their (unwrapped) input
                 return inner_of[id(t)]
-            if like is not None and t.dim() > 0 and t.shape == like.shape:
-                return RowShard(t, like.row_bounds, like.index)
+            # Decided by the op alone, so every rank wraps (or not) alike; a view is kept
+            # when it is the identity view (DTensor's to_local/from_local make those).
+            if like is None or t.dim() == 0 or t.dim() != like.dim():
+                return t
+            if keeps_rows or (func in _VIEWS and t.shape == like.shape):
+                aliases = func in _VIEWS or func.name().split("::")[1].split(".")[0] in _ALIASES
+                base = like.version_base if aliases else None
+                return RowShard(t, like.row_bounds, like.index, base)
             return t
 
         if func.name().split("::")[1].startswith("_foreach_") and isinstance(out, (list, tuple)):
@@ -129,6 +146,51 @@ class RowShard(torch.Tensor):
         like = shards[0] if shards else None
         flat_out = [rewrap(o, like) if isinstance(o, torch.Tensor) else o for o in flat_out]
         return tree_unflatten(flat_out, spec)
+
+
+# Ops whose output has the rows of their row-shard input (besides pointwise and foreach).
+_ROW_KEEPING = {
+    "detach",
+    "alias",
+    "clone",
+    "_to_copy",
+    "copy_",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+    "rand_like",
+    "randn_like",
+    "zero_",
+    "fill_",
+    "contiguous",
+}
+
+
+_VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
+_ALIASES = {"detach", "alias"}
+
+
+def _keeps_rows(func) -> bool:
+    name = func.name().split("::")[1].split(".")[0]
+    return torch.Tag.pointwise in func.tags or name.startswith("_foreach_") or name in _ROW_KEEPING
+
+
+def _bump_written(func, args, kwargs) -> None:
+    """Bump the version of every flat buffer an in-place op wrote into, so writes to the
+    sharded weights are visible (that is how a unit knows its gathered copy is stale)."""
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[position] if position < len(args) else kwargs.get(argument.name)
+        written = value if isinstance(value, (list, tuple)) else [value]
+        bases = [
+            t.version_base
+            for t in written
+            if isinstance(t, RowShard) and t.version_base is not None
+        ]
+        if bases:
+            torch.autograd.graph.increment_version(bases)
 
 
 def _unsupported(what: str) -> str:
@@ -212,15 +274,16 @@ def make_row_sharded_dtensor(
     global_shape: tuple[int, ...],
     row_bounds: tuple[int, ...],
     index: int,
+    version_base: torch.Tensor | None = None,
 ) -> DTensor:
-    """A `Shard(0)` DTensor whose local tensor is `local` (a view, no copy)."""
+    """A `Shard(0)` DTensor whose local tensor is `local` (a view of `version_base`)."""
     strides = []
     step = 1
     for size in reversed(global_shape):
         strides.append(step)
         step *= size
     return DTensor.from_local(
-        RowShard(local, row_bounds, index),
+        RowShard(local, row_bounds, index, version_base),
         mesh,
         [Shard(0)],
         run_check=False,

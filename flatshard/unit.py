@@ -2,14 +2,19 @@
 
 State machine of a unit's parameters: sharded -> gathering -> unsharded -> sharded.
 - pre-forward: gather (or wait for a prefetch), register the unsharded parameters on the
-  modules, start the next unit's gather.
+  modules, start the next unit's gather; an identity autograd function on the inputs marks
+  where this unit's backward ends.
 - post-forward: register the sharded DTensor parameters again; ZeRO-3 frees the unsharded
-  buffer; hooks on the outputs mark the start of this unit's backward.
-- pre-backward (first output gradient): gather again if freed, point the unsharded
-  parameters' `.grad` into one flat gradient buffer per bucket, prefetch the next unit.
-- post-backward (all gradients accumulated): reduce-scatter each bucket asynchronously;
-  the previous unit's reduce-scatter is finished then, so at most two are in flight.
-- end of backward (autograd callback): finish everything, set DTensor `.grad`s.
+  buffer; hooks on the outputs mark where this unit's backward starts.
+- pre-backward (first output gradient): gather again if freed, register the unsharded
+  parameters (activation checkpointing recomputes with them), point their `.grad` into one
+  flat gradient buffer per bucket (autograd then accumulates in place), prefetch the next.
+- post-backward (gradient of the inputs computed): reduce-scatter each bucket
+  asynchronously; the previous unit's reduce-scatter is finished then, so at most two are
+  in flight. The trigger is the same on every rank even when a rank leaves some parameter
+  unused (its gradient is then zeros), so collectives always pair up.
+- end of backward (autograd callback): units whose inputs needed no gradient (the root),
+  then everything pending; DTensor `.grad`s are set.
 """
 
 from __future__ import annotations
@@ -19,12 +24,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
+from flatshard.errors import UnevenShardError, WrappingError
 from flatshard.flat_bucket import FlatBucket
 from flatshard.layout import UnitLayout
 from flatshard.policy import MixedPrecisionPolicy
-from flatshard.row_shard import local_data, make_row_sharded_dtensor
+from flatshard.row_shard import RowShard, local_data, make_row_sharded_dtensor
 
 
 @dataclass
@@ -62,6 +68,20 @@ class RootContext:
     pending: list[PendingReduce] = field(default_factory=list)
 
 
+class _MarkBackwardEnd(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once their gradients are computed."""
+
+    @staticmethod
+    def forward(ctx, unit, *inputs):
+        ctx.unit = unit
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.unit._on_input_gradients()
+        return (None, *grads)
+
+
 class Unit:
     def __init__(
         self,
@@ -90,27 +110,34 @@ class Unit:
         self.forward_prefetch: list[Unit] | None = None
         self.backward_prefetch: list[Unit] | None = None
         self.context: RootContext | None = None
-        self.has_frozen = any(not p.sharded.requires_grad for p in params)
         self._trainable = [p for p in params if p.sharded.requires_grad]
+        self._wrapped_requires_grad = [p.sharded.requires_grad for p in params]
         # parameter state
         self._gather_works: list | None = None
         self._unsharded = False
-        self._stale = True
+        self._forced_stale = False
         # backward state
         self._backward_started = False
         self._post_backward_done = False
-        self._grads_ready = 0
+        self._grads_prepared = False
         self._holds_unsynced_grads = False
+        self._forward_calls = 0
+        self._input_gradients_seen = 0
 
     # --- parameters ------------------------------------------------------------------------
     def unshard(self, async_op: bool = False):
-        """Start gathering the parameters (no-op when gathered and fresh)."""
-        if self._gather_works is None and not (self._unsharded and not self._stale):
+        """Start gathering the parameters (no-op while a gathered copy is up to date)."""
+        if self._gather_works is None and (not self._unsharded or self._is_stale()):
             self._gather_works = [bucket.start_all_gather() for bucket in self.buckets]
             self._unsharded = True
-            self._stale = False
+            self._forced_stale = False
         if not async_op:
             self.wait_unshard()
+
+    def _is_stale(self) -> bool:
+        # Any write to the sharded weights (optimizer step, checkpoint load, a user's
+        # in-place edit of `to_local()`) bumps the version of the bucket's main buffer.
+        return self._forced_stale or any(b.gathered_version_changed() for b in self.buckets)
 
     def wait_unshard(self) -> None:
         if self._gather_works is None:
@@ -127,8 +154,6 @@ class Unit:
             bucket = self.buckets[param.bucket]
             view = bucket.unsharded_view(bucket.unsharded, param.index)
             param.unsharded = nn.Parameter(view, requires_grad=param.sharded.requires_grad)
-            if param.unsharded.requires_grad:
-                param.unsharded.register_post_accumulate_grad_hook(self._on_grad_accumulated)
 
     def reshard(self) -> None:
         self.wait_unshard()
@@ -138,8 +163,8 @@ class Unit:
             self._unsharded = False
 
     def mark_stale(self) -> None:
-        """The sharded weights changed (optimizer step): the unsharded copy is out of date."""
-        self._stale = True
+        """Force the next use to gather again."""
+        self._forced_stale = True
 
     def _register(self, which: str) -> None:
         for param in self.params:
@@ -150,18 +175,38 @@ class Unit:
     # --- forward ---------------------------------------------------------------------------
     def pre_forward(self, module, args, kwargs):
         context = self._context()
-        if not context.in_backward:
+        if not context.in_backward:  # not an activation-checkpointing recompute
+            self._check_requires_grad()
+            self._release_unused_grad_buffers()
             if self is context.root:
                 context.previous_pre_forward_order = context.pre_forward_order
                 context.pre_forward_order, context.post_forward_order = [], []
             context.pre_forward_order.append(self)
         self.unshard()
         self._register("unsharded")
-        for unit in self._prefetch_targets(forward=True):
-            unit.unshard(async_op=True)
+        if not context.in_backward:
+            for unit in self._prefetch_targets(forward=True):
+                unit.unshard(async_op=True)
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
+        if torch.is_grad_enabled() and not context.in_backward:
+            args, kwargs = self._mark_backward_end((args, kwargs))
         return args, kwargs
+
+    def _mark_backward_end(self, tree):
+        leaves, spec = tree_flatten(tree)
+        positions = [
+            i
+            for i, leaf in enumerate(leaves)
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad
+        ]
+        if not positions:
+            return tree
+        self._forward_calls += 1
+        marked = _MarkBackwardEnd.apply(self, *(leaves[i] for i in positions))
+        for i, tensor in zip(positions, marked):
+            leaves[i] = tensor
+        return tree_unflatten(leaves, spec)
 
     def post_forward(self, module, args, output):
         self._register("sharded")
@@ -196,6 +241,25 @@ class Unit:
             return []
         return order[order.index(self) + 1 :][:1]
 
+    def _check_requires_grad(self) -> None:
+        now = [p.sharded.requires_grad for p in self.params]
+        if now != self._wrapped_requires_grad:
+            changed = [
+                p.fqn for p, a, b in zip(self.params, now, self._wrapped_requires_grad) if a != b
+            ]
+            raise WrappingError(
+                f"requires_grad of {changed} changed after fully_shard; freeze or unfreeze "
+                "parameters before wrapping (the layout groups trainable and frozen ones apart)"
+            )
+
+    def _release_unused_grad_buffers(self) -> None:
+        """After `zero_grad(set_to_none=True)` nothing uses the sharded gradients: free them."""
+        for bucket in self.buckets:
+            if bucket.sharded_grad is not None and all(
+                p.sharded.grad is None for p in self._trainable if self.buckets[p.bucket] is bucket
+            ):
+                bucket.sharded_grad = None
+
     # --- backward --------------------------------------------------------------------------
     def _pre_backward(self, grad):
         if self._backward_started:
@@ -206,44 +270,50 @@ class Unit:
             Variable._execution_engine.queue_callback(lambda: end_backward(context))
         self._backward_started = True
         self.unshard()
-        self._point_grads_into_flat_buffers()
+        self._register("unsharded")  # activation checkpointing recomputes with these
+        self._prepare_grads()
         for unit in self._prefetch_targets(forward=False):
             unit.unshard(async_op=True)
         return grad
 
-    def _point_grads_into_flat_buffers(self) -> None:
-        """AccumulateGrad then adds each gradient in place into its bucket's flat buffer."""
+    def _prepare_grads(self) -> None:
+        """Zeroed flat gradient buffers that the unsharded parameters' `.grad` views; autograd
+        then adds each gradient in place. Accumulated unsynced gradients are kept."""
+        if self._grads_prepared:
+            return
+        self._grads_prepared = True
+        self._make_unsharded_params()
         for bucket in self.buckets:
             if bucket.layout.requires_grad:
-                fresh = bucket.unsharded_grad is None
-                flat = bucket.zeroed_unsharded_grad()
-                if not fresh and not self._holds_unsynced_grads:
-                    flat.zero_()
+                bucket.prepare_unsharded_grad(keep=self._holds_unsynced_grads)
         for param in self._trainable:
             bucket = self.buckets[param.bucket]
-            param.unsharded.grad = bucket.unsharded_view(bucket.unsharded_grad, param.index)
+            view = bucket.unsharded_view(bucket.unsharded_grad, param.index)
+            grad = param.unsharded.grad
+            if grad is not None and grad.data_ptr() != view.data_ptr():
+                view.add_(grad)  # a gradient autograd allocated itself (no hook ran first)
+            param.unsharded.grad = view
 
-    def _on_grad_accumulated(self, param: torch.Tensor) -> None:
-        self._grads_ready += 1
-        if self._grads_ready == len(self._trainable):
+    def _on_input_gradients(self) -> None:
+        self._input_gradients_seen += 1
+        if self._input_gradients_seen == self._forward_calls:
             self.post_backward()
 
     def post_backward(self) -> None:
-        if self._post_backward_done:
+        has_grads = any(
+            p.unsharded is not None and p.unsharded.grad is not None for p in self._trainable
+        )
+        if self._post_backward_done or not (self._backward_started or has_grads):
             return
-        if not self._backward_started:
-            if not self._adopt_stray_grads():
-                return
         self._post_backward_done = True
-        self._adopt_stray_grads()
-        if self.reshard_after_backward and not self.has_frozen:
-            # Frozen weights may still be read to compute input gradients: such units are
-            # resharded at the end of backward instead.
+        self._prepare_grads()
+        self._register("sharded")
+        if self.reshard_after_backward:
             self.reshard()
         if not self.requires_gradient_sync:
             for bucket in self.buckets:
-                if bucket.layout.requires_grad:
-                    bucket.hold_unsynced_grad()
+                if bucket.layout.requires_grad and bucket.hold_unsynced_grad():
+                    self._detach_grad_views(bucket)
             self._holds_unsynced_grads = True
             return
         context = self.context
@@ -263,27 +333,10 @@ class Unit:
         # Bound memory: finish every earlier reduce-scatter, keep only this unit's in flight.
         _finish_pending(context, keep=started)
 
-    def _adopt_stray_grads(self) -> bool:
-        """Move gradients autograd allocated itself (no pre-backward hook ran for them)
-        into the flat buffer. Returns whether any parameter has a gradient."""
-        found = False
+    def _detach_grad_views(self, bucket: FlatBucket) -> None:
         for param in self._trainable:
-            grad = param.unsharded.grad if param.unsharded is not None else None
-            if grad is None:
-                continue
-            found = True
-            bucket = self.buckets[param.bucket]
-            fresh = bucket.unsharded_grad is None
-            flat = bucket.zeroed_unsharded_grad()
-            view = bucket.unsharded_view(flat, param.index)
-            if grad.data_ptr() != view.data_ptr():
-                if fresh and not self._backward_started:
-                    flat.zero_()
-                view.copy_(grad)
-                param.unsharded.grad = view
-        if found:
-            self._backward_started = True
-        return found
+            if self.buckets[param.bucket] is bucket:
+                param.unsharded.grad = None
 
     def _finish_reduce(self, pending: PendingReduce) -> None:
         pending.work.wait()
@@ -303,7 +356,8 @@ class Unit:
             fresh = reduced.to(bucket.main.dtype)
             for param in params:
                 if param.sharded.grad is not None:  # a gradient flatshard does not own yet
-                    bucket.grad_rows(fresh, param.index).add_(param.sharded.grad.to_local())
+                    rows = bucket.grad_rows(fresh, param.index)
+                    rows.add_(_own_rows(param, rows))
             bucket.sharded_grad = fresh
             for param in params:
                 param.sharded.grad = self._sharded_like(param, bucket.grad_rows(fresh, param.index))
@@ -320,7 +374,11 @@ class Unit:
     def end_backward(self) -> None:
         self._backward_started = False
         self._post_backward_done = False
-        self._grads_ready = 0
+        self._grads_prepared = False
+        self._forward_calls = 0
+        self._input_gradients_seen = 0
+        self.wait_unshard()  # a prefetch nobody used must not outlive the step
+        self._register("sharded")
         if self.reshard_after_backward:
             self.reshard()
 
@@ -332,6 +390,19 @@ class Unit:
             for unit in context.units:
                 unit.context = context
         return self.context
+
+
+def _own_rows(param: ManagedParam, rows: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a gradient someone else put on a flatshard parameter; it must
+    use flatshard's row layout (a chunk-sharded one would land on the wrong rows)."""
+    local = param.sharded.grad._local_tensor
+    if not isinstance(local, RowShard):  # the same answer on every rank: safe to raise
+        raise UnevenShardError(
+            f"the gradient on {param.fqn!r} was not produced in flatshard's row layout (e.g. "
+            "by differentiating through full_tensor()); compute losses on the module's "
+            "parameters, or set .grad from to_local() rows"
+        )
+    return local.data_
 
 
 def _unit_of(module: nn.Module):

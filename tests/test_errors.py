@@ -32,18 +32,31 @@ def test_wrapping_twice():
         assert kind == "WrappingError" and "already fully_shard-ed" in message
 
 
-def _mesh_without_rank_1():
-    # Only rank 1 can see the problem; every rank must still raise (agreed first).
-    mesh = DeviceMesh("cpu", [0], _init_backend=False) if dist.get_rank() == 1 else None
-    if mesh is None:
-        mesh = DeviceMesh("cpu", [0, 1])
-    return _outcome(lambda: flatshard.fully_shard(nn.Linear(4, 4), mesh=mesh))
+def _mesh_without_last_rank():
+    mesh = DeviceMesh("cpu", [0, 1])  # world 3: rank 2 is not in it
+    outcome = _outcome(lambda: flatshard.fully_shard(nn.Linear(4, 4), mesh=mesh))
+    dist.barrier()  # ranks 0 and 1 went on without waiting for rank 2
+    return outcome
 
 
 def test_mesh_that_does_not_contain_this_rank():
-    results = run_distributed(_mesh_without_rank_1, 2, timeout=60)
-    for kind, message in results:
-        assert kind == "WrappingError" and "rank 1: rank 1 is not in the device mesh" in message
+    results = run_distributed(_mesh_without_last_rank, 3, timeout=60)
+    assert results[0] == results[1] == ("ok", "")
+    kind, message = results[2]
+    assert kind == "MeshError" and "rank 2 is not in the device mesh" in message
+
+
+def _device_problem_on_one_rank():
+    # A check only rank 1 fails: every rank of the mesh raises, none waits alone.
+    module = nn.Linear(4, 4)
+    if dist.get_rank() == 1:
+        module.bias = nn.Parameter(torch.zeros(4, dtype=torch.long), requires_grad=False)
+    return _outcome(lambda: flatshard.fully_shard(module))
+
+
+def test_check_failing_on_one_rank_raises_on_all():
+    for kind, message in run_distributed(_device_problem_on_one_rank, 2, timeout=60):
+        assert kind == "WrappingError" and message.startswith("rank 1: parameter 'bias'")
 
 
 def _integer_parameter():

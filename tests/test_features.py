@@ -249,3 +249,22 @@ def test_meta_init_peak_memory_is_bounded_by_largest_unit():
         # eager construction would peak at the whole model on every rank.
         assert peak <= bound_kib + 4096, (peak, bound_kib, full_kib)
         assert bound_kib < full_kib / 2
+
+
+def _meta_init_blocks_only():
+    cfg = config(tie_embeddings=True)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    for layer in model.layers:  # root not wrapped: its (tied) params stay plain
+        flatshard.fully_shard(layer)
+    torch.manual_seed(0)
+    flatshard.materialize(model)
+    eager = build_model(cfg).state_dict()
+    state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+             for k, v in model.state_dict().items()}
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    return tied and all(torch.equal(state[k], eager[k]) for k in eager)
+
+
+def test_meta_init_with_unsharded_parameters():
+    assert run_distributed(_meta_init_blocks_only, 2) == [True, True]

@@ -7,10 +7,6 @@ Import: each rank reads only its own rows of each tensor from the file.
 
 from __future__ import annotations
 
-import json
-import os
-import struct
-
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
@@ -19,19 +15,7 @@ from torch.distributed.tensor import DTensor
 from flatshard.api import weights_changed
 from flatshard.errors import CheckpointError
 from flatshard.row_shard import RowShard, row_range
-
-_DTYPE_NAMES = {
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float64: "F64",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
+from flatshard.safetensors_stream import StreamingSafetensorsWriter
 
 
 def export_full(model: torch.nn.Module, path: str) -> None:
@@ -39,35 +23,15 @@ def export_full(model: torch.nn.Module, path: str) -> None:
     calls it; rank 0 writes)."""
     state = model.state_dict()
     writing = not dist.is_initialized() or dist.get_rank() == 0
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    entries = [(key, tuple(value.shape), value.dtype) for key, value in state.items()]
+    writer = StreamingSafetensorsWriter(path, entries) if writing else None
     for key, value in state.items():
-        size = value.numel() * value.element_size()
-        header[key] = {
-            "dtype": _DTYPE_NAMES[value.dtype],
-            "shape": list(value.shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # keep the data 8-byte aligned
-    handle = open(path + ".tmp", "wb") if writing else None
-    try:
-        if handle:
-            handle.write(struct.pack("<Q", len(encoded)) + encoded)
-        for value in state.values():
-            full = value.full_tensor() if isinstance(value, DTensor) else value
-            if handle:
-                # numpy exposes the bytes without a copy; bf16 goes through its uint8 view
-                handle.write(full.detach().cpu().contiguous().view(torch.uint8).numpy())
-            del full
-        if handle:
-            handle.flush()
-            os.fsync(handle.fileno())
-    finally:
-        if handle:
-            handle.close()
-    if writing:
-        os.replace(path + ".tmp", path)
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        if writer:
+            writer.write(key, full)
+        del full  # one full tensor at a time
+    if writer:
+        writer.close()
     if dist.is_initialized():
         dist.barrier()
 

@@ -1,0 +1,158 @@
+"""`load_pretrained`: fill a (sharded or plain) model from a Hugging Face checkpoint.
+
+Each rank reads only the rows it holds: for every HF tensor, the intersection of the rows
+it fills (a whole parameter, or one fused component such as gate_proj inside gate_up_proj)
+with this rank's row range, through `safe_open(...).get_slice(name)[a:b]`. No rank reads
+another's rows and no weights cross the network. Everything is checked against the
+headers first, so a mismatched checkpoint fails before a single weight is written, with
+one error listing every problem; the check is the same on every rank (same files), so all
+ranks raise alike with no collective at all.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from flatshard.api import weights_changed
+from flatshard.hf.checkpoint import TensorInfo, checkpoint_tensors
+from flatshard.hf.config import hf_to_config, read_hf_config
+from flatshard.hf.errors import HFCheckpointError
+from flatshard.hf.names import LLAMA_RULES, NameRule, TensorMapping, plan_tensors
+from flatshard.models import LlamaConfig
+from flatshard.row_shard import row_range
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    """What this rank read: bytes of tensor data (slices actually read) and wall time."""
+
+    bytes_read: int
+    slices_read: int
+    seconds: float
+
+
+def load_pretrained(
+    model: nn.Module,
+    path: str | Path,
+    *,
+    rules: tuple[NameRule, ...] = LLAMA_RULES,
+    check_config: bool = True,
+) -> LoadStats:
+    """Load the HF checkpoint at `path` into `model` (strict: every tensor used, every
+    parameter filled). Works on a `fully_shard`-ed model at any world size and on a plain one.
+
+    check_config: when the model has a `LlamaConfig` and `path` a config.json, they must
+    describe the same model (shapes alone do not catch e.g. a different rope_theta).
+    """
+    started = time.perf_counter()
+    path = Path(path)
+    if check_config:
+        _check_config(model, path)
+    tensors = checkpoint_tensors(path)
+    mappings, unmapped = plan_tensors(model, rules)
+    problem = _mismatch_report(model, mappings, unmapped, tensors)
+    if problem:
+        raise HFCheckpointError(f"checkpoint {path} does not match the model:\n{problem}")
+
+    params = dict(model.named_parameters())
+    bytes_read = slices = 0
+    with torch.no_grad():
+        for file, group in _by_file(mappings, tensors).items():
+            with safe_open(file, framework="pt") as f:
+                for mapping in group:
+                    read = _copy_rows(f, mapping, params[mapping.param_name])
+                    bytes_read += read
+                    slices += read > 0
+    weights_changed(model)
+    return LoadStats(bytes_read, slices, time.perf_counter() - started)
+
+
+def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(this rank's rows of `param` as a writable tensor, the global index of its first row)."""
+    if isinstance(param, DTensor):
+        return param.to_local(), row_range(param)[0]
+    return param.detach(), 0
+
+
+def _copy_rows(f, mapping: TensorMapping, param: torch.Tensor) -> int:
+    """Copy the rows of HF tensor `mapping` that this rank holds; returns bytes read."""
+    local, first = local_rows(param)
+    start = max(mapping.row_start, first)
+    end = min(mapping.row_end, first + local.shape[0])
+    if start >= end:
+        return 0
+    piece = f.get_slice(mapping.hf_name)[start - mapping.row_start : end - mapping.row_start]
+    local[start - first : end - first].copy_(piece)
+    return piece.numel() * piece.element_size()
+
+
+def _by_file(mappings, tensors: dict[str, TensorInfo]) -> dict[Path, list[TensorMapping]]:
+    groups: dict[Path, list[TensorMapping]] = {}
+    for mapping in mappings:
+        groups.setdefault(tensors[mapping.hf_name].file, []).append(mapping)
+    return groups
+
+
+def _mismatch_report(model, mappings, unmapped, tensors) -> str:
+    expected = {m.hf_name: m for m in mappings}
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    wrong_shape = [
+        f"{name}: checkpoint {list(tensors[name].shape)}, model expects {list(m.shape)} "
+        f"(rows {m.row_start}:{m.row_end} of {m.param_name})"
+        for name, m in sorted(expected.items())
+        if name in tensors and tensors[name].shape != m.shape
+    ]
+    lines = []
+    for title, items in (
+        ("missing from the checkpoint", missing),
+        ("unexpected in the checkpoint", unexpected),
+        ("shape mismatches", wrong_shape),
+        ("model parameters no name rule maps", sorted(unmapped)),
+    ):
+        if items:
+            lines.append(f"  {title} ({len(items)}):")
+            lines.extend(f"    {item}" for item in items)
+    if not lines:
+        return ""
+    if "lm_head.weight" in unexpected and _ties_embeddings(model):
+        lines.append(
+            "  (the model ties lm_head to embed_tokens but the checkpoint stores lm_head.weight: "
+            "build the model with tie_embeddings=False)"
+        )
+    lines.append(
+        "Check that the model was built from this checkpoint's config.json (e.g. with "
+        "flatshard.hf.from_pretrained) and that the checkpoint is complete."
+    )
+    return "\n".join(lines)
+
+
+def _ties_embeddings(model) -> bool:
+    config = getattr(model, "config", None)
+    return isinstance(config, LlamaConfig) and config.tie_embeddings
+
+
+def _check_config(model: nn.Module, path: Path) -> None:
+    ours = getattr(model, "config", None)
+    if not isinstance(ours, LlamaConfig) or not (path / "config.json").is_file():
+        return
+    theirs = hf_to_config(read_hf_config(path))
+    # max_seq_len only bounds the inputs: a shorter limit than the checkpoint's is fine
+    differ = [
+        f"{field}: model {getattr(ours, field)!r}, config.json {getattr(theirs, field)!r}"
+        for field in ours.__dataclass_fields__
+        if field != "max_seq_len" and getattr(ours, field) != getattr(theirs, field)
+    ]
+    if differ:
+        raise HFCheckpointError(
+            f"the model's config differs from {path / 'config.json'}: {'; '.join(differ)}. "
+            "Build the model with flatshard.hf.hf_to_config(read_hf_config(path)), or pass "
+            "check_config=False if the difference is intended."
+        )

@@ -1,0 +1,63 @@
+"""`from_pretrained`: a flatshard model built, sharded and loaded from a HF directory.
+
+The model is built on the meta device, so no rank ever holds more than its shards plus the
+parameters left unsharded: the sharding function wraps it (allocating only this rank's
+shards), `materialize` initialises the shards, unsharded meta parameters get empty
+storage, and the load then overwrites every parameter (a strict load fills them all).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from flatshard import comm
+from flatshard.hf.config import hf_to_config, read_hf_config
+from flatshard.hf.load import load_pretrained
+from flatshard.hf.names import LLAMA_RULES, NameRule
+from flatshard.materialize import materialize
+from flatshard.models import Llama
+
+
+def from_pretrained(
+    path: str | Path,
+    *,
+    shard: Callable[[nn.Module], object] | None = None,
+    device: torch.device | str | None = None,
+    rules: tuple[NameRule, ...] = LLAMA_RULES,
+) -> Llama:
+    """Build the model `path/config.json` describes, apply `shard` (e.g. fully_shard each
+    block, then the root; None keeps it unsharded) and load the weights. Call on every rank.
+    """
+    config = hf_to_config(read_hf_config(path))  # config errors before anything is built
+    device = torch.device(device) if device else comm.compute_device(comm.default_device_type())
+    with torch.device("meta"):
+        model = Llama(config)
+    if shard is not None:
+        shard(model)
+    _allocate_unsharded(model, device)
+    # materialize draws an init that the load overwrites: leave the caller's RNG as it was
+    with torch.random.fork_rng(devices=[]):
+        materialize(model, device)
+    load_pretrained(model, path, rules=rules)
+    return model
+
+
+def _allocate_unsharded(model: nn.Module, device: torch.device) -> None:
+    """Give parameters that no fully_shard manages (still meta) empty storage, keeping ties.
+
+    Their values would only be overwritten by the load, so no init is drawn for them (and
+    `materialize` skips them; today it cannot re-home an unsharded meta parameter anyway).
+    """
+    allocated: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or not param.is_meta:
+                continue
+            if id(param) not in allocated:
+                empty = torch.empty_like(param, device=device)
+                allocated[id(param)] = nn.Parameter(empty, requires_grad=param.requires_grad)
+            module._parameters[name] = allocated[id(param)]

@@ -1,0 +1,204 @@
+"""`save_pretrained`: write a model as a Hugging Face checkpoint, from any world size.
+
+Parameters are gathered one at a time (`full_tensor()`, which every rank calls in the same
+order), split into their HF tensors (gate_up_proj -> gate_proj, up_proj) and streamed by
+rank 0 into safetensors shards whose headers were planned up front, so each rank holds at
+most one full parameter at a time. A write failure on rank 0 does not leave the other ranks
+waiting in a collective: rank 0 stops writing, keeps gathering, and all ranks raise together.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from flatshard import comm
+from flatshard.hf.checkpoint import INDEX_FILE, SINGLE_FILE
+from flatshard.hf.config import IGNORED_FIELDS, config_to_hf
+from flatshard.hf.errors import HFCheckpointError
+from flatshard.hf.names import LLAMA_RULES, NameRule, TensorMapping, plan_tensors
+from flatshard.models import LlamaConfig
+from flatshard.safetensors_stream import StreamingSafetensorsWriter, tensor_bytes
+
+_SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def save_pretrained(
+    model: nn.Module,
+    path: str | Path,
+    *,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+    rules: tuple[NameRule, ...] = LLAMA_RULES,
+    extra_config: dict | None = None,
+) -> None:
+    """Write `config.json` and the weights of `model` (sharded or plain) to `path`.
+
+    Call on every rank. dtype: cast the saved tensors (default: each parameter's dtype).
+    extra_config: fields that do not change the model (token ids, ...) to add to config.json.
+    Returns once the files are complete, on every rank.
+    """
+    path = Path(path)
+    config = _hf_config(model, dtype, extra_config)  # every rank checks: same answer
+    mappings, unmapped = plan_tensors(model, rules)
+    if unmapped:
+        raise HFCheckpointError(
+            f"no Hugging Face name for parameter(s) {unmapped}; add a NameRule for them"
+        )
+    params = dict(model.named_parameters())
+    out_dtype = {m.hf_name: dtype or params[m.param_name].dtype for m in mappings}
+    shards = _plan_shards(mappings, out_dtype, _parse_size(max_shard_size))
+    group = dist.group.WORLD if dist.is_initialized() else None
+    writer = (
+        _ShardWriter(path, shards, out_dtype) if group is None or dist.get_rank() == 0 else None
+    )
+
+    by_param: dict[str, list[TensorMapping]] = {}
+    for mapping in mappings:
+        by_param.setdefault(mapping.param_name, []).append(mapping)
+    with torch.no_grad():
+        for name, param in params.items():
+            full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+            for mapping in by_param[name]:
+                if writer is not None:
+                    piece = full[mapping.row_start : mapping.row_end]
+                    writer.write(mapping.hf_name, piece.to(out_dtype[mapping.hf_name]))
+            del full  # at most one gathered parameter alive at a time
+    problem = writer.finish(config) if writer is not None else None
+    comm.agree(problem, group, HFCheckpointError)  # also the barrier: files exist after it
+
+
+def _hf_config(model, dtype, extra_config) -> dict:
+    config = getattr(model, "config", None)
+    if not isinstance(config, LlamaConfig):
+        raise HFCheckpointError(
+            f"{type(model).__name__} has no flatshard LlamaConfig in `.config`; save_pretrained "
+            "writes config.json from it"
+        )
+    dtypes = {p.dtype for p in model.parameters()}
+    hf = config_to_hf(config, dtype or (dtypes.pop() if len(dtypes) == 1 else None))
+    extra = dict(extra_config or {})
+    not_ignorable = sorted(set(extra) - IGNORED_FIELDS)
+    if not_ignorable:
+        raise HFCheckpointError(
+            f"extra_config may only add fields that do not change the model "
+            f"(flatshard.hf.config.IGNORED_FIELDS); {not_ignorable} are not among them"
+        )
+    return {**hf, **extra}
+
+
+def _parse_size(size: int | str) -> int:
+    """Bytes in `size`: an int, or "5GB" / "500MB" / "2GiB" (decimal and binary units as HF)."""
+    if isinstance(size, int) and size > 0:
+        return size
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+    match = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", str(size))
+    if match is None or match.group(2).upper() not in units or int(match.group(1)) <= 0:
+        raise HFCheckpointError(
+            f"max_shard_size {size!r} is not a size; use a positive int (bytes) or e.g. '5GB'"
+        )
+    return int(match.group(1)) * units[match.group(2).upper()]
+
+
+def _plan_shards(mappings, out_dtype, max_bytes: int) -> list[list[TensorMapping]]:
+    """Consecutive tensors packed into files of at most max_bytes (a bigger tensor alone)."""
+    shards: list[list[TensorMapping]] = [[]]
+    used = 0
+    for mapping in mappings:
+        size = tensor_bytes(mapping.shape, out_dtype[mapping.hf_name])
+        if shards[-1] and used + size > max_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(mapping)
+        used += size
+    return shards
+
+
+class _ShardWriter:
+    """Rank 0's side: shard files in stream order; remembers the first failure."""
+
+    def __init__(self, path: Path, shards, out_dtype):
+        self.path = path
+        self.shards = shards
+        self.out_dtype = out_dtype
+        n = len(shards)
+        self.names = (
+            [SINGLE_FILE]
+            if n == 1
+            else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        )
+        self.index = -1
+        self.left_in_shard = 0
+        self.current: StreamingSafetensorsWriter | None = None
+        self.problem: str | None = None
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            self.problem = f"cannot create {path}: {e}"
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self.problem:
+            return  # keep the caller gathering with the other ranks; report at finish
+        try:
+            if self.left_in_shard == 0:
+                self._open_next()
+            self.current.write(name, tensor)
+            self.left_in_shard -= 1
+            if self.left_in_shard == 0:
+                self.current.close()
+                self.current = None
+        except Exception as e:  # any failure: raising here would strand the other ranks
+            self.problem = f"writing {self.path}: {e!r}"
+            if self.current is not None:
+                self.current.abort()
+
+    def _open_next(self) -> None:
+        self.index += 1
+        shard = self.shards[self.index]
+        entries = [(m.hf_name, m.shape, self.out_dtype[m.hf_name]) for m in shard]
+        self.current = StreamingSafetensorsWriter(self.path / self.names[self.index], entries)
+        self.left_in_shard = len(shard)
+
+    def finish(self, config: dict) -> str | None:
+        if self.problem:
+            return self.problem
+        try:
+            self._remove_stale_weights()
+            if len(self.shards) > 1:
+                _write_json(self.path / INDEX_FILE, self._index())
+            _write_json(self.path / "config.json", config)
+        except Exception as e:
+            return f"writing {self.path}: {e!r}"
+        return None
+
+    def _index(self) -> dict:
+        weight_map = {
+            m.hf_name: file for file, shard in zip(self.names, self.shards) for m in shard
+        }
+        total = sum(
+            tensor_bytes(m.shape, self.out_dtype[m.hf_name]) for s in self.shards for m in s
+        )
+        return {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+
+    def _remove_stale_weights(self) -> None:
+        # A weights file from an earlier save would shadow or mix with this one on load.
+        for file in self.path.iterdir():
+            stale = file.name in (SINGLE_FILE, INDEX_FILE) or _SHARD_FILE.fullmatch(file.name)
+            if stale and file.name not in self.names:
+                file.unlink()
+
+
+def _write_json(file: Path, data: dict) -> None:
+    tmp = file.with_name(file.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, file)
