@@ -74,7 +74,32 @@ def dcp_load(model, optimizer, path):
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+
+
+def one_repeat(base: str, fsdp2, ours) -> dict[str, float]:
+    """Every mode once, in the same order each repeat."""
+    model, optimizer = ours
+    result = {
+        "FSDP2 + DCP save": timed(lambda: dcp_save(*fsdp2, base + "-fsdp2")),
+        "flatshard save": timed(
+            lambda: checkpoint.save(base + "-ours", model=model, optimizer=optimizer, step=1)
+        ),
+        "flatshard + plain DCP save": timed(lambda: dcp_save(*ours, base + "-plain")),
+    }
+    handle = checkpoint.save(
+        base + "-async", model=model, optimizer=optimizer, step=1, async_save=True
+    )
+    result["flatshard async save (blocking)"] = handle.blocking_seconds
+    handle.wait()
+    result["FSDP2 + DCP load"] = timed(lambda: dcp_load(*fsdp2, base + "-fsdp2"))
+    result["flatshard load"] = timed(
+        lambda: checkpoint.load(base + "-ours", model=model, optimizer=optimizer)
+    )
+    result["flatshard + plain DCP load"] = timed(lambda: dcp_load(*ours, base + "-plain"))
+    return result
 
 
 def worker(rank: int, world: int, port: int, args, queue):
@@ -84,30 +109,11 @@ def worker(rank: int, world: int, port: int, args, queue):
     cfg = LlamaConfig(max_seq_len=256, **PRESETS[args.preset])
     fsdp2 = build("fsdp2", cfg)
     ours = build("flatshard", cfg)
-    root = args.dir
     times: dict[str, list[float]] = {}
     for repeat in range(args.repeats):
-        def record(name, seconds):
+        base = os.path.join(args.dir, f"r{repeat}")
+        for name, seconds in one_repeat(base, fsdp2, ours).items():
             times.setdefault(name, []).append(seconds)
-
-        base = os.path.join(root, f"r{repeat}")
-        record("FSDP2 + DCP save", timed(lambda: dcp_save(*fsdp2, base + "-fsdp2")))
-        record("flatshard save", timed(
-            lambda: checkpoint.save(base + "-ours", model=ours[0], optimizer=ours[1], step=1)))
-        record("flatshard + plain DCP save", timed(lambda: dcp_save(*ours, base + "-plain")))
-        handle = {}
-
-        def async_save():
-            handle["h"] = checkpoint.save(base + "-async", model=ours[0], optimizer=ours[1],
-                                          step=1, async_save=True)
-
-        timed(async_save)
-        record("flatshard async save (blocking)", handle["h"].blocking_seconds)
-        handle["h"].wait()
-        record("FSDP2 + DCP load", timed(lambda: dcp_load(*fsdp2, base + "-fsdp2")))
-        record("flatshard load", timed(
-            lambda: checkpoint.load(base + "-ours", model=ours[0], optimizer=ours[1])))
-        record("flatshard + plain DCP load", timed(lambda: dcp_load(*ours, base + "-plain")))
         dist.barrier()
         if rank == 0:
             for suffix in ("-fsdp2", "-ours", "-plain", "-async"):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from flatshard.errors import UnevenShardError
 
@@ -107,45 +107,95 @@ class RowShard(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.namespace in ("_c10d_functional", "c10d", "_dtensor"):
+        op = _op_info(func)
+        if op.collective:
             # A collective on row shards means DTensor took its chunk-based path.
             raise UnevenShardError(_unsupported(f"the collective {func}"))
-        shards = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, RowShard)]
-        inner_of = {id(s.data_): s for s in shards}
-        unwrap = lambda t: t.data_
-        plain_args = tree_map_only(RowShard, unwrap, args)
-        plain_kwargs = tree_map_only(RowShard, unwrap, kwargs)
-        out = func(*plain_args, **plain_kwargs)
-        _bump_written(func, args, kwargs)
-        keeps_rows = _keeps_rows(func)
-
-        def rewrap(t, like):
-            if id(t) in inner_of:  # in-place / out= ops return their (unwrapped) input
-                return inner_of[id(t)]
-            # Decided by the op alone, so every rank wraps (or not) alike; a view is kept
-            # when it is the identity view (DTensor's to_local/from_local make those).
-            if like is None or t.dim() == 0 or t.dim() != like.dim():
-                return t
-            if keeps_rows or (func in _VIEWS and t.shape == like.shape):
-                aliases = func in _VIEWS or func.name().split("::")[1].split(".")[0] in _ALIASES
-                base = like.version_base if aliases else None
-                return RowShard(t, like.row_bounds, like.index, base)
-            return t
-
-        if func.name().split("::")[1].startswith("_foreach_") and isinstance(out, (list, tuple)):
-            # foreach: output i has the rows of the i-th tensor of the first list argument
+        like = _first_row_shard(args)
+        out = func(*_unwrap_args(args), **(_unwrap_kwargs(kwargs) if kwargs else {}))
+        for position, name in op.written:
+            value = args[position] if position < len(args) else (kwargs or {}).get(name)
+            _bump_versions(value)
+        if op.foreach and isinstance(out, (list, tuple)):
+            # output i has the rows of the i-th tensor of the first list argument
             firsts = args[0] if isinstance(args[0], (list, tuple)) else [None] * len(out)
-            return type(out)(
-                rewrap(o, f if isinstance(f, RowShard) else None)
-                if isinstance(o, torch.Tensor)
-                else o
-                for o, f in zip(out, firsts)
-            )
+            return type(out)(_rewrap(op, o, f, args) for o, f in zip(out, firsts))
+        if isinstance(out, torch.Tensor):
+            return _rewrap(op, out, like, args)
         flat_out, spec = tree_flatten(out)
-        like = shards[0] if shards else None
-        flat_out = [rewrap(o, like) if isinstance(o, torch.Tensor) else o for o in flat_out]
-        return tree_unflatten(flat_out, spec)
+        return tree_unflatten([_rewrap(op, o, like, args) for o in flat_out], spec)
+
+
+class _OpInfo:
+    """What the dispatch needs to know about an op, computed once per op."""
+
+    def __init__(self, func):
+        name = func.name().split("::")[1].split(".")[0]
+        self.collective = func.namespace in ("_c10d_functional", "c10d", "_dtensor")
+        self.foreach = name.startswith("_foreach_")
+        self.view = func in _VIEWS
+        self.aliases = self.view or name in _ALIASES
+        self.keeps_rows = torch.Tag.pointwise in func.tags or self.foreach or name in _ROW_KEEPING
+        self.written = [
+            (position, argument.name)
+            for position, argument in enumerate(func._schema.arguments)
+            if argument.alias_info is not None and argument.alias_info.is_write
+        ]
+
+
+_OPS: dict = {}
+
+
+def _op_info(func) -> _OpInfo:
+    info = _OPS.get(func)
+    if info is None:
+        info = _OPS[func] = _OpInfo(func)
+    return info
+
+
+def _first_row_shard(args):
+    for arg in args:
+        if type(arg) is RowShard:
+            return arg
+        if isinstance(arg, (list, tuple)):
+            for item in arg:
+                if type(item) is RowShard:
+                    return item
+    return None
+
+
+def _unwrap(value):
+    if type(value) is RowShard:
+        return value.data_
+    if isinstance(value, (list, tuple)):
+        return type(value)(v.data_ if type(v) is RowShard else v for v in value)
+    return value
+
+
+def _unwrap_args(args):
+    return [_unwrap(arg) for arg in args]
+
+
+def _unwrap_kwargs(kwargs):
+    return {key: _unwrap(value) for key, value in kwargs.items()}
+
+
+def _rewrap(op: _OpInfo, out, like, args):
+    """Give an op's output the rows of its row-shard input, when the op keeps rows."""
+    if not isinstance(out, torch.Tensor) or like is None or type(like) is not RowShard:
+        return out
+    if out is like.data_:  # in-place / out= ops return their (unwrapped) input
+        return like
+    for arg in args:  # ... possibly not the first one
+        if type(arg) is RowShard and out is arg.data_:
+            return arg
+    # Decided by the op alone, so every rank wraps (or not) alike; a view is kept when it is
+    # the identity view (DTensor's to_local/from_local make those).
+    if out.dim() == 0 or out.dim() != like.dim():
+        return out
+    if op.keeps_rows or (op.view and out.shape == like.shape):
+        return RowShard(out, like.row_bounds, like.index, like.version_base if op.aliases else None)
+    return out
 
 
 # Ops whose output has the rows of their row-shard input (besides pointwise and foreach).
@@ -165,32 +215,17 @@ _ROW_KEEPING = {
     "fill_",
     "contiguous",
 }
-
-
 _VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
 _ALIASES = {"detach", "alias"}
 
 
-def _keeps_rows(func) -> bool:
-    name = func.name().split("::")[1].split(".")[0]
-    return torch.Tag.pointwise in func.tags or name.startswith("_foreach_") or name in _ROW_KEEPING
-
-
-def _bump_written(func, args, kwargs) -> None:
-    """Bump the version of every flat buffer an in-place op wrote into, so writes to the
+def _bump_versions(written) -> None:
+    """An in-place op wrote into these: bump their flat buffers' versions, so writes to the
     sharded weights are visible (that is how a unit knows its gathered copy is stale)."""
-    for position, argument in enumerate(func._schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        value = args[position] if position < len(args) else kwargs.get(argument.name)
-        written = value if isinstance(value, (list, tuple)) else [value]
-        bases = [
-            t.version_base
-            for t in written
-            if isinstance(t, RowShard) and t.version_base is not None
-        ]
-        if bases:
-            torch.autograd.graph.increment_version(bases)
+    items = written if isinstance(written, (list, tuple)) else (written,)
+    bases = [t.version_base for t in items if type(t) is RowShard and t.version_base is not None]
+    if bases:
+        torch.autograd.graph.increment_version(bases)
 
 
 def _unsupported(what: str) -> str:
