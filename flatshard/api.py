@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from flatshard import comm, optim_hooks
+from flatshard import comm, full_state_dict, optim_hooks
 from flatshard.errors import MeshError, WrappingError
 from flatshard.flat_bucket import FlatBucket
 from flatshard.layout import ParamInfo, plan_unit_layout
@@ -147,6 +147,7 @@ def fully_shard(
             f"{mesh.mesh_dim_names or ''}. Pass the data-parallel dimension, e.g. mesh['dp']."
         )
     install_redistribute_override()
+    full_state_dict.install()
     optim_hooks.install()
 
     found = _collect_params(module)

@@ -7,7 +7,16 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
-from reference import batches, build_model, config, full_state, lm_loss, rank_slice, rel_losses
+from reference import (
+    batches,
+    build_model,
+    config,
+    full_state,
+    lm_loss,
+    rank_slice,
+    rel_losses,
+    shard,
+)
 from torch.distributed.tensor import Replicate, Shard
 
 import flatshard
@@ -100,3 +109,44 @@ def test_unsupported_dtensor_op_fails_clearly_on_every_rank():
         kind, message = errors[0]
         assert kind == "error" and "Shard(dim=1)" in message and "full_tensor" in message
         assert errors[1] == ("ok", (32, 45))  # Shard(0) -> Replicate is supported
+
+
+def _load_full_state_dict(broadcast):
+    """Load a full state dict (model and optimizer) the FSDP2 way: exact rows everywhere."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = config()
+    source = shard(build_model(cfg))
+    optimizer = torch.optim.AdamW(source.parameters(), lr=1e-3)
+    lm_loss(source, rank_slice(batches(cfg, 1)[0], rank, world)).backward()
+    optimizer.step()
+    full = StateDictOptions(full_state_dict=True)
+    model_state, optim_state = get_state_dict(source, optimizer, options=full)
+
+    target = shard(build_model(cfg, seed=5))
+    target_optimizer = torch.optim.AdamW(target.parameters(), lr=1e-3)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast)
+    if broadcast and rank > 0:
+        model_state, optim_state = {}, {}
+    set_model_state_dict(target, model_state, options=options)
+    set_optimizer_state_dict(target, target_optimizer, optim_state, options=options)
+    ours_model, ours_optim = get_state_dict(target, target_optimizer, options=full)
+    expected_model, expected_optim = get_state_dict(source, optimizer, options=full)
+    same_model = all(torch.equal(ours_model[k], v) for k, v in expected_model.items())
+    same_optim = all(
+        torch.equal(ours_optim["state"][k][n], v)
+        for k, states in expected_optim["state"].items()
+        for n, v in states.items()
+    )
+    return same_model, same_optim
+
+
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_set_state_dict_with_full_state_dict(broadcast):
+    assert run_distributed(_load_full_state_dict, 3, broadcast) == [(True, True)] * 3

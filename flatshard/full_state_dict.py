@@ -1,0 +1,63 @@
+"""Loading full (unsharded) state dicts into flatshard DTensors.
+
+`set_model_state_dict` / `set_optimizer_state_dict` with `full_state_dict=True` cut each
+full tensor into `torch.chunk` pieces before copying it into a DTensor. flatshard's pieces
+are layout rows, so for DTensors whose local tensor is a `RowShard` the rows are taken by
+their true bounds instead (no communication); every other entry goes the usual way.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from flatshard.row_shard import RowShard, row_range
+
+_originals: dict = {}
+
+
+def _is_row_sharded(value) -> bool:
+    return isinstance(value, DTensor) and isinstance(value._local_tensor, RowShard)
+
+
+@torch.no_grad()
+def _copy_rows(local: DTensor, full: torch.Tensor) -> None:
+    start, end = row_range(local)
+    local.to_local().copy_(full[start:end].to(local.device))
+
+
+def _distribute_state_dict(full_state_dict, local_state_dict, device, pg=None):
+    rest = {}
+    for key, value in full_state_dict.items():
+        local = local_state_dict.get(key)
+        if torch.is_tensor(value) and value.dim() > 0 and _is_row_sharded(local):
+            _copy_rows(local, value.detach())
+        else:
+            rest[key] = value
+    _originals["distribute_state_dict"](rest, local_state_dict, device, pg)
+
+
+def _distribute_tensors(local_state_dict, keys, device, pg=None):
+    rest = []
+    for key in keys:
+        entry = local_state_dict.get(key)
+        if isinstance(entry, tuple) and _is_row_sharded(entry[0]):
+            _copy_rows(entry[0], entry[1])
+            local_state_dict[key] = entry[0]
+        else:
+            rest.append(key)
+    _originals["distribute_tensors"](local_state_dict, rest, device, pg)
+
+
+def install() -> None:
+    """Route torch's full-state-dict distribution through the row-aware versions above."""
+    if _originals:
+        return
+    from torch.distributed import _state_dict_utils
+    from torch.distributed.checkpoint import state_dict
+
+    _originals["distribute_state_dict"] = _state_dict_utils._distribute_state_dict
+    _originals["distribute_tensors"] = _state_dict_utils._distribute_tensors
+    _state_dict_utils._distribute_state_dict = _distribute_state_dict
+    state_dict._distribute_state_dict = _distribute_state_dict
+    _state_dict_utils._distribute_tensors = _distribute_tensors
