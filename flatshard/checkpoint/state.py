@@ -88,7 +88,8 @@ def stage(state):
     if isinstance(state, list):
         return [stage(value) for value in state]
     if isinstance(state, (torch.Tensor, DTensor)):
-        return state.detach().clone()
+        # to host memory: an async save must not double GPU memory (DTensors keep their rows)
+        return state.detach().to("cpu", copy=True)
     return copy.deepcopy(state)
 
 
