@@ -335,10 +335,15 @@ def plan_unit_layout(params: Sequence[ParamInfo], world_size: int) -> UnitLayout
 
 
 def single_lcm_padded_size(params: Sequence[ParamInfo], world_size: int) -> int:
-    """Padded size of the naive layout: one bucket per (dtype, requires_grad), for reports."""
+    """Padded size under the naive rule, for reports: one bucket per (dtype, requires_grad),
+    padded to a multiple of world_size x lcm(all its row sizes)."""
     _check_world_size(world_size)
-    kinds = _split_by_kind(tuple(params)).values()
-    return sum(_build_bucket(members, world_size).padded_size for members in kinds)
+    total = 0
+    for members in _split_by_kind(tuple(params)).values():
+        used = sum(info.numel for _, info in members)
+        row_lcm = math.lcm(*(_alignment(info) for _, info in members))
+        total += _round_up(used, world_size * row_lcm)
+    return total
 
 
 def _check_world_size(world_size: int) -> None:
@@ -386,33 +391,45 @@ def _members(bucket: BucketLayout) -> list[Member]:
 
 
 def _build_bucket(members: list[Member], world_size: int) -> BucketLayout:
-    """Smallest shard size (a multiple of the rows' lcm) whose bucket fits all members."""
+    """Smallest shard size whose packing puts every cut on a row boundary.
+
+    A parameter longer than a shard may hold two cuts, which are then both on row
+    boundaries only if the shard size is a multiple of its row size: the shard size is a
+    multiple of the lcm of those rows. Shorter parameters hold at most one cut, which a
+    small gap before the parameter moves onto a row boundary.
+    """
     _, first = members[0]
     # Largest rows first: small rows then fill gaps before cuts cheaply.
     order = sorted(members, key=lambda m: (-_alignment(m[1]), m[0]))
     used = sum(info.numel for _, info in order)
-    row_lcm = math.lcm(*(_alignment(info) for _, info in order))
+    even_share = _ceil_div(used, world_size)
+    long_rows = [_alignment(info) for _, info in order if info.numel > even_share]
     # With one rank there are no cuts, so no alignment and no padding are needed.
-    step = 1 if world_size == 1 else row_lcm
-    shard_size = _round_up(_ceil_div(used, world_size), step)
+    step = 1 if world_size == 1 else math.lcm(1, *long_rows)
+    shard_size = _round_up(even_share, step)
     while True:
         slots, end = _pack(order, shard_size, world_size)
         if end <= world_size * shard_size:
             return BucketLayout(first.dtype, first.requires_grad, world_size, shard_size, slots)
-        # Alignment gaps pushed the end past the last shard (rare; gaps < one lcm per cut).
+        # Alignment gaps pushed the end past the last shard: grow the shards.
         shard_size += step
 
 
 def _pack(
     order: list[Member], shard_size: int, world_size: int
 ) -> tuple[tuple[ParamSlot, ...], int]:
-    """Place params back to back; align one to its row size only where it crosses a cut."""
+    """Place params back to back; shift one only where a cut would split a row."""
     slots, cursor = [], 0
     for index, info in order:
         if info.numel > 0 and _crosses_cut(cursor, info.numel, shard_size, world_size):
-            # shard_size is a multiple of the row size, so an aligned start puts every cut on
-            # a row boundary; the aligned start never passes the next cut.
-            cursor = _round_up(cursor, _alignment(info))
+            row = _alignment(info)
+            if shard_size % row == 0:
+                # every cut is then on a row boundary of a row-aligned start
+                cursor = _round_up(cursor, row)
+            else:
+                # no longer than a shard (see _build_bucket): one cut, moved onto a row edge
+                cut = (cursor // shard_size + 1) * shard_size
+                cursor += (cut - cursor) % row
         slots.append(ParamSlot(index, info, cursor))
         cursor += info.numel
     return tuple(slots), cursor
