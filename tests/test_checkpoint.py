@@ -160,24 +160,25 @@ def _async_save(path):
     cfg = config()
     model = shard(build_model(cfg))
     optimizer = adamw(model.parameters())
-    data = batches(cfg, 6)
-    _run_steps(model, optimizer, data, 0, 2)
-    at_call = full_state(model)
-    handle = checkpoint.save(path, model=model, optimizer=optimizer, step=2, async_save=True)
-    _run_steps(model, optimizer, data, 2, 5)  # training goes on during the write
-    trained_during_write = not handle.done()
-    handle.wait()
-    blocking = handle.blocking_seconds
-    fresh = shard(build_model(cfg, seed=9))
-    checkpoint.load(path, model=fresh)
-    saved = full_state(fresh)
-    exact = all(torch.equal(saved[k], at_call[k]) for k in at_call)
-    return exact, blocking, trained_during_write
+    data = batches(cfg, 8)
+    results = []
+    for step in (2, 4):  # the second save refills the first one's staging buffers
+        _run_steps(model, optimizer, data, step - 2, step)
+        at_call = full_state(model)
+        handle = checkpoint.save(path, model=model, optimizer=optimizer, step=step, async_save=True)
+        _run_steps(model, optimizer, data, step, step + 1)  # training goes on during the write
+        handle.wait()
+        fresh = shard(build_model(cfg, seed=9))
+        checkpoint.load(path, model=fresh, step=step)
+        saved = full_state(fresh)
+        changed = not all(torch.equal(at_call[k], full_state(model)[k]) for k in at_call)
+        results.append((all(torch.equal(saved[k], at_call[k]) for k in at_call), changed))
+    return results, handle.blocking_seconds
 
 
 def test_async_save_captures_state_at_call(tmp_path):
-    for exact, blocking, _ in run_distributed(_async_save, 2, str(tmp_path)):
-        assert exact
+    for results, blocking in run_distributed(_async_save, 2, str(tmp_path)):
+        assert results == [(True, True), (True, True)]
         print(f"async save blocking time: {blocking * 1000:.1f} ms")
 
 

@@ -46,6 +46,7 @@ class SaveHandle:
 
 
 _in_flight: SaveHandle | None = None
+_staged = None  # host copy of the last async save, refilled by the next one
 
 
 def save(
@@ -85,7 +86,8 @@ def save(
     started = time.perf_counter()
     state = app_state(model, optimizer, extra)
     if async_save:
-        state = stage(state)
+        global _staged
+        state = _staged = stage(state, _staged)
     torch.save(rng_state(), os.path.join(partial, "rng", f"rank{rank}.pt"))
     config = manifest.model_config(model)
 

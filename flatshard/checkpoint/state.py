@@ -13,6 +13,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from flatshard.row_shard import local_data
+
 _group = None
 
 
@@ -80,17 +82,39 @@ def restore_stateful(extra: dict, loaded: dict) -> dict:
     return plain
 
 
-def stage(state):
-    """A copy of `state` taken now, so training may change the originals during an
-    asynchronous write."""
+def stage(state, reuse=None):
+    """A host copy of `state` taken now, so training may change the originals during an
+    asynchronous write. Buffers of `reuse` (the previous staged copy, whose write has
+    finished) are refilled in place when shapes match: no allocation, no page faults."""
     if isinstance(state, dict):
-        return {key: stage(value) for key, value in state.items()}
+        reuse = reuse if isinstance(reuse, dict) else {}
+        return {key: stage(value, reuse.get(key)) for key, value in state.items()}
     if isinstance(state, list):
-        return [stage(value) for value in state]
+        reuse = (
+            reuse if isinstance(reuse, list) and len(reuse) == len(state) else [None] * len(state)
+        )
+        return [stage(value, old) for value, old in zip(state, reuse)]
     if isinstance(state, (torch.Tensor, DTensor)):
+        if _same_layout(state, reuse):
+            _plain_local(reuse).copy_(_plain_local(state))
+            return reuse
         # to host memory: an async save must not double GPU memory (DTensors keep their rows)
         return state.detach().to("cpu", copy=True)
     return copy.deepcopy(state)
+
+
+def _plain_local(tensor) -> torch.Tensor:
+    return local_data(tensor) if isinstance(tensor, DTensor) else tensor.detach()
+
+
+def _same_layout(tensor, old) -> bool:
+    if not isinstance(old, torch.Tensor) or type(old) is not type(tensor):
+        return False
+    if isinstance(tensor, DTensor) and (
+        old.placements != tensor.placements or _plain_local(old).shape != _plain_local(tensor).shape
+    ):
+        return False
+    return old.shape == tensor.shape and old.dtype == tensor.dtype
 
 
 def rng_state() -> dict:
