@@ -1,0 +1,1 @@
+"""The `flatshard` command line: train, sample, plan, inspect, convert."""

@@ -1,0 +1,68 @@
+"""`flatshard convert`: Hugging Face model directory <-> flatshard checkpoint.
+
+In one process the model is plain (unsharded); under torchrun it is sharded over the
+ranks, so each rank reads and writes only its rows. Weights only: a checkpoint made from a
+Hugging Face model has no optimizer state, and an exported one has no tokenizer files.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import flatshard
+from flatshard import checkpoint, hf
+from flatshard.checkpoint import manifest
+from flatshard.cli import runs
+from flatshard.cli.errors import RunError
+from flatshard.cli.launch import init_distributed, run, under_launcher
+from flatshard.cli.model import build_plain, build_sharded, config_from_dict
+
+HF_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def convert_command(args) -> int:
+    worker = hf_to_checkpoint if args.direction == "hf-to-checkpoint" else checkpoint_to_hf
+    if under_launcher():
+        return run(worker, (args, True), 1)
+    worker(args, False)
+    return 0
+
+
+def _shard(model) -> None:
+    for block in model.layers:
+        flatshard.fully_shard(block)
+    flatshard.fully_shard(model)
+
+
+def _say(sharded: bool, text: str) -> None:
+    if not sharded or torch.distributed.get_rank() == 0:
+        print(text, flush=True)
+
+
+def hf_to_checkpoint(args, sharded: bool) -> None:
+    if args.step < 0:
+        raise RunError(f"--step must be >= 0, got {args.step}")
+    if sharded:
+        init_distributed()
+    model = hf.from_pretrained(args.source, shard=_shard if sharded else None)
+    handle = checkpoint.save(args.target, model=model, step=args.step, source=str(args.source))
+    path = handle.wait()
+    _say(sharded, f"wrote {path} ({model.config.num_params():,} parameters, no optimizer state)")
+
+
+def checkpoint_to_hf(args, sharded: bool) -> None:
+    root, step = runs.resolve_checkpoint(args.source)
+    path = runs.step_dir(root, step)
+    saved = manifest.read(path)
+    if not saved.get("model_config"):
+        raise RunError(f"{path} has no model config: it was not saved from a flatshard Llama")
+    cfg = config_from_dict(saved["model_config"])
+    if sharded:
+        ranks = init_distributed()
+        model = build_sharded(cfg, zero_stage=3, precision="fp32", seed=0, device=ranks.device)
+    else:
+        model = build_plain(cfg)
+    checkpoint.load(root, model=model, step=step)
+    dtype = HF_DTYPES[args.dtype] if args.dtype else None
+    hf.save_pretrained(model, args.target, dtype=dtype, max_shard_size=args.max_shard_size)
+    _say(sharded, f"wrote {args.target} from {path} ({cfg.num_params():,} parameters)")

@@ -1,0 +1,194 @@
+"""Per-rank memory and per-step communication of a model under flatshard, from the layout.
+
+Every size comes from `plan_unit_layout` (the layout `fully_shard` uses) at the
+data-parallel shard size; the rest follows what the runtime allocates:
+
+- persistent: the fp32 main-weight shards and the optimizer state (AdamW: two fp32 states
+  per trainable element); ZeRO-1 also keeps every unit's unsharded parameters and gradients.
+- gradient shards (fp32) live from backward until `zero_grad(set_to_none=True)`; the next
+  forward frees them, so they do not coexist with a forward's activations.
+- ZeRO-3 gathers a unit for its forward and again for its backward; the root stays gathered
+  from forward to the end of backward and holds its unsharded gradient buffer meanwhile;
+  a block's backward overlaps the next block's prefetch and the previous block's
+  reduce-scatter. ZeRO-2 keeps every unit gathered from its forward to its backward.
+- gloo (CPU) allocates a temporary as large as each collective's full buffer; NCCL does not.
+
+Peak = max(start of backward: persistent + activations + the gathered units and gradient
+buffers in use; end of backward: persistent + gradient shards + the buffers in use).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from flatshard.cli.errors import ConfigError
+from flatshard.cli.zoo import FP32, ModelSpec
+from flatshard.layout import plan_unit_layout
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class Setup:
+    world_size: int
+    dp_shard: int
+    zero_stage: int
+    param_dtype: str  # compute / all-gather dtype
+    reduce_dtype: str  # reduce-scatter dtype
+    micro_batch: int
+    seq_len: int
+    grad_accum: int
+    backend: str = "nccl"  # gloo allocates a temporary per collective
+    optimizer_states: int = 2  # AdamW
+
+    def __post_init__(self):
+        for name in ("world_size", "dp_shard", "micro_batch", "seq_len", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.world_size % self.dp_shard:
+            raise ConfigError(
+                f"--dp-shard ({self.dp_shard}) must divide --world-size ({self.world_size})"
+            )
+        if self.zero_stage not in (1, 2, 3):
+            raise ConfigError(f"--zero-stage must be 1, 2 or 3, got {self.zero_stage}")
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.world_size // self.dp_shard
+
+
+@dataclass(frozen=True)
+class UnitFigures:
+    """One unit's layout at the shard size (elements), and how many identical units."""
+
+    name: str
+    count: int
+    is_root: bool
+    numel: int
+    padded: int  # unsharded bucket elements (all buckets)
+    padded_trainable: int
+    shard: int  # per-rank shard elements
+    shard_trainable: int
+    buckets: int
+
+    @property
+    def padding(self) -> int:
+        return self.padded - self.numel
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    num_params: int
+    setup: Setup
+    units: tuple[UnitFigures, ...]
+    memory: dict[str, int]  # bytes per rank
+    communication: dict[str, int]  # bytes per rank per step
+    padding_fraction: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan(spec: ModelSpec, setup: Setup) -> Plan:
+    units = tuple(_unit_figures(unit, setup.dp_shard) for unit in spec.units)
+    memory = _memory(spec, units, setup)
+    communication = _communication(units, setup)
+    used = sum(u.numel * u.count for u in units)
+    padding = sum(u.padding * u.count for u in units) / used if used else 0.0
+    return Plan(spec.name, spec.num_params, setup, units, memory, communication, padding)
+
+
+def _unit_figures(unit, dp_shard: int) -> UnitFigures:
+    layout = plan_unit_layout(unit.params, dp_shard)
+    trainable = [b for b in layout.buckets if b.requires_grad]
+    return UnitFigures(
+        name=unit.name,
+        count=unit.count,
+        is_root=unit.is_root,
+        numel=layout.used_size,
+        padded=layout.padded_size,
+        padded_trainable=sum(b.padded_size for b in trainable),
+        shard=sum(b.shard_size for b in layout.buckets),
+        shard_trainable=sum(b.shard_size for b in trainable),
+        buckets=len(layout.buckets),
+    )
+
+
+def _memory(spec: ModelSpec, units: tuple[UnitFigures, ...], setup: Setup) -> dict[str, int]:
+    pb, rb = DTYPE_BYTES[setup.param_dtype], DTYPE_BYTES[setup.reduce_dtype]
+    total = lambda f: sum(f(u) * u.count for u in units)
+    params = total(lambda u: u.shard) * FP32
+    grads = total(lambda u: u.shard_trainable) * FP32
+    optimizer = setup.optimizer_states * total(lambda u: u.shard_trainable) * FP32
+    largest = max(units, key=lambda u: u.padded)
+    activations = setup.micro_batch * setup.seq_len * spec.activation_bytes_per_token(pb)
+
+    roots = [u for u in units if u.is_root]
+    blocks = [u for u in units if not u.is_root] or roots
+    root_params = sum(u.padded for u in roots) * pb
+    root_grads = sum(u.padded_trainable for u in roots) * pb
+    block = max(blocks, key=lambda u: u.padded)
+    block_params, block_grads = block.padded * pb, block.padded_trainable * pb
+    # a gradient reduced in another dtype is converted first, and the reduce-scatter in
+    # flight holds the copy; gloo's collectives each allocate a temporary of full size
+    in_flight = block.padded_trainable * rb if rb != pb else 0
+    if setup.backend == "gloo":
+        in_flight += block.padded * pb + block.padded_trainable * rb
+    if setup.zero_stage == 3:
+        # the root stays gathered with its gradient buffer; a block and the prefetched next
+        # one are gathered; this block's gradient buffer and the previous one's (reducing)
+        start = end = root_params + root_grads + 2 * block_params + 2 * block_grads + in_flight
+    elif setup.zero_stage == 2:
+        # every unit stays gathered from its forward to its backward
+        start = total(lambda u: u.padded) * pb + root_grads + 2 * block_grads + in_flight
+        end = root_params + root_grads + block_params + 2 * block_grads + in_flight
+    else:
+        # unsharded parameters and gradients stay between steps
+        start = end = total(lambda u: u.padded + u.padded_trainable) * pb + in_flight
+    persistent = params + optimizer
+    # gradient shards are freed by the next forward, activations by the backward: at the
+    # start of backward there are activations and no gradient shards, at its end the reverse
+    start_of_backward = persistent + activations + start
+    end_of_backward = persistent + grads + end
+    return {
+        "params": params,
+        "grads": grads,
+        "optimizer": optimizer,
+        "largest_unsharded_unit": largest.padded * pb,
+        "unsharded_working_set": max(start, end),
+        "activations": activations,
+        "peak_start_of_backward": start_of_backward,
+        "peak_end_of_backward": end_of_backward,
+        "total": max(start_of_backward, end_of_backward),
+    }
+
+
+def _communication(units: tuple[UnitFigures, ...], setup: Setup) -> dict[str, int]:
+    pb, rb = DTYPE_BYTES[setup.param_dtype], DTYPE_BYTES[setup.reduce_dtype]
+    accumulation = setup.grad_accum
+    gathered = sum(u.padded * u.count for u in units)
+    blocks = sum(u.padded * u.count for u in units if not u.is_root)
+    if setup.zero_stage == 3:
+        # forward gathers every unit; backward gathers the blocks again (the root stays)
+        again = blocks if len(units) > 1 and any(u.is_root for u in units) else gathered
+        all_gather = accumulation * (gathered + again) * pb
+    elif setup.zero_stage == 2:
+        all_gather = accumulation * gathered * pb
+    else:  # ZeRO-1 gathers once per step, after the optimizer changed the weights
+        all_gather = gathered * pb
+    reductions = 1 if setup.zero_stage == 1 else accumulation
+    reduce_scatter = reductions * sum(u.padded_trainable * u.count for u in units) * rb
+    replicas = setup.dp_replicate
+    all_reduce = reductions * sum(u.shard_trainable * u.count for u in units) * rb
+    all_reduce = all_reduce if replicas > 1 else 0
+    shards = setup.dp_shard
+    wire = (shards - 1) * (all_gather + reduce_scatter) // shards
+    wire += 2 * (replicas - 1) * all_reduce // replicas
+    return {
+        "all_gather": all_gather,
+        "reduce_scatter": reduce_scatter,
+        "replica_all_reduce": all_reduce,
+        "total": all_gather + reduce_scatter + all_reduce,
+        "wire_per_rank": wire,
+    }

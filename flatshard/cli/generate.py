@@ -1,0 +1,47 @@
+"""Sampling text from a model, sharded (every rank runs the same forward passes and rank 0's
+choice of each token is broadcast) or plain in one process."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from flatshard import comm
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    prompt: list[int],
+    *,
+    new_tokens: int,
+    max_seq_len: int,
+    temperature: float = 0.8,
+    top_k: int = 40,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> list[int]:
+    """`new_tokens` token ids following `prompt` (which must not be empty)."""
+    generator = torch.Generator().manual_seed(seed)
+    sharded = dist.is_initialized() and dist.get_world_size() > 1
+    ids = list(prompt)
+    for _ in range(new_tokens):
+        context = torch.tensor([ids[-max_seq_len:]], dtype=torch.long, device=device)
+        logits = model(context)[0, -1].float().cpu()
+        chosen = torch.tensor([_choose(logits, temperature, top_k, generator)])
+        if sharded:  # rounding may differ across ranks: rank 0's choice is everyone's
+            chosen = chosen.to(comm.group_device(None))
+            dist.broadcast(chosen, src=0)
+        ids.append(int(chosen.item()))
+    return ids[len(prompt) :]
+
+
+def _choose(logits: torch.Tensor, temperature: float, top_k: int, generator) -> int:
+    if temperature <= 0:
+        return int(logits.argmax())
+    logits = logits / temperature
+    if 0 < top_k < logits.numel():
+        threshold = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < threshold, float("-inf"))
+    probabilities = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probabilities, 1, generator=generator))

@@ -1,0 +1,251 @@
+"""Processes: run a command's worker on every rank.
+
+Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) the worker runs in this
+process with the launcher's rank and world size, on one node or many. Otherwise this
+process starts `nproc` local workers itself and supervises them: it forwards Ctrl-C and
+SIGTERM to them once (they save a checkpoint and exit), kills them on a second Ctrl-C or
+when one of them fails, and prints each distinct user error once.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+
+import torch
+import torch.distributed as dist
+
+from flatshard.cli.errors import RunError
+from flatshard.errors import FlatShardError
+
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+FAILURE_GRACE_S = 10.0  # after one worker fails, how long the others get to finish
+EXIT_USER_ERROR, EXIT_INTERRUPTED = 2, 130
+
+
+def under_launcher() -> bool:
+    return all(name in os.environ for name in LAUNCHER_VARS)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device_choice: str = "auto", threads: int = 0) -> Ranks:
+    """Join the process group torchrun (or `run`) described in the environment: NCCL on
+    CUDA, gloo on CPU."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    use_cuda = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise RunError("run.device=cuda but no CUDA device is available; use run.device=cpu")
+    if use_cuda:
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // local_world))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", init_method="env://")
+    return Ranks(rank, world, local_rank, local_world, device)
+
+
+def run(worker: Callable, args: tuple, nproc: int) -> int:
+    """Run `worker(*args)` on every rank; returns the exit code for the command."""
+    if under_launcher():
+        return _call(worker, args, error_dir=None)
+    if nproc == 1:
+        _set_launcher_env(0, 1, _free_port())
+        return _call(worker, args, error_dir=None)
+    return _supervise(worker, args, nproc)
+
+
+def _set_launcher_env(rank: int, world: int, port: int) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _call(worker: Callable, args: tuple, error_dir: str | None) -> int:
+    """Run the worker; user errors become one line (on rank 0, or in `error_dir` for the
+    supervisor to print once), anything else a traceback."""
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        worker(*args)
+        return 0
+    except FlatShardError as error:
+        message = str(error).strip()
+        if error_dir is not None:
+            with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as handle:
+                handle.write(message)
+        elif rank == 0:  # user errors are the same on every rank (flatshard agrees on them)
+            print(f"flatshard: error: {message}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except BaseException:
+        print(f"[rank {rank}] " + traceback.format_exc(), file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# --- local supervisor ----------------------------------------------------------------------
+
+
+def _start_method() -> str:
+    # fork starts workers in milliseconds (torch is already imported); spawn where fork is
+    # unsafe: not Linux, or CUDA already initialised in this process.
+    if sys.platform == "linux" and not torch.cuda.is_initialized():
+        return "fork"
+    return "spawn"
+
+
+def _supervise(worker: Callable, args: tuple, nproc: int) -> int:
+    context = mp.get_context(_start_method())
+    error_dir = tempfile.mkdtemp(prefix="flatshard-errors-")
+    port = _free_port()
+    procs = [
+        context.Process(
+            target=_child_main,
+            args=(worker, args, rank, nproc, port, error_dir, os.getpid()),
+            name=f"flatshard-rank{rank}",
+        )
+        for rank in range(nproc)
+    ]
+    signals = None
+    try:
+        for proc in procs:
+            proc.start()
+        signals = _Forwarder(procs)  # after the starts: forked workers must not inherit it
+        code = _wait_all(procs, signals)
+    finally:
+        if signals is not None:
+            signals.restore()
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+        _print_errors(error_dir)
+        shutil.rmtree(error_dir, ignore_errors=True)
+    return code
+
+
+def _wait_all(procs: list, signals: _Forwarder) -> int:
+    codes: dict[int, int] = {}
+    deadline = None
+    while len(codes) < len(procs):
+        if signals.killed:
+            return EXIT_INTERRUPTED
+        timeout = 0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))
+        wait([p.sentinel for i, p in enumerate(procs) if i not in codes], timeout=timeout)
+        for i, proc in enumerate(procs):
+            if i not in codes and proc.exitcode is not None:
+                codes[i] = proc.exitcode
+                if proc.exitcode != 0 and deadline is None:
+                    deadline = time.monotonic() + FAILURE_GRACE_S
+        if deadline is not None and time.monotonic() >= deadline:
+            break  # the others are stuck waiting for the failed rank: the finally kills them
+    failed = [code for code in codes.values() if code != 0]
+    if not failed and len(codes) < len(procs):
+        return 1
+    return _exit_code(failed[0]) if failed else 0
+
+
+def _exit_code(code: int) -> int:
+    return 128 - code if code < 0 else code  # killed by signal N -> 128 + N
+
+
+def _print_errors(error_dir: str) -> None:
+    seen = []
+    for name in sorted(os.listdir(error_dir)):
+        with open(os.path.join(error_dir, name)) as handle:
+            message = handle.read()
+        if message not in seen:
+            seen.append(message)
+            print(f"flatshard: error: {message}", file=sys.stderr, flush=True)
+
+
+class _Forwarder:
+    """Ctrl-C / SIGTERM to this process: forward once (workers save and stop); a second
+    Ctrl-C kills them."""
+
+    def __init__(self, procs: list):
+        self.procs, self.killed, self.forwarded = procs, False, False
+        self._previous = {
+            sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
+
+    def _handle(self, signum, frame) -> None:
+        if self.forwarded and signum == signal.SIGINT:
+            print("\nflatshard: interrupted again; stopping without saving", file=sys.stderr)
+            self.killed = True
+            for proc in self.procs:
+                if proc.is_alive():
+                    proc.kill()
+            return
+        if not self.forwarded:
+            print(
+                "\nflatshard: stopping after this step (saving a checkpoint); press Ctrl-C "
+                "again to stop without saving",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.forwarded = True
+        for proc in self.procs:
+            if proc.is_alive() and proc.pid:
+                os.kill(proc.pid, signum)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _child_main(worker, args, rank, world, port, error_dir, parent_pid) -> None:
+    os.setpgrp()  # Ctrl-C reaches the supervisor only; it forwards the signal exactly once
+    _die_with_parent(parent_pid)
+    _set_launcher_env(rank, world, port)
+    code = _call(worker, args, error_dir)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # everything is written; skip the interpreter's slow teardown
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: SIGKILL this worker if the supervisor dies, so no orphan is left waiting."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:
+        os._exit(1)

@@ -1,0 +1,253 @@
+"""The `flatshard` command: train, sample, plan, inspect, convert.
+
+User errors (a bad config value, a missing file, an unusable checkpoint) print one line
+`flatshard: error: ...` and exit with status 2; there is no traceback for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+from flatshard.cli import config as run_config
+from flatshard.cli import launch, runs
+from flatshard.cli.errors import RunError
+from flatshard.errors import FlatShardError
+
+# flag -> config key; each flag is shorthand for --set key=value
+TRAIN_FLAGS = {
+    "model": ("model.preset", "NAME", "model size preset: tiny, small (~11M) or medium (~26M)"),
+    "data": ("data.path", "PATH", "text file or directory, .jsonl, or token memmap (.npy/.bin)"),
+    "seq_len": ("data.seq_len", "N", "tokens per sequence"),
+    "steps": ("train.steps", "N", "optimizer steps"),
+    "micro_batch": ("train.micro_batch", "N", "sequences per process per forward"),
+    "global_batch": ("train.global_batch", "N", "sequences per optimizer step"),
+    "lr": ("train.lr", "LR", "peak learning rate"),
+    "zero_stage": ("train.zero_stage", "N", "ZeRO stage 1, 2 or 3"),
+    "precision": ("train.precision", "P", "fp32 or bf16 compute"),
+    "seed": ("train.seed", "N", "seed of the weights and the data order"),
+    "checkpoint_interval": ("checkpoint.interval", "N", "save every N steps (0: only at the end)"),
+    "out": ("run.out_dir", "DIR", "run directory (default runs/{time})"),
+    "nproc": ("run.nproc", "N", "local processes when not under torchrun"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flatshard", description="Fully sharded data-parallel training: the command line."
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    train = commands.add_parser(
+        "train",
+        help="train the reference Llama (default: 2 local CPU processes, bundled corpus)",
+        description="Train. Config sources, later wins: defaults, --config files, flags and "
+        "--set overrides. Under torchrun, rank and world size come from the launcher.",
+    )
+    train.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="TOML, YAML or JSON config file (repeatable)",
+    )
+    train.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one key, e.g. --set model.dim=256 (repeatable)",
+    )
+    for flag, (key, metavar, text) in TRAIN_FLAGS.items():
+        train.add_argument(
+            "--" + flag.replace("_", "-"), dest=flag, metavar=metavar, help=f"{text} [{key}]"
+        )
+    train.add_argument(
+        "--resume",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="RUN_DIR",
+        help="continue a run from its latest checkpoint (default: the newest run)",
+    )
+    train.add_argument("--help-config", action="store_true", help="list every config key")
+
+    sample = commands.add_parser("sample", help="generate text from a checkpoint")
+    sample.add_argument(
+        "--checkpoint",
+        default=None,
+        metavar="DIR",
+        help="run, checkpoints or step-N directory (default: the newest run)",
+    )
+    sample.add_argument("--prompt", default="The ")
+    sample.add_argument(
+        "--prompt-ids",
+        default="",
+        metavar="IDS",
+        help="comma-separated token ids (for pre-tokenised data)",
+    )
+    sample.add_argument("--tokens", type=int, default=200, help="tokens to generate")
+    sample.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    sample.add_argument("--top-k", type=int, default=40)
+    sample.add_argument("--seed", type=int, default=0)
+    sample.add_argument("--nproc", type=int, default=1, help="local processes (sharded model)")
+    sample.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+
+    from flatshard.cli.plan import add_arguments as add_plan_arguments
+
+    add_plan_arguments(commands.add_parser(
+        "plan", help="per-rank memory, padding and communication of a model on a mesh",
+        description="Build the model on the meta device, lay out its units as fully_shard "
+        "would, and estimate per-rank memory and per-step communication.",
+    ))  # fmt: skip
+
+    inspect = commands.add_parser("inspect", help="what a checkpoint holds")
+    inspect.add_argument("path", metavar="CHECKPOINT", help="run, checkpoints or step-N directory")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    inspect.add_argument("--all-keys", action="store_true", help="list optimizer keys too")
+
+    convert = commands.add_parser("convert", help="Hugging Face <-> flatshard checkpoint")
+    directions = convert.add_subparsers(dest="direction", metavar="DIRECTION", required=True)
+    to_ckpt = directions.add_parser("hf-to-checkpoint", help="HF model directory -> checkpoint")
+    to_ckpt.add_argument("source", metavar="HF_DIR")
+    to_ckpt.add_argument("target", metavar="CHECKPOINT_DIR")
+    to_ckpt.add_argument("--step", type=int, default=0, help="step number to save it as")
+    to_hf = directions.add_parser("checkpoint-to-hf", help="checkpoint -> HF model directory")
+    to_hf.add_argument("source", metavar="CHECKPOINT")
+    to_hf.add_argument("target", metavar="HF_DIR")
+    to_hf.add_argument("--dtype", default=None, choices=("fp32", "bf16", "fp16"))
+    to_hf.add_argument("--max-shard-size", default="5GB")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # sample, inspect and convert read checkpoints in one process, which DCP warns about
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+    try:
+        return {
+            "train": _train,
+            "sample": _sample,
+            "plan": _plan,
+            "inspect": _inspect,
+            "convert": _convert,
+        }[args.command](args)
+    except FlatShardError as error:
+        if int(os.environ.get("RANK", 0)) == 0:  # under torchrun every rank finds the same
+            print(f"flatshard: error: {error}", file=sys.stderr)
+        return launch.EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        return launch.EXIT_INTERRUPTED
+
+
+# --- commands -------------------------------------------------------------------------------
+
+
+def _train(args) -> int:
+    if args.help_config:
+        print(run_config.describe_options())
+        return 0
+    overrides = [
+        f"{key}={getattr(args, flag)}"
+        for flag, (key, _, _) in TRAIN_FLAGS.items()
+        if getattr(args, flag) is not None
+    ] + args.set
+    config = run_config.build(args.config, overrides)
+    resume = args.resume is not None
+    if resume:
+        run_dir = _run_to_resume(args.resume, config.run.out_dir)
+        saved = os.path.join(run_dir, runs.CONFIG_TOML)
+        base = run_config.read_file(saved) if os.path.exists(saved) else None
+        config = run_config.build(args.config, overrides, base=base)
+        config = config.replace(run__out_dir=run_dir)
+    else:
+        run_dir = config.run.out_dir
+        if runs.has_checkpoint(run_dir):
+            raise RunError(
+                f"run.out_dir {run_dir!r} already holds a run; continue it with --resume or "
+                "choose another --out"
+            )
+    world = int(os.environ["WORLD_SIZE"]) if launch.under_launcher() else config.run.nproc
+    run_config.check(config, world)
+    if not launch.under_launcher():
+        _check_data(config)  # before starting processes: a bad path fails fast, once
+        if world > 1:
+            print(f"flatshard train: starting {world} local processes", flush=True)
+    from flatshard.cli.train import train_worker
+
+    return launch.run(train_worker, (config.flat(), run_dir, resume), world)
+
+
+def _check_data(config) -> None:
+    from flatshard.cli.data import SequenceOrder, load_tokens
+    from flatshard.cli.model import llama_config
+
+    source = config.data
+    data = load_tokens(source.path, source.format, source.text_field, source.glob)
+    SequenceOrder(data.tokens, source.seq_len, config.train.seed)
+    llama_config(config, data.vocab_size)
+
+
+def _run_to_resume(given: str, template: str) -> str:
+    if given:
+        run_dir = given
+    elif "{time}" not in template:
+        run_dir = template
+    else:
+        root = runs.runs_root(template)
+        run_dir = runs.latest_run(root)
+        if run_dir is None:
+            raise RunError(f"nothing to resume: no run with a checkpoint under {root!r}")
+    if not runs.has_checkpoint(run_dir):
+        raise RunError(f"nothing to resume: {run_dir!r} holds no committed checkpoint")
+    return run_dir
+
+
+def _sample(args) -> int:
+    from flatshard.cli.sample import SampleRequest, sample_worker
+
+    path = args.checkpoint
+    if path is None:
+        path = runs.latest_run(runs.runs_root(run_config.BY_KEY["run.out_dir"].default))
+        if path is None:
+            raise RunError("no run with a checkpoint under 'runs'; pass --checkpoint DIR")
+    try:
+        prompt_ids = tuple(int(i) for i in args.prompt_ids.replace(",", " ").split())
+    except ValueError:
+        raise RunError(f"--prompt-ids {args.prompt_ids!r}: give integers, e.g. 1,2,3") from None
+    if args.tokens < 0 or args.top_k < 0 or args.nproc < 1:
+        raise RunError("--tokens and --top-k must be >= 0 and --nproc >= 1")
+    request = SampleRequest(
+        path, args.prompt, prompt_ids, args.tokens, args.temperature, args.top_k, args.seed,
+        args.device,
+    )  # fmt: skip
+    sharded = launch.under_launcher() or args.nproc > 1
+    if not sharded:
+        sample_worker(request, sharded=False)
+        return 0
+    return launch.run(sample_worker, (request, True), args.nproc)
+
+
+def _plan(args) -> int:
+    from flatshard.cli.plan import plan_command
+
+    return plan_command(args)
+
+
+def _inspect(args) -> int:
+    from flatshard.cli.inspect_checkpoint import inspect_command
+
+    return inspect_command(args)
+
+
+def _convert(args) -> int:
+    from flatshard.cli.convert import convert_command
+
+    return convert_command(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""What a training step costs: peak memory and bytes moved by flatshard's collectives.
+
+Memory: on CUDA the allocator's peak; on CPU the process's peak resident set (VmHWM)
+above the resident set when measuring started (the imported libraries and the data), the
+figure `flatshard plan` predicts. Communication: the payload of every all-gather and
+reduce-scatter flatshard issues (each bucket's padded size times its dtype's size), counted
+by wrapping `flatshard.comm`'s two collective functions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flatshard import comm
+
+
+def _status_bytes(field: str) -> int:
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if field == "VmHWM":  # no procfs: ru_maxrss is the same peak (KiB on Linux)
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return 0
+
+
+def warm_up_runtime(device: torch.device) -> None:
+    """Run one tiny step of everything training uses, so that what PyTorch loads lazily on
+    first use (the first optimizer step alone imports ~70 MB of torch._dynamo) is part of
+    the baseline rather than counted as training memory."""
+    layer = torch.nn.Linear(8, 8, device=device)
+    optimizer = torch.optim.AdamW(layer.parameters())
+    x = torch.randn(1, 2, 4, 8, device=device)
+    attended = torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)
+    logits = layer(attended).flatten(0, 2)
+    target = torch.zeros(logits.shape[0], dtype=torch.long, device=device)
+    torch.nn.functional.cross_entropy(logits, target).backward()
+    torch.nn.utils.clip_grad_norm_(layer.parameters(), 1.0)
+    optimizer.step()
+
+
+class MemoryMeter:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.baseline = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Start measuring from now."""
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+            return
+        try:  # Linux: reset the peak resident set to the current one
+            with open("/proc/self/clear_refs", "w") as handle:
+                handle.write("5")
+        except OSError:
+            pass
+        self.baseline = _status_bytes("VmRSS")
+
+    def peak(self) -> int:
+        """Peak bytes since `reset` (above the baseline on CPU)."""
+        if self.cuda:
+            return torch.cuda.max_memory_allocated()
+        return max(0, _status_bytes("VmHWM") - self.baseline)
+
+    def peak_resident(self) -> int:
+        """The process's peak resident set, everything included (0 on CUDA)."""
+        return 0 if self.cuda else _status_bytes("VmHWM")
+
+
+class CommMeter:
+    """Counts collective payload bytes while installed (one per process)."""
+
+    def __init__(self):
+        self.all_gather_bytes = 0
+        self.reduce_scatter_bytes = 0
+        self._originals = None
+
+    def install(self) -> CommMeter:
+        gather, scatter = comm.all_gather, comm.reduce_scatter
+
+        def counted_all_gather(output, shard, group):
+            self.all_gather_bytes += output.numel() * output.element_size()
+            return gather(output, shard, group)
+
+        def counted_reduce_scatter(output, flat, group, average):
+            self.reduce_scatter_bytes += flat.numel() * flat.element_size()
+            return scatter(output, flat, group, average)
+
+        self._originals = (gather, scatter)
+        comm.all_gather, comm.reduce_scatter = counted_all_gather, counted_reduce_scatter
+        return self
+
+    def uninstall(self) -> None:
+        if self._originals:
+            comm.all_gather, comm.reduce_scatter = self._originals
+            self._originals = None
+
+    def total(self) -> int:
+        return self.all_gather_bytes + self.reduce_scatter_bytes
+
+    def take(self) -> tuple[int, int]:
+        """(all-gather, reduce-scatter) bytes since the last call."""
+        counts = (self.all_gather_bytes, self.reduce_scatter_bytes)
+        self.all_gather_bytes = self.reduce_scatter_bytes = 0
+        return counts

@@ -1,0 +1,76 @@
+"""The model of a run: the reference Llama, built on the meta device and sharded, or plain
+(one process, no sharding) for sampling and conversion."""
+
+from __future__ import annotations
+
+import torch
+
+import flatshard
+from flatshard.cli.config import RunConfig
+from flatshard.cli.errors import ConfigError
+from flatshard.models import Llama, LlamaConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def llama_config(config: RunConfig, data_vocab_size: int) -> LlamaConfig:
+    """The LlamaConfig a run config describes; `data_vocab_size` fills model.vocab_size=0."""
+    model = config.model
+    vocab_size = model.vocab_size or data_vocab_size
+    if vocab_size < data_vocab_size:
+        raise ConfigError(
+            f"model.vocab_size ({vocab_size}) is too small for the data, whose tokens need "
+            f"{data_vocab_size}; raise it or leave it 0"
+        )
+    try:
+        return LlamaConfig(
+            vocab_size=vocab_size,
+            dim=model.dim,
+            n_layers=model.n_layers,
+            n_heads=model.n_heads,
+            n_kv_heads=model.n_kv_heads or None,
+            ffn_dim=model.ffn_dim,
+            norm_eps=model.norm_eps,
+            rope_theta=model.rope_theta,
+            max_seq_len=model.max_seq_len or config.data.seq_len,
+            tie_embeddings=model.tie_embeddings,
+        )
+    except ValueError as error:
+        raise ConfigError(f"model: {error}") from None
+
+
+def mixed_precision(precision: str) -> flatshard.MixedPrecisionPolicy | None:
+    if precision == "fp32":
+        return None
+    return flatshard.MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
+
+
+def build_sharded(
+    cfg: LlamaConfig, *, zero_stage: int, precision: str, seed: int, device: torch.device
+) -> Llama:
+    """Every block, then the root, `fully_shard`-ed; weights equal `Llama(cfg)` built eagerly
+    after `torch.manual_seed(seed)`, at any world size, and no rank ever holds them all."""
+    with torch.device("meta"):
+        model = Llama(cfg)
+    policy = mixed_precision(precision)
+    for block in model.layers:
+        flatshard.fully_shard(block, zero_stage=zero_stage, mp_policy=policy)
+    flatshard.fully_shard(model, zero_stage=zero_stage, mp_policy=policy)
+    torch.manual_seed(seed)
+    flatshard.materialize(model, device)
+    return model
+
+
+def build_plain(cfg: LlamaConfig, device: torch.device | str = "cpu") -> Llama:
+    """An unsharded model with uninitialised weights, to load a checkpoint into."""
+    with torch.device("meta"):
+        model = Llama(cfg)
+    return model.to_empty(device=device)
+
+
+def config_from_dict(values: dict) -> LlamaConfig:
+    """A LlamaConfig from a checkpoint's saved `model_config`."""
+    try:
+        return LlamaConfig(**values)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"the checkpoint's model config is not usable: {error}") from None

@@ -1,0 +1,184 @@
+"""`flatshard plan`: per-rank memory, padding and communication of a model on a mesh.
+
+The model is a zoo name, a Hugging Face config.json, or (with neither) the model of a
+training run config, in which case the mesh and batch default to that run's.
+"""
+
+from __future__ import annotations
+
+import json
+
+from flatshard.cli import config as run_config
+from flatshard.cli import zoo
+from flatshard.cli.estimate import Plan, Setup, plan
+
+GIB = 1 << 30
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help=f"{', '.join(zoo.ZOO)}, or a Hugging Face config.json (default: "
+        "the model of the training config)",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ranks (default 8; a training config's run.nproc)",
+    )
+    parser.add_argument(
+        "--dp-shard",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ranks a unit is sharded over (default: world size; fewer: HSDP)",
+    )
+    parser.add_argument("--zero-stage", type=int, default=None, choices=(1, 2, 3))
+    parser.add_argument(
+        "--param-dtype",
+        default=None,
+        choices=("fp32", "bf16"),
+        help="compute / all-gather dtype (default bf16)",
+    )
+    parser.add_argument("--reduce-dtype", default=None, choices=("fp32", "bf16"))
+    parser.add_argument(
+        "--micro-batch", type=int, default=None, metavar="N", help="sequences per rank"
+    )
+    parser.add_argument(
+        "--seq-len", type=int, default=None, metavar="N", help="tokens per sequence"
+    )
+    parser.add_argument(
+        "--grad-accum", type=int, default=None, metavar="N", help="micro-batches per step"
+    )
+    parser.add_argument(
+        "--backend",
+        default=None,
+        choices=("nccl", "gloo"),
+        help="collective backend (default nccl; gloo for a CPU training config)",
+    )
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="training config whose model and batch to plan",
+    )
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="training config override"
+    )
+    parser.add_argument("--json", action="store_true", help="machine-readable output")  # fmt: skip
+
+
+def plan_command(args) -> int:
+    spec, defaults = _model_and_defaults(args)
+    chosen = {name: getattr(args, name) for name in defaults if getattr(args, name) is not None}
+    values = {**defaults, **chosen}
+    values["dp_shard"] = values["dp_shard"] or values["world_size"]
+    result = plan(spec, Setup(**values))
+    print(json.dumps(result.to_dict(), indent=1) if args.json else format_plan(result))
+    return 0
+
+
+def _model_and_defaults(args):
+    defaults = dict(
+        world_size=8, dp_shard=None, zero_stage=3, param_dtype="bf16", reduce_dtype="fp32",
+        micro_batch=1, seq_len=4096, grad_accum=1, backend="nccl",
+    )  # fmt: skip
+    if args.model is not None:
+        return zoo.resolve(args.model), defaults
+    config = run_config.build(args.config, args.set)
+    world = args.world_size or config.run.nproc
+    train = config.train
+    defaults.update(
+        world_size=world,
+        zero_stage=train.zero_stage,
+        param_dtype=train.precision,
+        micro_batch=train.micro_batch,
+        seq_len=config.data.seq_len,
+        grad_accum=max(1, train.global_batch // (train.micro_batch * world)),
+        backend="nccl" if _uses_cuda(config.run.device) else "gloo",
+    )
+    return zoo.from_llama_config(_run_model(config), "the training config's model"), defaults
+
+
+def _uses_cuda(device: str) -> bool:
+    if device != "auto":
+        return device == "cuda"
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _run_model(config):
+    from flatshard.cli.data import load_tokens
+    from flatshard.cli.model import llama_config
+    from flatshard.cli.tokenizer import ByteTokenizer
+
+    vocab = config.model.vocab_size
+    if not vocab:  # the tokenizer's, or the data's largest id + 1
+        if config.data.format in ("uint16", "uint32") or config.data.path.endswith(".npy"):
+            data = config.data
+            vocab = load_tokens(data.path, data.format, data.text_field, data.glob).vocab_size
+        else:
+            vocab = ByteTokenizer.vocab_size
+    return llama_config(config, vocab)
+
+
+def _size(count: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.2f}{unit}"
+    return str(int(count))
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GIB:10.3f} GiB"
+
+
+def format_plan(result: Plan) -> str:
+    s, m, c = result.setup, result.memory, result.communication
+    mesh = f"{s.world_size} ranks (dp_shard {s.dp_shard}"
+    mesh += f", dp_replicate {s.dp_replicate})" if s.dp_replicate > 1 else ")"
+    lines = [
+        f"flatshard plan: {result.model}, {_size(result.num_params)} parameters, on {mesh}",
+        f"  ZeRO-{s.zero_stage} ({s.backend}), {s.param_dtype} compute, {s.reduce_dtype} "
+        "gradient reduction, "
+        f"fp32 weights and AdamW state; micro batch {s.micro_batch} x {s.seq_len} tokens, "
+        f"{s.grad_accum} micro-batch(es) per step",
+        "",
+        f"  {'unit (one fully_shard call)':<32}{'params':>10}{'per rank':>11}{'padding':>10}"
+        f"{'buckets':>9}",
+    ]
+    for unit in result.units:
+        name = unit.name + (f" (x{unit.count})" if unit.count > 1 else "")
+        padding = 100 * unit.padding / unit.numel if unit.numel else 0.0
+        lines.append(
+            f"  {name:<32}{_size(unit.numel):>10}{_size(unit.shard):>11}{padding:>9.3f}%"
+            f"{unit.buckets:>9}"
+        )
+    largest = max(result.units, key=lambda u: u.padded).name
+    lines += [
+        "",
+        "  per-rank memory",
+        f"    parameters (fp32 shards)        {_gib(m['params'])}",
+        f"    gradients (fp32 shards)         {_gib(m['grads'])}",
+        f"    optimizer state (AdamW)         {_gib(m['optimizer'])}",
+        f"    largest unsharded unit          {_gib(m['largest_unsharded_unit'])}  ({largest})",
+        f"    unsharded working set           {_gib(m['unsharded_working_set'])}",
+        f"    activations (estimate)          {_gib(m['activations'])}",
+        f"    total (peak estimate)           {_gib(m['total'])}",
+        "",
+        f"  padding: {100 * result.padding_fraction:.4f}% of parameter elements",
+        "  communication per step, per rank (collective payload)",
+        f"    all-gather                      {_gib(c['all_gather'])}",
+        f"    reduce-scatter                  {_gib(c['reduce_scatter'])}",
+    ]
+    if c["replica_all_reduce"]:
+        lines.append(f"    replica all-reduce (HSDP)       {_gib(c['replica_all_reduce'])}")
+    lines.append(f"    on the wire (ring algorithms)   {_gib(c['wire_per_rank'])}")
+    return "\n".join(lines)

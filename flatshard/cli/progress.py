@@ -1,0 +1,103 @@
+"""Progress of a run on rank 0: a tqdm bar on a terminal (step, loss, tokens/s, ETA), plain
+log lines otherwise, one JSON line of metrics per step, and TensorBoard when installed."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, seconds = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
+
+
+def read_metrics(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+class Progress:
+    def __init__(
+        self,
+        *,
+        total_steps: int,
+        start_step: int,
+        log_interval: int,
+        metrics_path: str,
+        tensorboard_dir: str | None,
+        interactive: bool | None = None,
+    ):
+        self.total, self.start, self.log_interval = total_steps, start_step, log_interval
+        self.interactive = sys.stderr.isatty() if interactive is None else interactive
+        self._keep_metrics_until(metrics_path, start_step)
+        self.metrics = open(metrics_path, "a")
+        self.tensorboard = _tensorboard(tensorboard_dir)
+        self.bar = None
+        if self.interactive:
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=total_steps, initial=start_step, ncols=110,
+                bar_format="step {n_fmt}/{total_fmt} |{bar}| {desc} [{elapsed}<{remaining}]",
+            )  # fmt: skip
+        self._started = time.perf_counter()
+
+    @staticmethod
+    def _keep_metrics_until(path: str, step: int) -> None:
+        """A resumed run rewrites the steps after its checkpoint: drop their old lines."""
+        kept = [r for r in read_metrics(path) if r.get("step", 0) <= step]
+        with open(path, "w") as handle:
+            handle.writelines(json.dumps(r) + "\n" for r in kept)
+
+    def message(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def step(self, record: dict) -> None:
+        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.flush()
+        step = record["step"]
+        if self.tensorboard is not None:
+            for name in ("loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_bytes", "comm_bytes"):
+                self.tensorboard.add_scalar(f"train/{name}", record[name], step)
+        if self.bar is not None:
+            self.bar.set_description_str(
+                f"loss {record['loss']:.4f}, {record['tokens_per_s']:,.0f} tok/s", refresh=False
+            )
+            self.bar.update(1)
+            return
+        if step % self.log_interval == 0 or step in (self.start + 1, self.total):
+            done = step - self.start
+            remaining = (time.perf_counter() - self._started) / done * (self.total - step)
+            self.message(
+                f"step {step:>{len(str(self.total))}}/{self.total} | loss {record['loss']:.4f} | "
+                f"lr {record['lr']:.2e} | grad norm {record['grad_norm']:.3f} | "
+                f"{record['tokens_per_s']:,.0f} tok/s | eta {format_duration(remaining)}"
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        self.metrics.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def _tensorboard(directory: str | None):
+    if directory is None:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is optional
+        return None
+    return SummaryWriter(directory)

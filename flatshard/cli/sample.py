@@ -1,0 +1,73 @@
+"""`flatshard sample`: generate from any checkpoint, in one process (a plain model; DCP
+reshards the checkpoint into it) or on every rank of a group (a sharded model)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.cuda import is_available as cuda_available
+
+from flatshard import checkpoint
+from flatshard.checkpoint import manifest
+from flatshard.cli import runs
+from flatshard.cli.errors import RunError
+from flatshard.cli.generate import generate
+from flatshard.cli.launch import init_distributed
+from flatshard.cli.model import build_plain, build_sharded, config_from_dict
+from flatshard.cli.tokenizer import tokenizer_for
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    checkpoint: str
+    prompt: str
+    prompt_ids: tuple[int, ...]
+    tokens: int
+    temperature: float
+    top_k: int
+    seed: int
+    device: str
+
+
+def sample_worker(request: SampleRequest, sharded: bool) -> None:
+    root, step = runs.resolve_checkpoint(request.checkpoint)
+    path = runs.step_dir(root, step)
+    saved = manifest.read(path)
+    if not saved.get("model_config"):
+        raise RunError(f"{path} has no model config: it was not saved from a flatshard Llama")
+    cfg = config_from_dict(saved["model_config"])
+    tokenizer = tokenizer_for(runs.saved_extra(path, "tokenizer") or "none")
+    if request.prompt_ids:
+        prompt = list(request.prompt_ids)
+    elif tokenizer is None:
+        raise RunError(
+            f"{path} was trained on pre-tokenised data (no tokenizer): pass --prompt-ids 1,2,3"
+        )
+    else:
+        prompt = tokenizer.encode(request.prompt) or [tokenizer.end_of_text]
+    if max(prompt) >= cfg.vocab_size or min(prompt) < 0:
+        raise RunError(f"prompt token ids must be in [0, {cfg.vocab_size}) for this model")
+    if sharded:
+        ranks = init_distributed(request.device)
+        device, is_main = ranks.device, ranks.is_main
+        model = build_sharded(cfg, zero_stage=3, precision="fp32", seed=0, device=device)
+    else:
+        use_cuda = request.device == "cuda" or (request.device == "auto" and cuda_available())
+        device, is_main = ("cuda" if use_cuda else "cpu"), True
+        model = build_plain(cfg, device)
+    checkpoint.load(root, model=model, step=step)
+    new = generate(
+        model,
+        prompt,
+        new_tokens=request.tokens,
+        max_seq_len=cfg.max_seq_len,
+        temperature=request.temperature,
+        top_k=request.top_k,
+        seed=request.seed,
+        device=device,
+    )
+    if is_main:
+        if tokenizer is None or request.prompt_ids:
+            print(" ".join(map(str, prompt + new)))
+        else:
+            print(request.prompt + tokenizer.decode(new))

@@ -1,0 +1,315 @@
+"""`flatshard train`: the training loop each rank runs.
+
+Every step: the learning rate for the step, `global_batch / (micro_batch x world)`
+micro-batches of forward and backward, gradient clipping, one small all-gather that shares
+each rank's loss, stop request and peak memory (so every rank takes the same decision), then
+the optimizer step unless the loss or gradient norm is not finite. Checkpoints hold the
+model, optimizer, per-rank RNG, the data position and the run config, so `--resume`
+continues with exactly the losses an uninterrupted run would have had.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import textwrap
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from flatshard import checkpoint, comm
+from flatshard.checkpoint import commit
+from flatshard.cli import runs
+from flatshard.cli.config import RunConfig, check, toml_value
+from flatshard.cli.data import SequenceOrder, load_tokens
+from flatshard.cli.errors import TrainingStopped
+from flatshard.cli.generate import generate
+from flatshard.cli.launch import Ranks, init_distributed
+from flatshard.cli.meters import CommMeter, MemoryMeter, warm_up_runtime
+from flatshard.cli.model import build_sharded, llama_config
+from flatshard.cli.progress import Progress
+from flatshard.cli.schedule import learning_rate
+from flatshard.cli.stop import StopRequest
+from flatshard.cli.tokenizer import tokenizer_for
+
+
+def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
+    logits = model(batch[:, :-1])
+    return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+
+
+def train_worker(values: dict, run_dir: str, resume: bool) -> None:
+    """Entry point on every rank. `run_dir` may still hold `{time}` (rank 0 fills it in)."""
+    stop = StopRequest().install()
+    config = RunConfig(values)
+    ranks = init_distributed(config.run.device, config.run.threads)
+    check(config, ranks.world_size)
+    run_dir = _agree_run_dir(run_dir, ranks)
+    Trainer(config, ranks, run_dir, resume, stop).run()
+
+
+def _agree_run_dir(template: str, ranks: Ranks) -> str:
+    chosen = [runs.new_run_dir(template) if ranks.is_main else None]
+    dist.broadcast_object_list(chosen, src=0)
+    return chosen[0]
+
+
+class Trainer:
+    def __init__(self, config: RunConfig, ranks: Ranks, run_dir: str, resume: bool, stop):
+        self.config, self.ranks, self.run_dir, self.stop = config, ranks, run_dir, stop
+        train, data = config.train, config.data
+        self.data = load_tokens(data.path, data.format, data.text_field, data.glob)
+        self.order = SequenceOrder(self.data.tokens, data.seq_len, train.seed)
+        self.model_config = llama_config(config, self.data.vocab_size)
+        self.accumulation = train.global_batch // (train.micro_batch * ranks.world_size)
+        warm_up_runtime(ranks.device)
+        self.memory = MemoryMeter(ranks.device)  # from here on: what `flatshard plan` counts
+        self.comm = CommMeter().install()
+        self.model = build_sharded(
+            self.model_config,
+            zero_stage=train.zero_stage,
+            precision=train.precision,
+            seed=train.seed,
+            device=ranks.device,
+        )
+        self.optimizer = torch.optim.AdamW(
+            _parameter_groups(self.model, train.weight_decay),
+            lr=train.lr,
+            betas=(train.beta1, train.beta2),
+        )
+        self.checkpoints = runs.checkpoint_root(run_dir)
+        self.step, self.position, self.last_saved = 0, 0, None
+        if resume:
+            self._resume()
+        if ranks.is_main:
+            runs.write_config(run_dir, config)
+            self._print_header(resume)
+        self.progress = None
+
+    # --- set-up ----------------------------------------------------------------------------
+    def _resume(self) -> None:
+        result = checkpoint.load(
+            self.checkpoints, model=self.model, optimizer=self.optimizer, data_position=None
+        )
+        self.step = self.last_saved = result.step
+        self.position = result.extra["data_position"]
+
+    def _print_header(self, resume: bool) -> None:
+        config, ranks, model = self.config, self.ranks, self.model_config
+        backend = dist.get_backend()
+        tokens_per_step = config.train.global_batch * config.data.seq_len
+        effective = "\n".join(
+            textwrap.fill(
+                f"[{section}] " + ", ".join(f"{k}={toml_value(v)}" for k, v in values.items()),
+                width=100, initial_indent="  ", subsequent_indent="      ",
+            )
+            for section, values in config.nested().items()
+        )  # fmt: skip
+        lines = [
+            f"flatshard train: {ranks.world_size} process(es), {backend} on {ranks.device.type}, "
+            f"ZeRO-{config.train.zero_stage}, {config.train.precision}",
+            f"model: Llama, {model.num_params() / 1e6:.1f}M parameters (dim {model.dim}, "
+            f"{model.n_layers} layers, {model.n_heads} heads, ffn {model.ffn_dim}, vocab "
+            f"{model.vocab_size})",
+            f"data: {self.data.source}: {len(self.data.tokens):,} tokens, "
+            f"{self.order.windows:,} sequences of {config.data.seq_len}",
+            f"batch: {config.train.global_batch} sequences = {tokens_per_step:,} tokens per step "
+            f"(micro batch {config.train.micro_batch} x {ranks.world_size} process(es) x "
+            f"{self.accumulation} accumulation)",
+            f"run directory: {self.run_dir}",
+            f"effective config (saved as {os.path.join(self.run_dir, runs.CONFIG_TOML)}):",
+            effective.rstrip(),
+        ]
+        if resume:
+            lines.append(f"resuming from step {self.step} ({commit.latest_dir(self.checkpoints)})")
+        print("\n".join(lines), flush=True)
+
+    # --- the loop ------------------------------------------------------------------------------
+    def run(self) -> None:
+        config = self.config
+        if self.ranks.is_main:
+            tensorboard = os.path.join(self.run_dir, "tensorboard")
+            tensorboard = tensorboard if config.run.tensorboard else None
+            self.progress = Progress(
+                total_steps=config.train.steps,
+                start_step=self.step,
+                log_interval=config.run.log_interval,
+                metrics_path=os.path.join(self.run_dir, runs.METRICS),
+                tensorboard_dir=tensorboard,
+            )
+        try:
+            reason = self._loop()
+        finally:
+            if self.progress is not None:
+                self.progress.close()
+            self.stop.restore()
+            self.comm.uninstall()
+        self._finish(reason)
+
+    def _loop(self) -> str:
+        config, run = self.config, self.config.run
+        started = time.perf_counter()
+        while self.step < config.train.steps:
+            record = self._train_step(started)
+            if self.progress is not None:
+                self.progress.step(record)
+            if record["stop"]:
+                return f"interrupted by {self.stop.signal_name or 'a signal on another rank'}"
+            if self.step == run.stop_at_step:
+                return f"stopped at step {self.step} (run.stop_at_step)"
+            interval = config.checkpoint.interval
+            if interval and self.step % interval == 0 and self.step < config.train.steps:
+                self._save(async_save=config.checkpoint.async_save)
+        return "done"
+
+    def _train_step(self, started: float) -> dict:
+        config, ranks = self.config, self.ranks
+        train = config.train
+        lr = learning_rate(
+            self.step, peak=train.lr, minimum=train.min_lr, warmup=train.warmup_steps,
+            total=train.steps,
+        )  # fmt: skip
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        step_started = time.perf_counter()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=ranks.device)
+        per_micro = train.micro_batch * ranks.world_size
+        for micro in range(self.accumulation):
+            if self.accumulation > 1 and train.zero_stage == 1:
+                # ZeRO-1 keeps unsharded gradients anyway: reduce once, after the last one
+                self.model.set_requires_gradient_sync(micro == self.accumulation - 1)
+            first = self.position + micro * per_micro + ranks.rank * train.micro_batch
+            batch = self.order.batch(first, train.micro_batch).to(ranks.device)
+            loss = lm_loss(self.model, batch) / self.accumulation
+            loss.backward()
+            loss_sum += loss.detach().double()
+        grad_norm = _clip(self.model, train.grad_clip)
+        shared = self._share(loss_sum, grad_norm)
+        loss, stop = shared["loss"], shared["stop"]
+        if not (math.isfinite(loss) and math.isfinite(shared["grad_norm"])):
+            self._non_finite(loss, shared["grad_norm"], lr)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.position += train.global_batch
+        elapsed = time.perf_counter() - step_started
+        all_gather, reduce_scatter = self.comm.take()
+        tokens = train.global_batch * config.data.seq_len
+        return {
+            "step": self.step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": shared["grad_norm"],
+            "tokens": self.step * tokens,
+            "tokens_per_s": tokens / elapsed,
+            "step_s": elapsed,
+            "elapsed_s": time.perf_counter() - started,
+            "peak_mem_bytes": shared["peak_mem_bytes"],
+            "peak_rss_bytes": self.memory.peak_resident(),
+            "all_gather_bytes": all_gather,
+            "reduce_scatter_bytes": reduce_scatter,
+            "comm_bytes": all_gather + reduce_scatter,
+            "stop": stop,
+        }
+
+    def _share(self, loss_sum: torch.Tensor, grad_norm: float) -> dict:
+        """One collective: every rank's loss, stop request and peak memory."""
+        device = comm.group_device(None)
+        mine = torch.tensor(
+            [loss_sum.item(), 1.0 if self.stop else 0.0, float(self.memory.peak())],
+            dtype=torch.float64,
+            device=device,
+        )
+        everyone = torch.empty(self.ranks.world_size * 3, dtype=torch.float64, device=device)
+        dist.all_gather_single(everyone, mine)
+        everyone = everyone.view(-1, 3).cpu()
+        return {
+            "loss": everyone[:, 0].mean().item(),
+            "stop": bool(everyone[:, 1].max() > 0),
+            "peak_mem_bytes": int(everyone[:, 2].max()),
+            "grad_norm": grad_norm,
+        }
+
+    def _non_finite(self, loss: float, grad_norm: float, lr: float) -> None:
+        checkpoint.wait_for_pending_save()  # every rank gets here: the decision was shared
+        latest = commit.latest_dir(self.checkpoints)
+        kept = f"the last good checkpoint is {latest}" if latest else "no checkpoint was saved"
+        what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {grad_norm}"
+        raise TrainingStopped(
+            f"step {self.step + 1}: the {what} (lr {lr:.3g}); stopped without applying or "
+            f"saving it; {kept}. Lower train.lr, raise train.warmup_steps or set train.grad_clip"
+        )
+
+    # --- checkpoints and the end ---------------------------------------------------------------
+    def _save(self, async_save: bool = False) -> None:
+        if self.last_saved == self.step:
+            return
+        checkpoint.save(
+            self.checkpoints,
+            model=self.model,
+            optimizer=self.optimizer,
+            step=self.step,
+            async_save=async_save,
+            keep_last=self.config.checkpoint.keep_last or None,
+            data_position=self.position,
+            run_config=self.config.to_json(),
+            tokenizer=self.data.tokenizer,
+        )
+        self.last_saved = self.step
+
+    def _finish(self, reason: str) -> None:
+        config = self.config
+        if reason != "done" or config.checkpoint.at_end:
+            self._save()
+        checkpoint.wait_for_pending_save()
+        latest = commit.latest_dir(self.checkpoints)
+        say = print if self.ranks.is_main else (lambda *a, **k: None)
+        if reason != "done":
+            say(f"{reason}; saved {latest}. Continue with: flatshard train --resume {self.run_dir}")
+            return
+        saved = f"checkpoint: {latest}" if latest else "no checkpoint (checkpoint.at_end = false)"
+        say(f"finished {self.step} steps; {saved}", flush=True)
+        if config.run.sample_tokens:
+            self._sample()
+
+    def _sample(self) -> None:
+        tokenizer = tokenizer_for(self.data.tokenizer)
+        if tokenizer is None:
+            return  # pre-tokenised data: no text to show
+        prompt = self.config.run.sample_prompt
+        ids = tokenizer.encode(prompt) or [tokenizer.end_of_text]
+        new = generate(
+            self.model,
+            ids,
+            new_tokens=self.config.run.sample_tokens,
+            max_seq_len=self.model_config.max_seq_len,
+            seed=self.config.train.seed,
+            device=self.ranks.device,
+        )
+        if self.ranks.is_main:
+            text = prompt + tokenizer.decode(new)
+            with open(os.path.join(self.run_dir, runs.SAMPLE), "w") as handle:
+                handle.write(text + "\n")
+            print(f"sample:\n{text}", flush=True)
+
+
+def _parameter_groups(model, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices (and embeddings), none on norm weights."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        (decay if param.ndim >= 2 else no_decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def _clip(model, max_norm: float) -> float:
+    """The global gradient norm (before clipping); clips when max_norm > 0."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or float("inf"))
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return float(norm)

@@ -1,0 +1,275 @@
+"""Models for `flatshard plan`: their units (one per transformer block, plus the root) with
+every parameter's shape, and how many activation bytes a token leaves for backward.
+
+Dense Llama/Qwen2/Qwen3 models are the reference `Llama`, built on the meta device from
+their Hugging Face config; the parameters are read off it exactly as `fully_shard` collects
+them. Mixture-of-experts models (Qwen3-MoE, DeepSeek-V3), which the reference model
+cannot express, are described by their layer shapes from the public configs, with grouped
+expert weights `(experts, out, in)` as a grouped-GEMM implementation holds them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from flatshard.cli.errors import ConfigError
+from flatshard.layout import ParamInfo
+from flatshard.models import Llama, LlamaConfig
+
+FP32 = 4  # bytes of an fp32 element; main weights are kept in fp32
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """`count` identical `fully_shard` units (transformer blocks of one shape, or the root)."""
+
+    name: str
+    params: tuple[ParamInfo, ...]
+    count: int = 1
+    is_root: bool = False
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    units: tuple[UnitSpec, ...]
+    n_layers: int
+    # bytes saved for backward per token, all layers and the head, given the compute dtype size
+    activation_bytes_per_token: Callable[[int], int]
+
+    @property
+    def num_params(self) -> int:
+        return sum(unit.numel * unit.count for unit in self.units)
+
+
+# --- the zoo: public Hugging Face configs (only the fields that shape the weights) --------
+
+ZOO: dict[str, dict] = {
+    "llama3-8b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+    ),
+    "llama3-70b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
+        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+    ),
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, moe_intermediate_size=768, tie_word_embeddings=False,
+    ),
+    "qwen3-235b-a22b": dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=4096, num_hidden_layers=94,
+        num_attention_heads=64, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, moe_intermediate_size=1536, tie_word_embeddings=False,
+    ),
+    "deepseek-v3": dict(
+        model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, num_hidden_layers=61,
+        first_k_dense_replace=3, intermediate_size=18432, moe_intermediate_size=2048,
+        n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8,
+        num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, tie_word_embeddings=False,
+    ),
+}  # fmt: skip
+
+
+def resolve(name_or_path: str) -> ModelSpec:
+    """A zoo name, or a path to a Hugging Face config.json (or the directory holding it)."""
+    if name_or_path in ZOO:
+        return from_hf_config(ZOO[name_or_path], name_or_path)
+    path = name_or_path
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(
+            f"unknown model {name_or_path!r}: name one of {', '.join(ZOO)} or give a Hugging "
+            "Face config.json"
+        )
+    try:
+        with open(path) as handle:
+            hf = json.load(handle)
+    except ValueError as error:
+        raise ConfigError(f"{path} is not valid JSON: {error}") from None
+    return from_hf_config(hf, path)
+
+
+def from_hf_config(hf: dict, name: str) -> ModelSpec:
+    model_type = hf.get("model_type")
+    if model_type == "qwen3_moe":
+        return _qwen3_moe(hf, name)
+    if model_type == "deepseek_v3":
+        return _deepseek_v3(hf, name)
+    from flatshard.hf import hf_to_config  # Llama, Qwen2, Qwen3: the reference model
+
+    return from_llama_config(hf_to_config(hf), name)
+
+
+# --- dense: the reference Llama on the meta device ----------------------------------------
+
+
+def from_llama_config(cfg: LlamaConfig, name: str) -> ModelSpec:
+    with torch.device("meta"):
+        model = Llama(cfg)
+    layer = _infos(model.layers[0].named_parameters())
+    root = _infos((n, p) for n, p in model.named_parameters() if not n.startswith("layers."))
+    units = (
+        UnitSpec(f"layers.0-{cfg.n_layers - 1}", layer, cfg.n_layers),
+        UnitSpec("root", root, is_root=True),
+    )
+    return ModelSpec(name, units, cfg.n_layers, lambda a: _dense_activations(cfg, a))
+
+
+def _infos(named) -> tuple[ParamInfo, ...]:
+    return tuple(ParamInfo(n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in named)
+
+
+def _norm_bytes(dim: int, a: int) -> int:
+    # RMSNorm keeps its fp32 input (a copy under bf16) and its normalised output
+    return FP32 * dim + a * dim
+
+
+def _head_bytes(dim: int, vocab: int, a: int) -> int:
+    # final norm, logits, fp32 log-softmax, the logits' gradient (and a fp32 copy under bf16)
+    return _norm_bytes(dim, a) + a * vocab + 2 * FP32 * vocab + (FP32 * vocab if a != FP32 else 0)
+
+
+def _attention_bytes(heads: int, kv_heads: int, head_dim: int, qk_norm: bool, a: int) -> int:
+    # SDPA keeps q, k, v (kv repeated to all heads), its output and logsumexp; o_proj its input
+    saved = a * 5 * heads * head_dim + FP32 * heads
+    if qk_norm:
+        saved += _norm_bytes((heads + kv_heads) * head_dim, a)  # per-head q and k norms
+    return saved
+
+
+def _swiglu_bytes(ffn: int, a: int) -> int:
+    return a * 4 * ffn  # gate|up output, silu(gate), their product
+
+
+def _dense_activations(cfg: LlamaConfig, a: int) -> int:
+    layer = (
+        2 * _norm_bytes(cfg.dim, a)
+        + _attention_bytes(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.qk_norm, a)
+        + _swiglu_bytes(cfg.ffn_dim, a)
+    )
+    return cfg.n_layers * layer + _head_bytes(cfg.dim, cfg.vocab_size, a)
+
+
+# --- mixture of experts: layer shapes -------------------------------------------------------
+
+
+def _p(name: str, *shape: int) -> ParamInfo:
+    return ParamInfo(name, shape, torch.float32)
+
+
+def _moe_params(hidden: int, experts: int, moe_ffn: int) -> list[ParamInfo]:
+    return [
+        _p("mlp.gate.weight", experts, hidden),
+        _p("mlp.experts.gate_up_proj", experts, 2 * moe_ffn, hidden),
+        _p("mlp.experts.down_proj", experts, hidden, moe_ffn),
+    ]
+
+
+def _moe_bytes(hidden: int, experts: int, top_k: int, moe_ffn: int, a: int) -> int:
+    # router logits and fp32 probabilities; each token copied to its top_k experts
+    return (a + FP32) * experts + top_k * (a * hidden + _swiglu_bytes(moe_ffn, a))
+
+
+def _layer_norms(hidden: int) -> list[ParamInfo]:
+    return [_p("input_layernorm.weight", hidden), _p("post_attention_layernorm.weight", hidden)]
+
+
+def _root(vocab: int, hidden: int, tied: bool) -> UnitSpec:
+    params = [_p("embed_tokens.weight", vocab, hidden), _p("norm.weight", hidden)]
+    if not tied:
+        params.append(_p("lm_head.weight", vocab, hidden))
+    return UnitSpec("root", tuple(params), is_root=True)
+
+
+def _qwen3_moe(hf: dict, name: str) -> ModelSpec:
+    d, h, kv = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"]
+    hd, experts, top_k = hf["head_dim"], hf["num_experts"], hf["num_experts_per_tok"]
+    ffn = hf["moe_intermediate_size"]
+    layers, vocab = hf["num_hidden_layers"], hf["vocab_size"]
+    attention = [
+        _p("self_attn.q_proj.weight", h * hd, d),
+        _p("self_attn.k_proj.weight", kv * hd, d),
+        _p("self_attn.v_proj.weight", kv * hd, d),
+        _p("self_attn.o_proj.weight", d, h * hd),
+        _p("self_attn.q_norm.weight", hd),
+        _p("self_attn.k_norm.weight", hd),
+    ]
+    params = tuple(attention + _moe_params(d, experts, ffn) + _layer_norms(d))
+    layer = UnitSpec(f"layers.0-{layers - 1}", params, layers)
+
+    def activations(a: int) -> int:
+        per_layer = (
+            2 * _norm_bytes(d, a)
+            + _attention_bytes(h, kv, hd, True, a)
+            + _moe_bytes(d, experts, top_k, ffn, a)
+        )
+        return layers * per_layer + _head_bytes(d, vocab, a)
+
+    root = _root(vocab, d, hf.get("tie_word_embeddings", False))
+    return ModelSpec(name, (layer, root), layers, activations)
+
+
+def _deepseek_v3(hf: dict, name: str) -> ModelSpec:
+    d, h, vocab = hf["hidden_size"], hf["num_attention_heads"], hf["vocab_size"]
+    q_rank, kv_rank = hf["q_lora_rank"], hf["kv_lora_rank"]
+    nope, rope, v_dim = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"], hf["v_head_dim"]
+    layers, dense = hf["num_hidden_layers"], hf["first_k_dense_replace"]
+    experts, top_k = hf["n_routed_experts"], hf["num_experts_per_tok"]
+    ffn = hf["moe_intermediate_size"]
+    shared_ffn = hf["n_shared_experts"] * ffn
+    mla = [  # multi-head latent attention
+        _p("self_attn.q_a_proj.weight", q_rank, d),
+        _p("self_attn.q_a_layernorm.weight", q_rank),
+        _p("self_attn.q_b_proj.weight", h * (nope + rope), q_rank),
+        _p("self_attn.kv_a_proj_with_mqa.weight", kv_rank + rope, d),
+        _p("self_attn.kv_a_layernorm.weight", kv_rank),
+        _p("self_attn.kv_b_proj.weight", h * (nope + v_dim), kv_rank),
+        _p("self_attn.o_proj.weight", d, h * v_dim),
+    ]
+    dense_mlp = [
+        _p("mlp.gate_up_proj.weight", 2 * hf["intermediate_size"], d),
+        _p("mlp.down_proj.weight", d, hf["intermediate_size"]),
+    ]
+    shared = [
+        _p("mlp.shared_experts.gate_up_proj.weight", 2 * shared_ffn, d),
+        _p("mlp.shared_experts.down_proj.weight", d, shared_ffn),
+    ]
+    units = (
+        UnitSpec(f"layers.0-{dense - 1} (dense)", tuple(mla + dense_mlp + _layer_norms(d)), dense),
+        UnitSpec(
+            f"layers.{dense}-{layers - 1} (MoE)",
+            tuple(mla + _moe_params(d, experts, ffn) + shared + _layer_norms(d)),
+            layers - dense,
+        ),
+        _root(vocab, d, hf.get("tie_word_embeddings", False)),
+    )
+
+    def activations(a: int) -> int:
+        qk = h * (nope + rope)
+        attention = (
+            _norm_bytes(q_rank, a) + _norm_bytes(kv_rank, a) + a * (kv_rank + rope)
+            + a * (2 * qk + 3 * h * v_dim) + FP32 * h  # q, k, v, output, o_proj input
+        )  # fmt: skip
+        common = 2 * _norm_bytes(d, a) + attention
+        dense_layer = common + _swiglu_bytes(hf["intermediate_size"], a)
+        moe_layer = common + _moe_bytes(d, experts, top_k, ffn, a) + _swiglu_bytes(shared_ffn, a)
+        return dense * dense_layer + (layers - dense) * moe_layer + _head_bytes(d, vocab, a)
+
+    return ModelSpec(name, units, layers, activations)

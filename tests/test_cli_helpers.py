@@ -1,0 +1,55 @@
+"""Helpers (no tests) for the CLI tests: run the real `flatshard` command, `python -m flatshard`,
+in a subprocess, and read what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A model and batch small enough for a step to take milliseconds on two CPU ranks.
+TINY = [
+    "--model", "tiny", "--seq-len", "32", "--micro-batch", "2", "--global-batch", "4",
+    "--set", "train.warmup_steps=2", "--set", "run.sample_tokens=0", "--set", "run.log_interval=1",
+]  # fmt: skip
+
+
+def cli_env(**extra) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def flatshard(*args, cwd=None, timeout=180, env=None) -> subprocess.CompletedProcess:
+    """Run `python -m flatshard ARGS`; returns the completed process (never raises on rc)."""
+    return subprocess.run(
+        [sys.executable, "-m", "flatshard", *map(str, args)],
+        cwd=cwd or REPO_ROOT,
+        env=env or cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def check_ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, f"rc {result.returncode}\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+def metrics(run_dir) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def one_line_error(result: subprocess.CompletedProcess) -> str:
+    """The single `flatshard: error: ...` line of a failed command (no traceback)."""
+    assert result.returncode == 2, f"rc {result.returncode}\n{result.stdout}\n{result.stderr}"
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("flatshard: error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    return lines[0]

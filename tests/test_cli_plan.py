@@ -1,0 +1,112 @@
+"""`flatshard plan` on zoo models, checked against figures computed by hand from the models'
+public configs (the measured-run check is in test_cli_train.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from flatshard.cli.main import main
+from flatshard.models import LlamaConfig
+
+BF16, FP32 = 2, 4
+
+
+def plan(capsys, *args) -> dict:
+    assert main(["plan", *map(str, args), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_llama3_8b_on_64_ranks(capsys):
+    result = plan(capsys, "llama3-8b", "--world-size", 64)
+    V, d, L, f = 128256, 4096, 32, 14336
+    # a block: q, k, v, o, [gate; up], down, two norms; it cuts into 64 equal whole-row shards
+    block = d * d + 2 * (8 * 128) * d + d * d + 2 * f * d + d * f + 2 * d
+    assert block == 218_112_000 and block % 64 == 0
+    # the root: embedding and output layer (V rows of d each) and the final norm (d): whole
+    # rows of d elements per rank, so 2V + 1 rows are padded up to a multiple of 64
+    root_rows = math.ceil((2 * V + 1) / 64) * 64
+    root = root_rows * d
+    assert result["num_params"] == L * block + 2 * V * d + d == 8_030_261_248
+    shard = L * block // 64 + root // 64
+    memory, comm = result["memory"], result["communication"]
+    assert memory["params"] == memory["grads"] == FP32 * shard == 501_907_456
+    assert memory["optimizer"] == 2 * FP32 * shard  # AdamW: exp_avg and exp_avg_sq
+    assert memory["largest_unsharded_unit"] == BF16 * root  # the root is larger than a block
+    # bf16 all-gathers: every unit in forward, the blocks again in backward; fp32 reductions
+    assert comm["all_gather"] == BF16 * (2 * L * block + root) == 30_020_206_592
+    assert comm["reduce_scatter"] == FP32 * (L * block + root) == 32_122_077_184
+    padding = root - (2 * V * d + d)
+    assert result["padding_fraction"] == pytest.approx(padding / result["num_params"])
+    # activations kept for backward, per token, bf16 except the fp32 parts:
+    # per block: 2 RMSNorms (fp32 input + bf16 output), SDPA q/k/v/out + o_proj input
+    # (5 x 32 heads x 128), fp32 logsumexp (32 heads), SwiGLU 4 x ffn;
+    # head: final norm, bf16 logits, fp32 copy, log-softmax and its gradient
+    per_block = 2 * (FP32 + BF16) * d + BF16 * 5 * 32 * 128 + FP32 * 32 + BF16 * 4 * f
+    head = (FP32 + BF16) * d + BF16 * V + 3 * FP32 * V
+    assert memory["activations"] == 4096 * (L * per_block + head) == 34_315_698_176
+    # at the start of backward: weights + AdamW + activations + the root gathered with its
+    # gradient buffer, two blocks gathered, two blocks' bf16 gradients, one fp32 copy reducing
+    working = BF16 * 2 * root + BF16 * 4 * block + FP32 * block
+    expected = FP32 * shard * 3 + memory["activations"] + working
+    assert memory["total"] == expected == 42_642_505_728
+
+
+def test_qwen3_30b_a3b_on_8_ranks(capsys):
+    result = plan(capsys, "qwen3-30b-a3b", "--world-size", 8, "--zero-stage", 2)
+    V, d, L = 151936, 2048, 48
+    attention = 32 * 128 * d + 2 * 4 * 128 * d + d * 32 * 128 + 2 * 128  # q, k, v, o, q/k norms
+    experts = 128 * d + 128 * (2 * 768) * d + 128 * d * 768  # router, grouped gate|up, down
+    block = attention + experts + 2 * d
+    assert block == 623_120_640 and block % 8 == 0
+    root = math.ceil((2 * V + 1) / 8) * 8 * d
+    assert result["num_params"] == L * block + 2 * V * d + d == 30_532_122_624
+    shard = L * block // 8 + root // 8
+    memory, comm = result["memory"], result["communication"]
+    assert memory["params"] == FP32 * shard == 15_266_068_480
+    assert memory["optimizer"] == 2 * memory["grads"] == 2 * FP32 * shard
+    assert memory["largest_unsharded_unit"] == BF16 * block  # a block outweighs the root here
+    # ZeRO-2: each unit is gathered once per step (kept from forward to backward)
+    assert comm["all_gather"] == BF16 * (L * block + root)
+    assert comm["reduce_scatter"] == FP32 * (L * block + root)
+    assert comm["wire_per_rank"] == 7 * (comm["all_gather"] + comm["reduce_scatter"]) // 8
+    [blocks, root_unit] = result["units"]
+    assert (blocks["count"], blocks["padded"], root_unit["padded"]) == (L, block, root)
+
+
+def test_zoo_totals_and_text_output(capsys):
+    published = {
+        "llama3-8b": 8.03e9, "llama3-70b": 70.6e9, "qwen3-30b-a3b": 30.5e9,
+        "qwen3-235b-a22b": 235e9, "deepseek-v3": 671e9,
+    }  # fmt: skip
+    for name, params in published.items():
+        assert plan(capsys, name)["num_params"] == pytest.approx(params, rel=0.005), name
+    hsdp = plan(capsys, "qwen3-235b-a22b", "--world-size", 64, "--dp-shard", 32)
+    flat = plan(capsys, "qwen3-235b-a22b", "--world-size", 32)
+    assert hsdp["memory"]["params"] == flat["memory"]["params"]
+    assert hsdp["communication"]["replica_all_reduce"] == flat["memory"]["grads"]
+    assert main(["plan", "deepseek-v3", "--world-size", "64"]) == 0
+    text = capsys.readouterr().out
+    for part in ("layers.3-60 (MoE) (x58)", "total (peak estimate)", "padding:", "all-gather"):
+        assert part in text
+
+
+def test_plan_of_a_hugging_face_config(tmp_path, capsys):
+    config = dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=1000,
+        hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+    )  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    result = plan(capsys, tmp_path, "--world-size", 2, "--param-dtype", "fp32")
+    expected = LlamaConfig(
+        vocab_size=1000, dim=64, ffn_dim=96, n_layers=3, n_heads=4, n_kv_heads=2,
+        head_dim=32, tie_embeddings=True, qk_norm=True,
+    )  # fmt: skip
+    assert result["num_params"] == expected.num_params()
+    assert main(["plan", "gpt-5"]) == 2
+    assert "unknown model 'gpt-5'" in capsys.readouterr().err
+    assert main(["plan", "llama3-8b", "--world-size", "6", "--dp-shard", "4"]) == 2
+    assert "--dp-shard (4) must divide --world-size (6)" in capsys.readouterr().err

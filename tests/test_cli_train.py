@@ -1,0 +1,155 @@
+"""`flatshard train` end to end, as a user runs it: two local gloo ranks, checkpoints, exact
+resume, Ctrl-C, a non-finite loss, sampling at world sizes 1 and 2, inspect, and the
+planner's memory and communication figures against a measured run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from test_cli_helpers import TINY, check_ok, cli_env, flatshard, metrics, one_line_error
+
+from flatshard.models import LlamaConfig
+
+STEPS = 8
+
+
+def test_train_resume_sample_inspect(tmp_path):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    check_ok(flatshard("train", *TINY, "--steps", STEPS, "--out", straight))
+    expected = [r["loss"] for r in metrics(straight)]
+    assert len(expected) == STEPS and expected[-1] < expected[0]
+
+    # the same run, stopped after step 3 (with a checkpoint), then resumed
+    first = check_ok(
+        flatshard("train", *TINY, "--steps", STEPS, "--out", split, "--set", "run.stop_at_step=3")
+    )
+    assert "stopped at step 3" in first.stdout
+    assert sorted(os.listdir(split / "checkpoints")) == ["latest", "step-00000003"]
+    resumed = check_ok(flatshard("train", "--resume", split))
+    assert "resuming from step 3" in resumed.stdout
+    assert [r["step"] for r in metrics(split)] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in metrics(split)] == expected  # bitwise: same world, same order
+
+    record = metrics(split)[-1]
+    assert record["tokens"] == STEPS * 4 * 32 and record["comm_bytes"] > 0
+    assert record["peak_mem_bytes"] > 0 and np.isfinite(record["grad_norm"])
+
+    # greedy samples agree in one process (plain model) and on two ranks (sharded model)
+    texts = []
+    for nproc in (1, 2):
+        result = check_ok(
+            flatshard("sample", "--checkpoint", split, "--prompt", "The ", "--tokens", 24,
+                      "--temperature", 0, "--nproc", nproc)
+        )  # fmt: skip
+        texts.append(result.stdout)
+    assert texts[0] == texts[1] and texts[0].startswith("The ") and len(texts[0]) > 10
+
+    inspected = check_ok(flatshard("inspect", split)).stdout
+    assert f"step: {STEPS}" in inspected and "saved by: 2 rank(s)" in inspected
+    assert "embed_tokens.weight" in inspected and "(257, 64)" in inspected
+    assert "size on disk:" in inspected and "exp_avg" in inspected
+    info = json.loads(check_ok(flatshard("inspect", split / "checkpoints", "--json")).stdout)
+    cfg = LlamaConfig(**info["model_config"])
+    assert info["model_params"] == cfg.num_params() and cfg.dim == 64
+    assert info["world_size"] == 2 and info["committed_steps"] == [3, STEPS]
+    assert info["run_config"]["model"]["preset"] == "tiny"
+    assert info["extras"]["data_position"] == STEPS * 4
+    assert info["size_bytes"] > 3 * 4 * cfg.num_params()  # weights and two AdamW states
+
+
+def test_ctrl_c_saves_and_resumes(tmp_path):
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "flatshard", "train", *TINY, "--steps", 100000,
+               "--out", run]  # fmt: skip
+    proc = subprocess.Popen(
+        list(map(str, command)), env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (run / "metrics.jsonl").exists() or len(metrics(run)) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "interrupted by SIGINT" in out and "--resume" in out
+    last = metrics(run)[-1]["step"]
+    with open(run / "checkpoints" / "latest") as handle:
+        assert handle.read().strip() == f"step-{last:08d}"
+    check_ok(flatshard("train", "--resume", run, "--set", f"run.stop_at_step={last + 2}"))
+    assert [r["step"] for r in metrics(run)][-3:] == [last, last + 1, last + 2]
+
+
+def test_non_finite_loss_keeps_last_good_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    result = flatshard(
+        "train", *TINY, "--steps", 20, "--out", run, "--lr", "1e6",
+        "--set", "train.min_lr=0", "--set", "train.grad_clip=0", "--set", "train.warmup_steps=0",
+        "--set", "checkpoint.interval=1",
+    )  # fmt: skip
+    line = one_line_error(result)
+    assert "stopped without applying or saving it" in line and "last good checkpoint" in line
+    failed_step = int(line.split("step ")[1].split(":")[0])
+    steps = sorted(int(n.split("-")[1]) for n in os.listdir(run / "checkpoints") if n != "latest")
+    assert steps[-1] == failed_step - 1 and f"step-{failed_step - 1:08d}" in line
+
+
+def test_memmap_data_in_one_process(tmp_path):
+    tokens = (np.arange(5000) * 7 % 1000).astype(np.uint16)
+    tokens.tofile(tmp_path / "tokens.bin")
+    run = tmp_path / "run"
+    result = check_ok(
+        flatshard("train", *TINY, "--steps", 3, "--nproc", 1, "--out", run,
+                  "--data", tmp_path / "tokens.bin", "--set", "data.format=uint16")
+    )  # fmt: skip
+    assert "1 process(es)" in result.stdout and "vocab 1000" in result.stdout
+    assert len(metrics(run)) == 3
+    ids = check_ok(flatshard("sample", "--checkpoint", run, "--prompt-ids", "1,2,3", "--tokens", 5))
+    assert len(ids.stdout.split()) == 8
+
+
+def test_plan_matches_a_measured_run(tmp_path):
+    """The planner's peak memory is within 10% of a run's measured peak resident memory, and
+    its bytes per step equal the bytes the run's collectives moved."""
+    sizes = ["--set", "model.preset=medium", "--set", "data.seq_len=32",
+             "--set", "train.micro_batch=1", "--set", "train.global_batch=2"]  # fmt: skip
+    run = tmp_path / "run"
+    # A fixed mmap threshold makes glibc return freed buffers at once, so the resident peak
+    # is the live peak rather than what the allocator kept cached.
+    env = cli_env(MALLOC_MMAP_THRESHOLD_="65536")
+    check_ok(
+        flatshard("train", *sizes, "--steps", 3, "--out", run, "--set", "run.sample_tokens=0",
+                  "--set", "checkpoint.interval=0", "--set", "checkpoint.at_end=false", env=env)
+    )  # fmt: skip
+    measured = metrics(run)[-1]
+    plan = json.loads(check_ok(flatshard("plan", *sizes, "--json")).stdout)
+    assert plan["setup"]["backend"] == "gloo" and plan["setup"]["world_size"] == 2
+    assert measured["comm_bytes"] == plan["communication"]["total"]
+    assert measured["all_gather_bytes"] == plan["communication"]["all_gather"]
+    predicted = plan["memory"]["total"]
+    assert abs(measured["peak_mem_bytes"] - predicted) <= 0.10 * predicted, (
+        measured["peak_mem_bytes"],
+        predicted,
+    )
+
+
+@pytest.mark.parametrize("stage, precision", [(1, "bf16"), (2, "fp32")])
+def test_bytes_per_step_with_accumulation_match_the_plan(tmp_path, stage, precision):
+    sizes = ["--set", "model.preset=tiny", "--set", "data.seq_len=32",
+             "--set", "train.micro_batch=2", "--set", "train.global_batch=8",
+             "--set", f"train.zero_stage={stage}",
+             "--set", f"train.precision={precision}"]  # fmt: skip
+    run = tmp_path / "run"
+    check_ok(flatshard("train", *sizes, "--steps", 2, "--out", run, "--set", "run.sample_tokens=0"))
+    plan = json.loads(check_ok(flatshard("plan", *sizes, "--json")).stdout)
+    assert plan["setup"]["grad_accum"] == 2
+    for record in metrics(run):
+        assert record["all_gather_bytes"] == plan["communication"]["all_gather"]
+        assert record["reduce_scatter_bytes"] == plan["communication"]["reduce_scatter"]
