@@ -47,10 +47,6 @@ def alloc_storage(tensor: torch.Tensor) -> None:
         storage.resize_(needed)
 
 
-def has_storage(tensor: torch.Tensor) -> bool:
-    return tensor.untyped_storage().size() != 0
-
-
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group) -> dist.Work | None:
     """Start gathering every rank's equal `shard` into the flat `output`."""
     return dist.all_gather_single(output, shard, group=group, async_op=True)
@@ -60,11 +56,6 @@ def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, group, average: boo
     """Start summing (or averaging) `flat` over ranks, leaving this rank's shard in `output`."""
     op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
     return dist.reduce_scatter_single(output, flat, op=op, group=group, async_op=True)
-
-
-def all_reduce_max(values: torch.Tensor, group) -> torch.Tensor:
-    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
-    return values
 
 
 def agree(local_problem: str | None, group, error_type: type[FlatShardError]) -> None:
@@ -77,7 +68,7 @@ def agree(local_problem: str | None, group, error_type: type[FlatShardError]) ->
             raise error_type(local_problem)
         return
     flag = torch.tensor([1 if local_problem else 0], dtype=torch.int32, device=group_device(group))
-    all_reduce_max(flag, group)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if not flag.item():
         return
     problems: list = [None] * dist.get_world_size(group)

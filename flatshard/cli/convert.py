@@ -11,11 +11,9 @@ import torch
 
 import flatshard
 from flatshard import checkpoint, hf
-from flatshard.checkpoint import manifest
-from flatshard.cli import runs
 from flatshard.cli.errors import RunError
 from flatshard.cli.launch import init_distributed, run, under_launcher
-from flatshard.cli.model import build_plain, build_sharded, config_from_dict
+from flatshard.cli.model import build_plain, build_sharded, saved_model_config
 
 HF_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -51,12 +49,7 @@ def hf_to_checkpoint(args, sharded: bool) -> None:
 
 
 def checkpoint_to_hf(args, sharded: bool) -> None:
-    root, step = runs.resolve_checkpoint(args.source)
-    path = runs.step_dir(root, step)
-    saved = manifest.read(path)
-    if not saved.get("model_config"):
-        raise RunError(f"{path} has no model config: it was not saved from a flatshard Llama")
-    cfg = config_from_dict(saved["model_config"])
+    root, step, path, cfg = saved_model_config(args.source)
     if sharded:
         ranks = init_distributed()
         model = build_sharded(cfg, zero_stage=3, precision="fp32", seed=0, device=ranks.device)

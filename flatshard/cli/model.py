@@ -6,8 +6,10 @@ from __future__ import annotations
 import torch
 
 import flatshard
+from flatshard.checkpoint import manifest
+from flatshard.cli import runs
 from flatshard.cli.config import RunConfig
-from flatshard.cli.errors import ConfigError
+from flatshard.cli.errors import ConfigError, RunError
 from flatshard.models import Llama, LlamaConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -74,3 +76,13 @@ def config_from_dict(values: dict) -> LlamaConfig:
         return LlamaConfig(**values)
     except (TypeError, ValueError) as error:
         raise ConfigError(f"the checkpoint's model config is not usable: {error}") from None
+
+
+def saved_model_config(checkpoint_arg: str) -> tuple[str, int, str, LlamaConfig]:
+    """(root, step, step directory, model config) of the checkpoint a command was given."""
+    root, step = runs.resolve_checkpoint(checkpoint_arg)
+    path = runs.step_dir(root, step)
+    saved = manifest.read(path)
+    if not saved.get("model_config"):
+        raise RunError(f"{path} has no model config: it was not saved from a flatshard Llama")
+    return root, step, path, config_from_dict(saved["model_config"])

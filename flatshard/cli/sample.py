@@ -8,12 +8,11 @@ from dataclasses import dataclass
 from torch.cuda import is_available as cuda_available
 
 from flatshard import checkpoint
-from flatshard.checkpoint import manifest
 from flatshard.cli import runs
 from flatshard.cli.errors import RunError
 from flatshard.cli.generate import generate
 from flatshard.cli.launch import init_distributed
-from flatshard.cli.model import build_plain, build_sharded, config_from_dict
+from flatshard.cli.model import build_plain, build_sharded, saved_model_config
 from flatshard.cli.tokenizer import tokenizer_for
 
 
@@ -30,12 +29,7 @@ class SampleRequest:
 
 
 def sample_worker(request: SampleRequest, sharded: bool) -> None:
-    root, step = runs.resolve_checkpoint(request.checkpoint)
-    path = runs.step_dir(root, step)
-    saved = manifest.read(path)
-    if not saved.get("model_config"):
-        raise RunError(f"{path} has no model config: it was not saved from a flatshard Llama")
-    cfg = config_from_dict(saved["model_config"])
+    root, step, path, cfg = saved_model_config(request.checkpoint)
     tokenizer = tokenizer_for(runs.saved_extra(path, "tokenizer") or "none")
     if request.prompt_ids:
         prompt = list(request.prompt_ids)
