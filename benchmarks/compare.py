@@ -468,6 +468,11 @@ def worker(rank: int, world: int, port: int, opts: dict, result_path: str) -> No
                 json.dump(gathered, out)
     finally:
         dist.destroy_process_group()
+    # Results are on disk. Skip interpreter teardown: gloo's threads sometimes abort the
+    # process there ("terminate called without an active exception"), failing the run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # --- report ------------------------------------------------------------------------------
