@@ -151,12 +151,26 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+EXACT_MEMORY_MMAP_THRESHOLD = 65536
+COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+# Bytes each rank sends per counted byte, as (N-1)/N multiples, for the algorithms gloo
+# runs: ring all-gather, all-to-all and ring all-reduce (reduce-scatter + all-gather);
+# gloo's reduce-scatter clones its input and all-reduces all of it.
+WIRE_FACTOR = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 2, "all_to_all": 1}
+
+
+def wire_bytes(comm: dict, world: int) -> float:
+    """Bytes one rank sends per step for the counted collectives (see WIRE_FACTOR)."""
+    return sum(WIRE_FACTOR[k] * comm[k] for k in COMM_KINDS) * (world - 1) / world
+
+
 class CommCounter:
     """Counts calls and bytes of the Python-level collectives while `active`.
 
     all-gather: bytes of the gathered (output) tensor; reduce-scatter: bytes of the input
-    that is reduced; all-reduce: bytes of the tensor. Nested calls (a deprecated name that
-    forwards to its `*_single` replacement) count once.
+    that is reduced; all-reduce: bytes of the tensor; all-to-all: bytes of the input (flatshard
+    reduce-scatters that way on gloo). Nested calls (a deprecated name that forwards to its
+    `*_single` replacement) count once.
     """
 
     # name: (kind, position of the counted tensor, its keyword)
@@ -166,6 +180,7 @@ class CommCounter:
         "reduce_scatter_single": ("reduce_scatter", 1, "input"),
         "reduce_scatter_tensor": ("reduce_scatter", 1, "input"),
         "all_reduce": ("all_reduce", 0, "tensor"),
+        "all_to_all_single": ("all_to_all", 1, "input"),
     }
 
     def __init__(self) -> None:
@@ -174,8 +189,8 @@ class CommCounter:
         self.reset()
 
     def reset(self) -> None:
-        self.bytes = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
-        self.calls = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+        self.bytes = dict.fromkeys(COMM_KINDS, 0)
+        self.calls = dict.fromkeys(COMM_KINDS, 0)
 
     def install(self) -> None:
         c10d = dist.distributed_c10d
@@ -577,11 +592,11 @@ def summarize(gathered: list[dict], modes: list[str]) -> dict[str, dict]:
         comm_steps = [c for run in lead for c in run["comm"]]
         comm = {
             kind: statistics.mean(c[kind] for c in comm_steps) if comm_steps else 0
-            for kind in ("all_gather", "reduce_scatter", "all_reduce")
+            for kind in COMM_KINDS
         }
         calls = {
             kind: statistics.mean(c["calls"][kind] for c in comm_steps) if comm_steps else 0
-            for kind in ("all_gather", "reduce_scatter", "all_reduce")
+            for kind in COMM_KINDS
         }
         summary = {
             "step": statistics.median(steps),
@@ -628,8 +643,8 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
     header = (
         "| mode | step ms (median) | ×FSDP2 | ×DDP | fwd ms | bwd ms | opt ms "
         "| peak RSS MiB per rank (growth) | state per rank (p+g+opt) "
-        "| all-gather /step | reduce-scatter /step | all-reduce /step "
-        "| padding % | loss Δ vs single | loss Δ vs FSDP2 |"
+        "| all-gather /step | reduce-scatter /step | all-reduce /step | all-to-all /step "
+        "| sent /step | padding % | loss Δ vs single | loss Δ vs FSDP2 |"
     )
     lines = [header, _rule(header)]
     for mode in opts["modes"]:
@@ -658,7 +673,9 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
             f"| {_fmt_ratio(s['step'], ddp)} | {1000 * s['fwd']:.1f} | {1000 * s['bwd']:.1f} "
             f"| {1000 * s['opt']:.1f} | {rss} | {state} "
             f"| {_fmt_bytes(s['comm']['all_gather'])} | {_fmt_bytes(s['comm']['reduce_scatter'])} "
-            f"| {all_reduce} | {pad} | {_fmt_rel(vs_single)} | {_fmt_rel(vs_fsdp2)} |"
+            f"| {all_reduce} | {_fmt_bytes(s['comm']['all_to_all'])} "
+            f"| {_fmt_bytes(wire_bytes(s['comm'], world))} | {pad} "
+            f"| {_fmt_rel(vs_single)} | {_fmt_rel(vs_fsdp2)} |"
         )
     table = "\n".join(lines)
 
@@ -688,6 +705,14 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
     ]
     if meta.get("note"):
         notes.append(f"- note: {meta['note']}")
+    if meta.get("exact_memory"):
+        notes.append(
+            f"- exact memory: workers ran with MALLOC_MMAP_THRESHOLD_="
+            f"{EXACT_MEMORY_MMAP_THRESHOLD}: glibc maps every block over 64 KiB on its own and "
+            "unmaps it when freed, so peak RSS is the peak of live memory rather than of "
+            "glibc's heap (whose size depends on allocation order); steps are slower "
+            "(more page faults), so read timings from a run without it"
+        )
     explain = [
         "",
         "Columns: step/fwd/bwd/opt are medians over timed steps, each step taking the "
@@ -699,7 +724,11 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
         "allocations). State: bytes this rank holds of parameters + gradients "
         "+ AdamW state, after `optimizer.step()` (DTensors: `to_local()`). Collective bytes "
         "per timed step and rank, counted by wrapping `torch.distributed` at the Python level: "
-        "all-gather = gathered output, reduce-scatter = reduced input, all-reduce = tensor. "
+        "all-gather = gathered output, reduce-scatter = reduced input, all-reduce = tensor, "
+        "all-to-all = input (flatshard's reduce-scatter on gloo: see comm.py). Sent: bytes "
+        "one rank puts on the wire per step for the algorithms gloo runs, (N-1)/N x (all-gather "
+        "+ all-to-all + 2 x all-reduce + 2 x reduce-scatter, as gloo's reduce-scatter "
+        "all-reduces its whole input). "
         "DDP all-reduces in C++ gradient buckets that Python never sees: its all-reduce bytes "
         "are analytic (= trainable parameter bytes in the reduce dtype, fp32). Padding: "
         "flatshard's layout padding over used elements, all units. Loss Δ: max over steps and "
@@ -732,10 +761,7 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
         )
     calls = "; ".join(
         f"{MODE_NAMES[m]} "
-        + ", ".join(
-            f"{k.replace('_', '-')} {summary[m]['calls'][k]:.0f}"
-            for k in ("all_gather", "reduce_scatter", "all_reduce")
-        )
+        + ", ".join(f"{k.replace('_', '-')} {summary[m]['calls'][k]:.0f}" for k in COMM_KINDS)
         for m in opts["modes"]
         if m != "single"
     )
@@ -780,6 +806,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "RESULTS.md"))
     parser.add_argument("--append", action="store_true", help="append to --out")
     parser.add_argument("--note", help="a line to add to the report (e.g. machine sharing)")
+    parser.add_argument(
+        "--exact-memory",
+        action="store_true",
+        help="workers run with MALLOC_MMAP_THRESHOLD_=65536, so glibc returns every freed "
+        "tensor to the system and peak RSS is the peak of live memory (slower steps)",
+    )
     args = parser.parse_args(argv)
     if args.steps is None:
         args.steps = PRESETS[args.preset]["steps"]
@@ -817,7 +849,10 @@ def main(argv=None) -> int:
         "load_start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
         "git": _git_revision(),
         "note": args.note,
+        "exact_memory": args.exact_memory,
     }
+    if args.exact_memory:  # read by glibc when the spawned workers start
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(EXACT_MEMORY_MMAP_THRESHOLD)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "results.json")

@@ -4,6 +4,11 @@ Collectives move whole flat buckets with `all_gather_single` / `reduce_scatter_s
 They are issued with `async_op=True`; on CUDA, NCCL runs them on its own stream and
 `Work.wait()` makes the current stream wait, so compute on the current stream overlaps
 them. On CPU, gloo runs them on its own threads and `wait()` blocks the caller.
+
+gloo's reduce-scatter is a full clone + all-reduce + copy of the input: twice the bytes a
+reduce-scatter needs. On gloo, flatshard reduce-scatters with one all-to-all (each rank
+receives every rank's copy of its own shard: (N-1)/N of the buffer on the wire, as NCCL's
+ring) and sums the N pieces locally.
 """
 
 from __future__ import annotations
@@ -53,9 +58,36 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group) -> dist.Work | 
 
 
 def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, group, average: bool):
-    """Start summing (or averaging) `flat` over ranks, leaving this rank's shard in `output`."""
+    """Start summing (or averaging) `flat` over ranks, leaving this rank's shard in `output`.
+
+    Returns an object whose `wait()` leaves the result in `output`.
+    """
+    if flat.device.type == "cpu" and dist.get_backend(group) == "gloo":
+        return _AllToAllReduceScatter(output, flat, group, average)
     op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
     return dist.reduce_scatter_single(output, flat, op=op, group=group, async_op=True)
+
+
+class _AllToAllReduceScatter:
+    """A reduce-scatter as one all-to-all (rank r receives every rank's piece r) and a local
+    sum in rank order, so every rank adds its contributions in the same order."""
+
+    def __init__(self, output: torch.Tensor, flat: torch.Tensor, group, average: bool):
+        self.output, self.average = output, average
+        self.world = dist.get_world_size(group)
+        self.received = torch.empty_like(flat)
+        self.work = dist.all_to_all_single(self.received, flat, group=group, async_op=True)
+
+    def wait(self) -> bool:
+        if self.received is None:
+            return True
+        self.work.wait()
+        pieces = self.received.view(self.world, -1)
+        torch.sum(pieces, dim=0, out=self.output)
+        if self.average:
+            self.output.div_(self.world)
+        self.received = None
+        return True
 
 
 def agree(local_problem: str | None, group, error_type: type[FlatShardError]) -> None:

@@ -6,6 +6,8 @@ moves whole flat buffers.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from flatshard import comm
@@ -34,11 +36,21 @@ class FlatBucket:
         self.unsharded = torch.empty(layout.padded_size, dtype=param_dtype, device=device)
         comm.free_storage(self.unsharded)
         self.unsharded_grad: torch.Tensor | None = None
-        self.sharded_grad: torch.Tensor | None = None
+        self._sharded_grad: weakref.ref | None = None
         self._gather_input: torch.Tensor | None = None
         self._version = 0
         self._main_version = -1
         self._unsynced: torch.Tensor | None = None
+
+    # The flat gradient shard lives exactly as long as the parameters' `.grad` views of it
+    # (a view keeps its base alive): `zero_grad()` frees it at once, as FSDP2's are freed.
+    @property
+    def sharded_grad(self) -> torch.Tensor | None:
+        return None if self._sharded_grad is None else self._sharded_grad()
+
+    @sharded_grad.setter
+    def sharded_grad(self, flat: torch.Tensor | None) -> None:
+        self._sharded_grad = None if flat is None else weakref.ref(flat)
 
     # --- views -------------------------------------------------------------------------
     def main_rows(self, index: int) -> torch.Tensor:
@@ -124,12 +136,3 @@ class FlatBucket:
                 flat.mul_(1.0 / divide_factor)  # consumed by this reduce: scale in place
         work = comm.reduce_scatter(output, flat, self.group, average=average)
         return work, output, flat, post_scale
-
-    def accumulate_sharded_grad(self, reduced: torch.Tensor) -> torch.Tensor:
-        """Add a reduced gradient shard into this bucket's sharded gradient; return it."""
-        reduced = reduced.to(self.main.dtype)
-        if self.sharded_grad is None:
-            self.sharded_grad = reduced
-        else:
-            self.sharded_grad.add_(reduced)
-        return self.sharded_grad

@@ -177,7 +177,6 @@ class Unit:
         context = self._context()
         if not context.in_backward:  # not an activation-checkpointing recompute
             self._check_requires_grad()
-            self._release_unused_grad_buffers()
             if self is context.root:
                 context.previous_pre_forward_order = context.pre_forward_order
                 context.pre_forward_order, context.post_forward_order = [], []
@@ -251,14 +250,6 @@ class Unit:
                 f"requires_grad of {changed} changed after fully_shard; freeze or unfreeze "
                 "parameters before wrapping (the layout groups trainable and frozen ones apart)"
             )
-
-    def _release_unused_grad_buffers(self) -> None:
-        """After `zero_grad(set_to_none=True)` nothing uses the sharded gradients: free them."""
-        for bucket in self.buckets:
-            if bucket.sharded_grad is not None and all(
-                p.sharded.grad is None for p in self._trainable if self.buckets[p.bucket] is bucket
-            ):
-                bucket.sharded_grad = None
 
     # --- backward --------------------------------------------------------------------------
     def _pre_backward(self, grad):

@@ -1,6 +1,7 @@
 """Communication per ZeRO-3 step: one all-gather per bucket in forward, one per bucket in
 backward (the model root keeps its parameters through backward, as in FSDP2), one
-reduce-scatter per trainable bucket, nothing else; bytes equal the layout's padded sizes."""
+reduce-scatter per trainable bucket, nothing else; bytes equal the layout's padded sizes.
+On gloo a reduce-scatter is one `all_to_all_single` of the flat gradient (see comm.py)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ class CollectiveCounter:
             def counted(*args, _name=name, _original=original, **kwargs):
                 key = (self.phase, _name)
                 self.calls[key] += 1
-                if _name in ("all_gather_single", "reduce_scatter_single"):
+                if _name in ("all_gather_single", "reduce_scatter_single", "all_to_all_single"):
                     big = args[0] if _name == "all_gather_single" else args[1]
                     self.bytes[key] += big.numel() * big.element_size()
                 return _original(*args, **kwargs)
@@ -87,7 +88,7 @@ def _count_one_step(param_dtype):
     expected_calls = {
         ("forward", "all_gather_single"): sum(len(u.buckets) for u in units),
         ("backward", "all_gather_single"): sum(len(u.buckets) for u in units if u is not root),
-        ("backward", "reduce_scatter_single"): sum(
+        ("backward", "all_to_all_single"): sum(
             b.layout.requires_grad for u in units for b in u.buckets
         ),
     }
@@ -96,7 +97,7 @@ def _count_one_step(param_dtype):
         * sum(b.layout.padded_size for u in units for b in u.buckets),
         ("backward", "all_gather_single"): element
         * sum(b.layout.padded_size for u in units if u is not root for b in u.buckets),
-        ("backward", "reduce_scatter_single"): 4
+        ("backward", "all_to_all_single"): 4
         * sum(b.layout.padded_size for u in units for b in u.buckets if b.layout.requires_grad),
     }
     return dict(counter.calls), dict(counter.bytes), expected_calls, expected_bytes
@@ -118,3 +119,42 @@ def test_zero3_collectives_per_step(world_size, param_dtype):
     ):
         assert calls == expected_calls
         assert sizes == expected_bytes
+
+
+def _reduce_scatter_errors(dtype):
+    """Largest error of flatshard's and of gloo's reduce-scatter against the exact result."""
+    from flatshard import comm
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def contribution(r):
+        return torch.randn(world * 37, generator=torch.Generator().manual_seed(r)).to(dtype)
+
+    exact_sum = sum(contribution(r).double() for r in range(world))[rank * 37 : (rank + 1) * 37]
+    errors = []
+    for average in (False, True):
+        exact = exact_sum / world if average else exact_sum
+        ours = torch.empty(37, dtype=dtype)
+        comm.reduce_scatter(ours, contribution(rank), None, average=average).wait()
+        gloo = torch.empty(37, dtype=dtype)
+        op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+        dist.reduce_scatter_single(gloo, contribution(rank), op=op)
+        scale = exact.abs().max().item()
+        errors.append(
+            (
+                (ours.double() - exact).abs().max().item() / scale,
+                (gloo.double() - exact).abs().max().item() / scale,
+            )
+        )
+    return errors
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gloo_reduce_scatter_is_exact(world_size, dtype):
+    """flatshard's all-to-all reduce-scatter (gloo) sums and averages to within one rounding
+    of the exact result, as gloo's own reduce-scatter does."""
+    rounding = torch.finfo(dtype).eps
+    for errors in run_distributed(_reduce_scatter_errors, world_size, dtype):
+        for ours, gloo in errors:
+            assert ours <= rounding and gloo <= rounding, errors
