@@ -46,3 +46,17 @@ def test_compare_tiny(tmp_path):
         if mode.startswith("flatshard"):
             assert float(rows[mode][loss_index]) <= 1e-5, (mode, rows[mode][loss_index])
     assert "python" in text and "--preset tiny" in text  # the exact command is recorded
+
+
+def test_gloo_collectives_script():
+    script = os.path.join(ROOT, "benchmarks", "gloo_collectives.py")
+    proc = subprocess.run(
+        [sys.executable, script, "--world", "2", "--elements", "4096", "--repeats", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    timed = [line for line in proc.stdout.splitlines() if line.startswith("world 2")]
+    assert len(timed) == 4 and all(" ms" in line for line in timed), proc.stdout

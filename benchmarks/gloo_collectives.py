@@ -1,0 +1,115 @@
+"""Why flatshard reduce-scatters with an all-to-all on gloo: time the ways to reduce-scatter
+(and all-gather) one flat bucket between spawned CPU processes.
+
+gloo's `reduce_scatter_single` clones its whole input, all-reduces the clone and copies
+this rank's piece out: it sends twice the bytes a reduce-scatter needs. An all-to-all sends
+each rank only its own piece of every other rank's buffer ((N-1)/N of the buffer, as a ring
+reduce-scatter does) and the N pieces are summed locally (flatshard.comm).
+
+    python benchmarks/gloo_collectives.py --world 2 4 --elements 3400000
+
+Prints the median wall time and the process CPU time (all threads, gloo's included) per
+call on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from flatshard import comm  # noqa: E402
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _worker(rank: int, world: int, port: int, elements: int, repeats: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    shard_elements = elements // world
+    flat = torch.randn(shard_elements * world)
+    shard = torch.randn(shard_elements)
+    out_shard = torch.empty(shard_elements)
+    out_full = torch.empty(shard_elements * world)
+
+    def gloo_reduce_scatter():
+        dist.reduce_scatter_single(out_shard, flat)
+
+    def all_reduce_then_copy():
+        dist.all_reduce(flat)
+        out_shard.copy_(flat[rank * shard_elements : (rank + 1) * shard_elements])
+
+    def flatshard_reduce_scatter():
+        comm.reduce_scatter(out_shard, flat, None, average=False).wait()
+
+    def gloo_all_gather():
+        dist.all_gather_single(out_full, shard)
+
+    cases = [
+        ("reduce-scatter: gloo reduce_scatter_single", gloo_reduce_scatter),
+        ("reduce-scatter: all_reduce + copy", all_reduce_then_copy),
+        ("reduce-scatter: flatshard (all-to-all + sum)", flatshard_reduce_scatter),
+        ("all-gather: gloo all_gather_single", gloo_all_gather),
+    ]
+    for name, call in cases:
+        walls, cpus = [], []
+        for i in range(repeats + 2):
+            dist.barrier()
+            wall, cpu = time.perf_counter(), _cpu_seconds()
+            call()
+            if i >= 2:  # the first calls set up gloo's buffers
+                walls.append(time.perf_counter() - wall)
+                cpus.append(_cpu_seconds() - cpu)
+        if rank == 0:
+            print(
+                f"world {world}  {name:46s} wall {1e3 * statistics.median(walls):7.2f} ms  "
+                f"cpu {1e3 * statistics.median(cpus):7.2f} ms",
+                flush=True,
+            )
+    dist.barrier()
+    dist.destroy_process_group()
+    # Skip interpreter teardown, where gloo's threads sometimes abort the process (as in
+    # compare.py).
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--elements", type=int, default=3_400_000, help="fp32 bucket size")
+    parser.add_argument("--repeats", type=int, default=12)
+    args = parser.parse_args(argv)
+    print(f"bucket: {args.elements:,} fp32 elements ({args.elements * 4 / 2**20:.1f} MiB)")
+    for world in args.world:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        mp.start_processes(
+            _worker,
+            args=(world, port, args.elements, args.repeats),
+            nprocs=world,
+            start_method="spawn",
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
