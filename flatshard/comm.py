@@ -70,7 +70,7 @@ def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, group, average: boo
 
 class _AllToAllReduceScatter:
     """A reduce-scatter as one all-to-all (rank r receives every rank's piece r) and a local
-    sum in rank order, so every rank adds its contributions in the same order."""
+    sum of the N pieces."""
 
     def __init__(self, output: torch.Tensor, flat: torch.Tensor, group, average: bool):
         self.output, self.average = output, average

@@ -110,6 +110,35 @@ def test_clip_grad_norm_returns_single_process_norm(world_size):
         assert grad_error <= 1e-6
 
 
+def _gradient_shards_after_zero_grad():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = config()
+    model = shard(build_model(cfg))
+    optimizer = adamw(model.parameters())
+    buckets = [
+        b
+        for m in model.modules()
+        if hasattr(m, "_flatshard_unit")
+        for b in m._flatshard_unit.buckets
+    ]
+    tokens = rank_slice(batches(cfg, 1)[0], rank, world)
+    lm_loss(model, tokens).backward()
+    held_after_backward = all(b.sharded_grad is not None for b in buckets)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)  # zeroed gradients: the shards stay
+    held_after_zeroing = all(b.sharded_grad is not None for b in buckets)
+    optimizer.zero_grad()  # set to None: nothing refers to the shards any more
+    freed = all(b.sharded_grad is None for b in buckets)
+    return held_after_backward, held_after_zeroing, freed
+
+
+def test_zero_grad_frees_gradient_shards():
+    """`zero_grad()` (set_to_none) frees the flat gradient shards at once, as FSDP2 frees
+    its gradients; zeroing in place keeps them."""
+    for held, kept, freed in run_distributed(_gradient_shards_after_zero_grad, 2):
+        assert held and kept and freed
+
+
 # --- bf16 compute, fp32 reduce against a single-process bf16 reference ----------------------
 BF16_TOLERANCE = 2e-2  # bf16 has 8 mantissa bits; batch splits change rounding
 
@@ -260,8 +289,10 @@ def _meta_init_blocks_only():
     torch.manual_seed(0)
     flatshard.materialize(model)
     eager = build_model(cfg).state_dict()
-    state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
-             for k, v in model.state_dict().items()}
+    state = {
+        k: v.full_tensor() if hasattr(v, "full_tensor") else v
+        for k, v in model.state_dict().items()
+    }
     tied = model.lm_head.weight is model.embed_tokens.weight
     return tied and all(torch.equal(state[k], eager[k]) for k in eager)
 
