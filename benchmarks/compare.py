@@ -483,8 +483,12 @@ def worker(rank: int, world: int, port: int, opts: dict, result_path: str) -> No
                 json.dump(gathered, out)
     finally:
         dist.destroy_process_group()
-    # Results are on disk. Skip interpreter teardown: gloo's threads sometimes abort the
-    # process there ("terminate called without an active exception"), failing the run.
+    exit_worker()  # results are on disk
+
+
+def exit_worker() -> None:
+    """End a worker process without interpreter teardown: gloo's threads sometimes abort
+    the process there ("terminate called without an active exception"), failing the run."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -493,7 +497,7 @@ def worker(rank: int, world: int, port: int, opts: dict, result_path: str) -> No
 # --- report ------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -858,7 +862,7 @@ def main(argv=None) -> int:
         result_path = os.path.join(tmp, "results.json")
         mp.start_processes(
             worker,
-            args=(args.world, _free_port(), opts, result_path),
+            args=(args.world, free_port(), opts, result_path),
             nprocs=args.world,
             join=True,
             start_method="spawn",

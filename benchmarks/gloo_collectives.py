@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -29,6 +28,8 @@ import torch.multiprocessing as mp
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
+
+from compare import exit_worker, free_port  # noqa: E402
 
 from flatshard import comm  # noqa: E402
 
@@ -85,10 +86,7 @@ def _worker(rank: int, world: int, port: int, elements: int, repeats: int) -> No
             )
     dist.barrier()
     dist.destroy_process_group()
-    # Skip interpreter teardown, where gloo's threads sometimes abort the process (as in
-    # compare.py).
-    sys.stdout.flush()
-    os._exit(0)
+    exit_worker()
 
 
 def main(argv=None) -> int:
@@ -99,12 +97,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     print(f"bucket: {args.elements:,} fp32 elements ({args.elements * 4 / 2**20:.1f} MiB)")
     for world in args.world:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
         mp.start_processes(
             _worker,
-            args=(world, port, args.elements, args.repeats),
+            args=(world, free_port(), args.elements, args.repeats),
             nprocs=world,
             start_method="spawn",
         )
