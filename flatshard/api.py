@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from flatshard import comm, full_state_dict, optim_hooks
 from flatshard.errors import MeshError, WrappingError
+from flatshard.first_use import first_use_groups
 from flatshard.flat_bucket import FlatBucket
 from flatshard.layout import ParamInfo, plan_unit_layout
 from flatshard.policy import MixedPrecisionPolicy, as_mixed_precision, resolve_zero_stage
@@ -68,16 +69,18 @@ class FlatShardModule(nn.Module):
     def _units(self, recurse: bool) -> list[Unit]:
         if not recurse:
             return [self._flatshard_unit]
-        return [m._flatshard_unit for m in self.modules() if isinstance(m, FlatShardModule)]
+        units = [m._flatshard_unit for m in self.modules() if isinstance(m, FlatShardModule)]
+        return list(dict.fromkeys(units))  # a unit over several modules once
 
     def _apply(self, fn, recurse=True):
         # `to_empty()`, `.to()` etc. must not replace the sharded parameters: they are views
         # of flat buffers. Hide them while the conversion runs over everything else.
-        unit = self._flatshard_unit
+        below = set(self.modules())
         hidden = []
-        for param in unit.params:
+        for param in self._flatshard_unit.params:
             for module, name in param.occurrences:
-                hidden.append((module, name, module._parameters.pop(name)))
+                if module in below:  # a unit over several modules: each hides its own
+                    hidden.append((module, name, module._parameters.pop(name)))
         try:
             return super()._apply(fn, recurse)
         finally:
@@ -131,6 +134,9 @@ def fully_shard(
     zero_stage: 1, 2 or 3, the same choice by name; 1 also keeps gradients unsharded
         between optimizer steps (only the optimizer state and main weights are sharded).
     mp_policy: mixed precision, as in FSDP2 (param_dtype, reduce_dtype, output_dtype).
+    On a model root (a module some of whose children are already units), each run of
+    consecutive children holding no unit, e.g. [embedding] and [norm, output head], gets a
+    unit of its own with the same settings, gathered on first use (`first_use.py`).
     Returns `module`, whose class now also derives from `FlatShardModule`.
     """
     if isinstance(module, FlatShardModule):
@@ -149,28 +155,37 @@ def fully_shard(
     install_redistribute_override()
     full_state_dict.install()
     optim_hooks.install()
-
-    found = _collect_params(module)
     if mesh.get_coordinate() is None:
         # no member of the mesh waits for this rank: raising alone cannot hang anyone
         raise MeshError(
             f"rank {dist.get_rank()} is not in the device mesh {mesh}; only the mesh's ranks "
             "may call fully_shard with it"
         )
+    for members in first_use_groups(module):
+        _shard(members, mesh, stage, policy, kept_through_backward=True)
+    _shard([("", module)], mesh, stage, policy, kept_through_backward=False)
+    return module
+
+
+def _shard(members, mesh, stage, policy, kept_through_backward: bool) -> Unit:
+    """One unit over the parameters below `members` [(fqn prefix, module)] that no inner
+    unit manages; its hooks go on every member."""
+    found = _collect_params(members)
     comm.agree(_check_params(found), mesh.get_group(), WrappingError)
 
     rank, world_size = mesh.get_local_rank(), mesh.size()
     device = comm.compute_device(mesh.device_type)
     infos = [ParamInfo(fqn, tuple(p.shape), p.dtype, p.requires_grad) for fqn, p, _ in found]
     layout = plan_unit_layout(infos, world_size)
+    names = "+".join(type(m).__name__ for _, m in members)
     if found and layout.empty_ranks():
         # Legal (e.g. 8 experts over 64 ranks) but wasteful: say so, with the fix.
         warnings.warn(
-            f"fully_shard({type(module).__name__}): at world size {world_size}, ranks "
+            f"fully_shard({names}): at world size {world_size}, ranks "
             f"{_ranges(layout.empty_ranks())} hold none of its {layout.used_size} parameter "
             f"elements (padding {100 * layout.padding_fraction:.1f}%). Wrap a larger module "
             "or use fewer data-parallel ranks.",
-            stacklevel=2,
+            stacklevel=3,
         )
     buckets = [
         FlatBucket(
@@ -203,16 +218,18 @@ def fully_shard(
         managed.append(ManagedParam(fqn, occurrences, bucket_index, index, sharded))
         _retire(original, sharded)
 
-    unit = Unit(module, mesh, layout, buckets, managed, stage, policy)
+    modules = [m for _, m in members]
+    unit = Unit(modules, mesh, layout, buckets, managed, stage, policy, kept_through_backward)
     for param in managed:
         param.sharded._flatshard_param = (unit, param)
         for owner, name in param.occurrences:
             owner._parameters[name] = param.sharded
-    module._flatshard_unit = unit
-    module.__class__ = _wrapped_class(type(module))
-    module.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
-    module.register_forward_hook(unit.post_forward)
-    return module
+    for module in modules:
+        module._flatshard_unit = unit
+        module.__class__ = _wrapped_class(type(module))
+        module.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
+        module.register_forward_hook(unit.post_forward)
+    return unit
 
 
 def _ranges(ranks) -> str:
@@ -229,11 +246,11 @@ def _default_mesh() -> DeviceMesh:
     return init_device_mesh(comm.default_device_type(), (dist.get_world_size(),))
 
 
-def _collect_params(root: nn.Module):
+def _collect_params(members):
     """[(fqn, param, [(module, attr), ...])] for the params this unit manages: every param
-    below `root` that no inner unit manages, tied params once with all their places."""
+    below the members that no inner unit manages, tied params once with all their places."""
     found: dict[int, tuple[str, nn.Parameter, list]] = {}
-    stack = [("", root)]
+    stack = list(reversed(members))
     while stack:
         prefix, module = stack.pop()
         for name, param in module._parameters.items():
@@ -245,7 +262,7 @@ def _collect_params(root: nn.Module):
                 owner = managed._flatshard_param[0]
                 raise WrappingError(
                     f"parameter {fqn!r} is shared with a parameter that the fully_shard unit "
-                    f"of {type(owner.module).__name__} already manages (tied weights). "
+                    f"of {type(owner.modules[0]).__name__} already manages (tied weights). "
                     "Tied parameters must live in one unit: do not fully_shard the "
                     "submodule holding one of them on its own."
                 )

@@ -85,15 +85,16 @@ class _MarkBackwardEnd(torch.autograd.Function):
 class Unit:
     def __init__(
         self,
-        module: nn.Module,
+        modules: list[nn.Module],
         mesh,
         layout: UnitLayout,
         buckets: list[FlatBucket],
         params: list[ManagedParam],
         zero_stage: int,
         mp_policy: MixedPrecisionPolicy,
+        kept_through_backward: bool = False,
     ):
-        self.module = module
+        self.modules = modules  # usually one; a first-use group of a root's children: more
         self.mesh = mesh
         self.group = mesh.get_group()
         self.rank = mesh.get_local_rank()
@@ -105,6 +106,9 @@ class Unit:
         self.mp_policy = mp_policy
         self.reshard_after_forward = zero_stage == 3
         self.reshard_after_backward = zero_stage != 1
+        # Needed again early in backward (the model root and its first-use groups): stays
+        # gathered from forward to backward, as FSDP2 keeps its root.
+        self.kept_through_backward = kept_through_backward
         self.requires_gradient_sync = True
         self.gradient_divide_factor = float(self.world_size)
         self.forward_prefetch: list[Unit] | None = None
@@ -180,7 +184,8 @@ class Unit:
             if self is context.root:
                 context.previous_pre_forward_order = context.pre_forward_order
                 context.pre_forward_order, context.post_forward_order = [], []
-            context.pre_forward_order.append(self)
+            if self not in context.pre_forward_order:  # a unit over several modules: once
+                context.pre_forward_order.append(self)
         self.unshard()
         self._register("unsharded")
         if not context.in_backward:
@@ -212,9 +217,12 @@ class Unit:
         context = self.context
         grad_enabled = torch.is_grad_enabled()
         if not context.in_backward:
+            if self in context.post_forward_order:  # the last call orders backward
+                context.post_forward_order.remove(self)
             context.post_forward_order.append(self)
-            # The model root is needed again first thing in backward: keep it, like FSDP2.
-            keep_for_backward = self is context.root and len(context.units) > 1
+            keep_for_backward = len(context.units) > 1 and (
+                self.kept_through_backward or self is context.root
+            )
             if not grad_enabled or (self.reshard_after_forward and not keep_for_backward):
                 self.reshard()
         if grad_enabled:
@@ -376,7 +384,8 @@ class Unit:
     def _context(self) -> RootContext:
         """The first unit to run forward becomes the root of every unit below it."""
         if self.context is None:
-            units = [_unit_of(m) for m in self.module.modules() if _unit_of(m) is not None]
+            below = [m for member in self.modules for m in member.modules()]
+            units = dict.fromkeys(_unit_of(m) for m in below if _unit_of(m) is not None)
             context = RootContext(units=[u for u in units if u.context is None], root=self)
             for unit in context.units:
                 unit.context = context

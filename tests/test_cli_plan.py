@@ -25,16 +25,16 @@ def test_llama3_8b_on_64_ranks(capsys):
     # a block: q, k, v, o, [gate; up], down, two norms; it cuts into 64 equal whole-row shards
     block = d * d + 2 * (8 * 128) * d + d * d + 2 * f * d + d * f + 2 * d
     assert block == 218_112_000 and block % 64 == 0
-    # the root: embedding and output layer (V rows of d each) and the final norm (d): whole
-    # rows of d elements per rank, so 2V + 1 rows are padded up to a multiple of 64
-    root_rows = math.ceil((2 * V + 1) / 64) * 64
-    root = root_rows * d
+    # the root's first-use groups: the embedding (V rows of d) and [final norm (d), output
+    # layer (V rows)]: whole rows of d elements per rank, each padded to a multiple of 64 rows
+    embed_rows, head_rows = math.ceil(V / 64) * 64, math.ceil((V + 1) / 64) * 64
+    root = (embed_rows + head_rows) * d
     assert result["num_params"] == L * block + 2 * V * d + d == 8_030_261_248
     shard = L * block // 64 + root // 64
     memory, comm = result["memory"], result["communication"]
     assert memory["params"] == memory["grads"] == FP32 * shard == 501_907_456
     assert memory["optimizer"] == 2 * FP32 * shard  # AdamW: exp_avg and exp_avg_sq
-    assert memory["largest_unsharded_unit"] == BF16 * root  # the root is larger than a block
+    assert memory["largest_unsharded_unit"] == BF16 * head_rows * d  # larger than a block
     # bf16 all-gathers: every unit in forward, the blocks again in backward; fp32 reductions
     assert comm["all_gather"] == BF16 * (2 * L * block + root) == 30_020_206_592
     assert comm["reduce_scatter"] == FP32 * (L * block + root) == 32_122_077_184
@@ -47,8 +47,8 @@ def test_llama3_8b_on_64_ranks(capsys):
     per_block = 2 * (FP32 + BF16) * d + BF16 * 5 * 32 * 128 + FP32 * 32 + BF16 * 4 * f
     head = (FP32 + BF16) * d + BF16 * V + 3 * FP32 * V
     assert memory["activations"] == 4096 * (L * per_block + head) == 34_315_698_176
-    # at the start of backward: weights + AdamW + activations + the root gathered with its
-    # gradient buffer, two blocks gathered, two blocks' bf16 gradients, one fp32 copy reducing
+    # at the start of backward: weights + AdamW + activations + the root's parts gathered with
+    # their gradient buffers, two blocks gathered, two blocks' bf16 gradients, one fp32 copy reducing
     working = BF16 * 2 * root + BF16 * 4 * block + FP32 * block
     expected = FP32 * shard * 3 + memory["activations"] + working
     assert memory["total"] == expected == 42_642_505_728
@@ -61,7 +61,9 @@ def test_qwen3_30b_a3b_on_8_ranks(capsys):
     experts = 128 * d + 128 * (2 * 768) * d + 128 * d * 768  # router, grouped gate|up, down
     block = attention + experts + 2 * d
     assert block == 623_120_640 and block % 8 == 0
-    root = math.ceil((2 * V + 1) / 8) * 8 * d
+    # Hugging Face root: `model` keeps embedding + final norm (V + 1 rows of d), `lm_head` is a
+    # first-use group of its own (V rows); each padded to a multiple of 8 rows
+    root = (math.ceil((V + 1) / 8) * 8 + math.ceil(V / 8) * 8) * d
     assert result["num_params"] == L * block + 2 * V * d + d == 30_532_122_624
     shard = L * block // 8 + root // 8
     memory, comm = result["memory"], result["communication"]
@@ -72,8 +74,9 @@ def test_qwen3_30b_a3b_on_8_ranks(capsys):
     assert comm["all_gather"] == BF16 * (L * block + root)
     assert comm["reduce_scatter"] == FP32 * (L * block + root)
     assert comm["wire_per_rank"] == 7 * (comm["all_gather"] + comm["reduce_scatter"]) // 8
-    [blocks, root_unit] = result["units"]
-    assert (blocks["count"], blocks["padded"], root_unit["padded"]) == (L, block, root)
+    [blocks, root_unit, head_unit] = result["units"]
+    assert (blocks["count"], blocks["padded"]) == (L, block)
+    assert root_unit["padded"] + head_unit["padded"] == root
 
 
 def test_zoo_totals_and_text_output(capsys):

@@ -1,7 +1,9 @@
 """Communication per ZeRO-3 step: one all-gather per bucket in forward, one per bucket in
-backward (the model root keeps its parameters through backward, as in FSDP2), one
-reduce-scatter per trainable bucket, nothing else; bytes equal the layout's padded sizes.
-On gloo a reduce-scatter is one `all_to_all_single` of the flat gradient (see comm.py)."""
+backward (the model root and its first-use groups keep their parameters through backward,
+as FSDP2 keeps its root), one reduce-scatter per trainable bucket, nothing else; bytes
+equal the layout's padded sizes. On gloo a reduce-scatter is one `all_to_all_single` of
+the flat gradient (see comm.py). Order: each unit is gathered where it is first used and
+reduced as soon as its gradient is complete (the output head first, the embedding last)."""
 
 from __future__ import annotations
 
@@ -82,12 +84,12 @@ def _count_one_step(param_dtype):
                 counter.phase = "optimizer"
             optimizer.step()
             optimizer.zero_grad()
-    units = [m._flatshard_unit for m in model.modules() if hasattr(m, "_flatshard_unit")]
-    root = model._flatshard_unit
+    units = list(dict.fromkeys(m._flatshard_unit for m in model.modules() if _is_unit(m)))
+    kept = [u for u in units if u.kept_through_backward or u is model._flatshard_unit]
     element = 2 if param_dtype == torch.bfloat16 else 4
     expected_calls = {
         ("forward", "all_gather_single"): sum(len(u.buckets) for u in units),
-        ("backward", "all_gather_single"): sum(len(u.buckets) for u in units if u is not root),
+        ("backward", "all_gather_single"): sum(len(u.buckets) for u in units if u not in kept),
         ("backward", "all_to_all_single"): sum(
             b.layout.requires_grad for u in units for b in u.buckets
         ),
@@ -96,11 +98,15 @@ def _count_one_step(param_dtype):
         ("forward", "all_gather_single"): element
         * sum(b.layout.padded_size for u in units for b in u.buckets),
         ("backward", "all_gather_single"): element
-        * sum(b.layout.padded_size for u in units if u is not root for b in u.buckets),
+        * sum(b.layout.padded_size for u in units if u not in kept for b in u.buckets),
         ("backward", "all_to_all_single"): 4
         * sum(b.layout.padded_size for u in units for b in u.buckets if b.layout.requires_grad),
     }
     return dict(counter.calls), dict(counter.bytes), expected_calls, expected_bytes
+
+
+def _is_unit(module) -> bool:
+    return hasattr(module, "_flatshard_unit")
 
 
 class _null:
@@ -119,6 +125,61 @@ def test_zero3_collectives_per_step(world_size, param_dtype):
     ):
         assert calls == expected_calls
         assert sizes == expected_bytes
+
+
+def _order_one_step():
+    """Which unit each all-gather / reduce-scatter of the second step belongs to, in order."""
+    from flatshard.flat_bucket import FlatBucket
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = config()
+    model = shard(build_model(cfg), 3)
+    names = {}
+    for name, module in model.named_modules():
+        for bucket in module._flatshard_unit.buckets if _is_unit(module) else ():
+            names.setdefault(id(bucket), name or "root")
+    log = []
+    gather, reduce = FlatBucket.start_all_gather, FlatBucket.start_reduce_scatter
+
+    def logged(original, kind):
+        def call(bucket, *args):
+            log.append((kind, names[id(bucket)]))
+            return original(bucket, *args)
+
+        return call
+
+    optimizer = adamw(model.parameters())
+    for step, tokens in enumerate(batches(cfg, 2)):
+        if step == 1:
+            FlatBucket.start_all_gather = logged(gather, "gather")
+            FlatBucket.start_reduce_scatter = logged(reduce, "reduce")
+        try:
+            loss = lm_loss(model, rank_slice(tokens, rank, world))
+            if step == 1:
+                log.append(("backward", ""))
+            loss.backward()
+        finally:
+            FlatBucket.start_all_gather, FlatBucket.start_reduce_scatter = gather, reduce
+        optimizer.step()
+        optimizer.zero_grad()
+    return (
+        log,
+        model._flatshard_unit.params,
+        model.norm._flatshard_unit is model.lm_head._flatshard_unit,
+    )
+
+
+def test_root_parameters_are_gathered_and_reduced_where_used():
+    for log, root_params, head_grouped in run_distributed(_order_one_step, 2):
+        assert root_params == [] and head_grouped  # [embed_tokens] and [norm, lm_head]
+        backward = log.index(("backward", ""))
+        forward_gathers = list(dict.fromkeys(name for kind, name in log[:backward]))
+        assert forward_gathers == ["embed_tokens", "layers.0", "layers.1", "norm"]
+        reduces = list(dict.fromkeys(name for kind, name in log if kind == "reduce"))
+        assert reduces == ["norm", "layers.1", "layers.0", "embed_tokens"]
+        # the head's gradient is on its way while the blocks' backward still runs
+        in_backward = log[backward:]
+        assert in_backward.index(("reduce", "norm")) < in_backward.index(("gather", "layers.0"))
 
 
 def _reduce_scatter_errors(dtype):

@@ -26,7 +26,9 @@ FP32 = 4  # bytes of an fp32 element; main weights are kept in fp32
 
 @dataclass(frozen=True)
 class UnitSpec:
-    """`count` identical `fully_shard` units (transformer blocks of one shape, or the root)."""
+    """`count` identical `fully_shard` units: transformer blocks of one shape, or a part of
+    the model root (`is_root`: the root or one of its first-use groups, see first_use.py;
+    these stay gathered from forward to backward)."""
 
     name: str
     params: tuple[ParamInfo, ...]
@@ -124,12 +126,18 @@ def from_llama_config(cfg: LlamaConfig, name: str) -> ModelSpec:
     with torch.device("meta"):
         model = Llama(cfg)
     layer = _infos(model.layers[0].named_parameters())
-    root = _infos((n, p) for n, p in model.named_parameters() if not n.startswith("layers."))
-    units = (
-        UnitSpec(f"layers.0-{cfg.n_layers - 1}", layer, cfg.n_layers),
-        UnitSpec("root", root, is_root=True),
-    )
+    units = (UnitSpec(f"layers.0-{cfg.n_layers - 1}", layer, cfg.n_layers),)
+    if cfg.tie_embeddings:  # embedding and head are one parameter: the root keeps it
+        parts = {"root": ("embed_tokens.",), "norm": ("norm.",)}
+    else:
+        parts = {"embed_tokens": ("embed_tokens.",), "norm+lm_head": ("norm.", "lm_head.")}
+    units += tuple(_root_part(model, name, prefixes) for name, prefixes in parts.items())
     return ModelSpec(name, units, cfg.n_layers, lambda a: _dense_activations(cfg, a))
+
+
+def _root_part(model: Llama, name: str, prefixes: tuple[str, ...]) -> UnitSpec:
+    named = [(n, p) for n, p in model.named_parameters() if n.startswith(prefixes)]
+    return UnitSpec(name, _infos(named), is_root=True)
 
 
 def _infos(named) -> tuple[ParamInfo, ...]:
@@ -191,11 +199,14 @@ def _layer_norms(hidden: int) -> list[ParamInfo]:
     return [_p("input_layernorm.weight", hidden), _p("post_attention_layernorm.weight", hidden)]
 
 
-def _root(vocab: int, hidden: int, tied: bool) -> UnitSpec:
-    params = [_p("embed_tokens.weight", vocab, hidden), _p("norm.weight", hidden)]
-    if not tied:
-        params.append(_p("lm_head.weight", vocab, hidden))
-    return UnitSpec("root", tuple(params), is_root=True)
+def _root(vocab: int, hidden: int, tied: bool) -> tuple[UnitSpec, ...]:
+    """A Hugging Face root: `model` (embedding, norm, the blocks) and `lm_head`; an untied
+    head is a first-use group of its own."""
+    params = (_p("embed_tokens.weight", vocab, hidden), _p("norm.weight", hidden))
+    if tied:
+        return (UnitSpec("root", params, is_root=True),)
+    head = (_p("lm_head.weight", vocab, hidden),)
+    return UnitSpec("root", params, is_root=True), UnitSpec("lm_head", head, is_root=True)
 
 
 def _qwen3_moe(hf: dict, name: str) -> ModelSpec:
@@ -222,8 +233,8 @@ def _qwen3_moe(hf: dict, name: str) -> ModelSpec:
         )
         return layers * per_layer + _head_bytes(d, vocab, a)
 
-    root = _root(vocab, d, hf.get("tie_word_embeddings", False))
-    return ModelSpec(name, (layer, root), layers, activations)
+    roots = _root(vocab, d, hf.get("tie_word_embeddings", False))
+    return ModelSpec(name, (layer, *roots), layers, activations)
 
 
 def _deepseek_v3(hf: dict, name: str) -> ModelSpec:
@@ -258,7 +269,7 @@ def _deepseek_v3(hf: dict, name: str) -> ModelSpec:
             tuple(mla + _moe_params(d, experts, ffn) + shared + _layer_norms(d)),
             layers - dense,
         ),
-        _root(vocab, d, hf.get("tie_word_embeddings", False)),
+        *_root(vocab, d, hf.get("tie_word_embeddings", False)),
     )
 
     def activations(a: int) -> int:
