@@ -47,8 +47,9 @@ def test_llama3_8b_on_64_ranks(capsys):
     per_block = 2 * (FP32 + BF16) * d + BF16 * 5 * 32 * 128 + FP32 * 32 + BF16 * 4 * f
     head = (FP32 + BF16) * d + BF16 * V + 3 * FP32 * V
     assert memory["activations"] == 4096 * (L * per_block + head) == 34_315_698_176
-    # at the start of backward: weights + AdamW + activations + the root's parts gathered with
-    # their gradient buffers, two blocks gathered, two blocks' bf16 gradients, one fp32 copy reducing
+    # at the start of backward: weights + AdamW + activations + the root's parts gathered
+    # with their gradient buffers, two blocks gathered, two blocks' bf16 gradients, one fp32
+    # copy reducing
     working = BF16 * 2 * root + BF16 * 4 * block + FP32 * block
     expected = FP32 * shard * 3 + memory["activations"] + working
     assert memory["total"] == expected == 42_642_505_728
