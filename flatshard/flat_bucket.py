@@ -71,8 +71,8 @@ class FlatBucket:
         return buffer[slot.offset : slot.offset + slot.numel].view(slot.info.shape)
 
     # --- all-gather ----------------------------------------------------------------------
-    def start_all_gather(self):
-        comm.alloc_storage(self.unsharded)
+    def start_all_gather(self, pool: comm.BufferPool | None = None):
+        comm.alloc_storage(self.unsharded, pool)
         source = self.main
         if self.param_dtype != self.main.dtype:
             source = self.main.to(self.param_dtype)
@@ -92,18 +92,23 @@ class FlatBucket:
         """Whether the sharded weights were written since they were last gathered."""
         return self.main._version != self._main_version
 
-    def free_unsharded(self) -> None:
-        comm.free_storage(self.unsharded)
+    def free_unsharded(self, pool: comm.BufferPool | None = None) -> None:
+        comm.free_storage(self.unsharded, pool)
 
     # --- gradients -----------------------------------------------------------------------
-    def prepare_unsharded_grad(self, keep: bool) -> None:
+    def prepare_unsharded_grad(self, keep: bool, pool: comm.BufferPool) -> None:
         """A zeroed flat gradient buffer, or the current one when `keep` (accumulating)."""
         if self.unsharded_grad is None:
-            self.unsharded_grad = torch.zeros(
-                self.layout.padded_size, dtype=self.param_dtype, device=self.main.device
-            )
+            self.unsharded_grad = pool.empty(
+                self.layout.padded_size, self.param_dtype, self.main.device
+            ).zero_()
         elif not keep:
             self.unsharded_grad.zero_()
+
+    def release_unsharded_grad(self, pool: comm.BufferPool) -> None:
+        grad, self.unsharded_grad = self.unsharded_grad, None
+        if grad is not None:
+            pool.give_back(grad)
 
     def hold_unsynced_grad(self) -> bool:
         """Keep this microbatch's gradient for a later sync. Low-precision gradients are
@@ -118,13 +123,13 @@ class FlatBucket:
         self.unsharded_grad = None
         return True
 
-    def start_reduce_scatter(self, divide_factor: float, world_size: int):
+    def start_reduce_scatter(self, divide_factor: float, world_size: int, pool: comm.BufferPool):
         """Reduce the unsharded gradient; returns (work, output, input, post-scale)."""
         flat = self.unsharded_grad
         if self._unsynced is not None:
             flat, self._unsynced = self._unsynced.add_(flat), None
         elif flat.dtype != self.reduce_dtype:
-            flat = flat.to(self.reduce_dtype)
+            flat = pool.empty(flat.numel(), self.reduce_dtype, flat.device).copy_(flat)
         output = torch.empty(self.layout.shard_size, dtype=self.reduce_dtype, device=flat.device)
         average = divide_factor == world_size
         if not average and flat.dtype == torch.float32:
@@ -134,5 +139,5 @@ class FlatBucket:
             if not average:
                 # Low-precision sums can overflow: scale before reducing.
                 flat.mul_(1.0 / divide_factor)  # consumed by this reduce: scale in place
-        work = comm.reduce_scatter(output, flat, self.group, average=average)
+        work = comm.reduce_scatter(output, flat, self.group, average=average, pool=pool)
         return work, output, flat, post_scale

@@ -26,6 +26,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
+from flatshard import comm
 from flatshard.errors import UnevenShardError, WrappingError
 from flatshard.flat_bucket import FlatBucket
 from flatshard.layout import UnitLayout
@@ -64,7 +65,9 @@ class RootContext:
     pre_forward_order: list[Unit] = field(default_factory=list)
     previous_pre_forward_order: list[Unit] = field(default_factory=list)
     post_forward_order: list[Unit] = field(default_factory=list)
+    in_forward: bool = False
     in_backward: bool = False
+    buffers: comm.BufferPool = field(default_factory=comm.BufferPool)  # emptied every step
     pending: list[PendingReduce] = field(default_factory=list)
 
 
@@ -132,7 +135,8 @@ class Unit:
     def unshard(self, async_op: bool = False):
         """Start gathering the parameters (no-op while a gathered copy is up to date)."""
         if self._gather_works is None and (not self._unsharded or self._is_stale()):
-            self._gather_works = [bucket.start_all_gather() for bucket in self.buckets]
+            pool = self._pool()
+            self._gather_works = [bucket.start_all_gather(pool) for bucket in self.buckets]
             self._unsharded = True
             self._forced_stale = False
         if not async_op:
@@ -163,7 +167,7 @@ class Unit:
         self.wait_unshard()
         if self._unsharded:
             for bucket in self.buckets:
-                bucket.free_unsharded()
+                bucket.free_unsharded(self._pool())
             self._unsharded = False
 
     def mark_stale(self) -> None:
@@ -182,6 +186,7 @@ class Unit:
         if not context.in_backward:  # not an activation-checkpointing recompute
             self._check_requires_grad()
             if self is context.root:
+                context.in_forward = True
                 context.previous_pre_forward_order = context.pre_forward_order
                 context.pre_forward_order, context.post_forward_order = [], []
             if self not in context.pre_forward_order:  # a unit over several modules: once
@@ -225,6 +230,10 @@ class Unit:
             )
             if not grad_enabled or (self.reshard_after_forward and not keep_for_backward):
                 self.reshard()
+            if self is context.root:
+                context.in_forward = False
+                if not grad_enabled:  # no backward follows to empty the pool
+                    context.buffers.clear()
         if grad_enabled:
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
@@ -284,7 +293,7 @@ class Unit:
         self._make_unsharded_params()
         for bucket in self.buckets:
             if bucket.layout.requires_grad:
-                bucket.prepare_unsharded_grad(keep=self._holds_unsynced_grads)
+                bucket.prepare_unsharded_grad(self._holds_unsynced_grads, self.context.buffers)
         for param in self._trainable:
             bucket = self.buckets[param.bucket]
             view = bucket.unsharded_view(bucket.unsharded_grad, param.index)
@@ -320,7 +329,7 @@ class Unit:
         for bucket in self.buckets:
             if bucket.layout.requires_grad:
                 work, output, keep_alive, post_scale = bucket.start_reduce_scatter(
-                    self.gradient_divide_factor, self.world_size
+                    self.gradient_divide_factor, self.world_size, context.buffers
                 )
                 context.pending.append(
                     PendingReduce(self, bucket, work, output, keep_alive, post_scale)
@@ -360,8 +369,11 @@ class Unit:
             bucket.sharded_grad = fresh
             for param in params:
                 param.sharded.grad = self._sharded_like(param, bucket.grad_rows(fresh, param.index))
+        pool = self.context.buffers
+        if pending.keep_alive is not bucket.unsharded_grad:
+            pool.give_back(pending.keep_alive)  # a copy in the reduce dtype
         if self.zero_stage != 1:
-            bucket.unsharded_grad = None
+            bucket.release_unsharded_grad(pool)
 
     def _sharded_like(self, param: ManagedParam, local: torch.Tensor):
         bucket = self.buckets[param.bucket]
@@ -380,6 +392,14 @@ class Unit:
         self._register("sharded")
         if self.reshard_after_backward:
             self.reshard()
+
+    def _pool(self) -> comm.BufferPool | None:
+        """Buffers freed in a forward or backward pass are kept for the next unit; outside
+        them (a user's `unshard()` / `reshard()`) memory goes straight back."""
+        context = self.context
+        if context is not None and (context.in_forward or context.in_backward):
+            return context.buffers
+        return None
 
     def _context(self) -> RootContext:
         """The first unit to run forward becomes the root of every unit below it."""
@@ -423,6 +443,7 @@ def end_backward(context: RootContext) -> None:
     for unit in context.units:
         unit.end_backward()
     context.in_backward = False
+    context.buffers.clear()
 
 
 def _cast_floats(tree, dtype: torch.dtype):

@@ -88,9 +88,9 @@ class CommMeter:
             self.all_gather_bytes += output.numel() * output.element_size()
             return gather(output, shard, group)
 
-        def counted_reduce_scatter(output, flat, group, average):
+        def counted_reduce_scatter(output, flat, group, average, pool=None):
             self.reduce_scatter_bytes += flat.numel() * flat.element_size()
-            return scatter(output, flat, group, average)
+            return scatter(output, flat, group, average, pool)
 
         self._originals = (gather, scatter)
         comm.all_gather, comm.reduce_scatter = counted_all_gather, counted_reduce_scatter

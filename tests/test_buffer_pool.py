@@ -1,0 +1,81 @@
+"""The CPU buffer pool: freed flat buffers go to the next one of the same size, never while
+something still views them, and nothing stays pooled after a step."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from distributed import run_distributed
+from reference import adamw, batches, build_model, config, lm_loss, rank_slice, shard
+
+from flatshard import comm
+from flatshard.flat_bucket import FlatBucket
+
+
+def test_a_returned_buffer_is_handed_out_again():
+    pool = comm.BufferPool()
+    first = pool.empty(1000, torch.float32, torch.device("cpu"))
+    address = first.data_ptr()
+    pool.give_back(first)
+    del first
+    again = pool.empty(2000, torch.bfloat16, torch.device("cpu"))  # same bytes, any dtype
+    assert again.data_ptr() == address and again.shape == (2000,)
+    other = pool.empty(1000, torch.bfloat16, torch.device("cpu"))  # another size: fresh
+    assert other.data_ptr() != address
+
+
+def test_a_viewed_buffer_is_not_taken():
+    pool = comm.BufferPool()
+    buffer = torch.ones(1000)
+    kept = buffer[10:20]  # e.g. a gradient a user kept
+    pool.give_back(buffer)
+    assert pool.empty(1000, torch.float32, torch.device("cpu")).data_ptr() != buffer.data_ptr()
+    assert torch.equal(kept, torch.ones(10))
+
+
+def test_freed_storage_memory_moves_to_the_next_buffer():
+    pool = comm.BufferPool()
+    first, second = torch.empty(1000), torch.empty(1000)
+    view = first[:10]  # saved for backward: must stay a valid (empty) object
+    comm.free_storage(second)
+    address = first.data_ptr()
+    comm.free_storage(first, pool)
+    assert first.untyped_storage().size() == 0 and view.untyped_storage().size() == 0
+    comm.alloc_storage(second, pool)
+    assert second.data_ptr() == address
+    comm.alloc_storage(first, pool)  # pool empty: fresh memory
+    assert first.untyped_storage().size() == 4000 and first.data_ptr() != address
+
+
+def _reuse_in_one_step():
+    """Addresses of every flat gradient buffer handed out in the second step's backward."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = config(n_layers=4)
+    model = shard(build_model(cfg), 3)
+    optimizer = adamw(model.parameters())
+    original = FlatBucket.prepare_unsharded_grad
+    addresses = []
+
+    def recording(bucket, keep, pool):
+        original(bucket, keep, pool)
+        addresses.append((bucket.layout.padded_size, bucket.unsharded_grad.data_ptr()))
+
+    for step, tokens in enumerate(batches(cfg, 2)):
+        FlatBucket.prepare_unsharded_grad = recording if step == 1 else original
+        try:
+            lm_loss(model, rank_slice(tokens, rank, world)).backward()
+        finally:
+            FlatBucket.prepare_unsharded_grad = original
+        optimizer.step()
+        optimizer.zero_grad()
+    return addresses, dict(model._flatshard_unit.context.buffers._free)
+
+
+def test_blocks_reuse_gradient_buffers_and_the_pool_ends_empty():
+    for addresses, left in run_distributed(_reuse_in_one_step, 2):
+        assert left == {}
+        sizes = [size for size, _ in addresses]
+        block = max(set(sizes), key=sizes.count)  # 4 blocks of one size
+        block_addresses = [address for size, address in addresses if size == block]
+        assert len(block_addresses) >= 4
+        assert len(set(block_addresses)) < len(block_addresses)  # reused within the step
