@@ -9,6 +9,9 @@ gloo's reduce-scatter is a full clone + all-reduce + copy of the input: twice th
 reduce-scatter needs. On gloo, flatshard reduce-scatters with one all-to-all (each rank
 receives every rank's copy of its own shard: (N-1)/N of the buffer on the wire, as NCCL's
 ring) and sums the N pieces locally.
+
+On CPU, large buffers freed during a step go to a `BufferPool` for the next unit of the
+same size (CUDA's caching allocator does this by itself).
 """
 
 from __future__ import annotations

@@ -13,8 +13,10 @@ State machine of a unit's parameters: sharded -> gathering -> unsharded -> shard
   asynchronously; the previous unit's reduce-scatter is finished then, so at most two are
   in flight. The trigger is the same on every rank even when a rank leaves some parameter
   unused (its gradient is then zeros), so collectives always pair up.
-- end of backward (autograd callback): units whose inputs needed no gradient (the root),
-  then everything pending; DTensor `.grad`s are set.
+- end of backward (autograd callback): units whose inputs needed no gradient (the root,
+  the embedding), then everything pending; DTensor `.grad`s are set.
+The model root and its first-use groups (first_use.py) stay gathered from forward to
+backward. Buffers freed during a pass go to the root's pool for the next unit (comm.py).
 """
 
 from __future__ import annotations
