@@ -152,16 +152,36 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 EXACT_MEMORY_MMAP_THRESHOLD = 65536
-COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
-# Bytes each rank sends per counted byte, as (N-1)/N multiples, for the algorithms gloo
-# runs: ring all-gather, all-to-all and ring all-reduce (reduce-scatter + all-gather);
-# gloo's reduce-scatter clones its input and all-reduces all of it.
+COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send")
+# Bytes each rank sends per counted byte of a collective, as (N-1)/N multiples, for the
+# algorithms gloo runs: ring all-gather, all-to-all and ring all-reduce (reduce-scatter +
+# all-gather); gloo's reduce-scatter clones its input and all-reduces all of it.
 WIRE_FACTOR = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 2, "all_to_all": 1}
+COUNTED_NAME = {
+    "all_gather": "all_gather_single",
+    "reduce_scatter": "reduce_scatter_single",
+    "all_reduce": "all_reduce",
+    "all_to_all": "all_to_all_single",
+    "send": "isend",
+}
 
 
 def wire_bytes(comm: dict, world: int) -> float:
-    """Bytes one rank sends per step for the counted collectives (see WIRE_FACTOR)."""
-    return sum(WIRE_FACTOR[k] * comm[k] for k in COMM_KINDS) * (world - 1) / world
+    """Bytes one rank sends per step: the collectives (see WIRE_FACTOR) and its sends."""
+    collectives = sum(WIRE_FACTOR[k] * comm[k] for k in WIRE_FACTOR) * (world - 1) / world
+    return collectives + comm["send"]
+
+
+def gathered_bytes(comm: dict, world: int) -> float:
+    """All-gathered bytes: by `all_gather_single`, or by point-to-point sends of a shard to
+    each of the N-1 peers (flatshard on gloo, see flatshard/comm.py)."""
+    return comm["all_gather"] + (comm["send"] * world / (world - 1) if world > 1 else 0)
+
+
+def reduced_bytes(comm: dict) -> float:
+    """Reduce-scattered input bytes: by `reduce_scatter_single`, or by one all-to-all of the
+    input and a local sum (flatshard on gloo)."""
+    return comm["reduce_scatter"] + comm["all_to_all"]
 
 
 class CommCounter:
@@ -169,8 +189,9 @@ class CommCounter:
 
     all-gather: bytes of the gathered (output) tensor; reduce-scatter: bytes of the input
     that is reduced; all-reduce: bytes of the tensor; all-to-all: bytes of the input (flatshard
-    reduce-scatters that way on gloo). Nested calls (a deprecated name that forwards to its
-    `*_single` replacement) count once.
+    reduce-scatters that way on gloo); send: bytes of each `isend` (flatshard all-gathers that
+    way on gloo). Nested calls (a deprecated name that forwards to its `*_single`
+    replacement) count once.
     """
 
     # name: (kind, position of the counted tensor, its keyword)
@@ -181,6 +202,7 @@ class CommCounter:
         "reduce_scatter_tensor": ("reduce_scatter", 1, "input"),
         "all_reduce": ("all_reduce", 0, "tensor"),
         "all_to_all_single": ("all_to_all", 1, "input"),
+        "isend": ("send", 0, "tensor"),
     }
 
     def __init__(self) -> None:
@@ -584,7 +606,7 @@ def summarize(gathered: list[dict], modes: list[str]) -> dict[str, dict]:
         per_rank = [gathered[r][mode] for r in range(world)]
         active = [r for r in range(world) if not per_rank[r][0]["idle"]]
         rounds = len(per_rank[active[0]])
-        steps, fwd, bwd, opt = [], [], [], []
+        steps, fwd, bwd, opt, round_steps = [], [], [], [], []
         for i in range(rounds):
             for s in range(len(per_rank[active[0]][i]["phases"])):
                 rows = [per_rank[r][i]["phases"][s] for r in active]
@@ -592,6 +614,7 @@ def summarize(gathered: list[dict], modes: list[str]) -> dict[str, dict]:
                 fwd.append(max(row[0] for row in rows))
                 bwd.append(max(row[1] for row in rows))
                 opt.append(max(row[2] for row in rows))
+            round_steps.append(statistics.median(steps[-len(per_rank[active[0]][i]["phases"]) :]))
         lead = per_rank[active[0]]
         comm_steps = [c for run in lead for c in run["comm"]]
         comm = {
@@ -608,6 +631,7 @@ def summarize(gathered: list[dict], modes: list[str]) -> dict[str, dict]:
             "bwd": statistics.median(bwd),
             "opt": statistics.median(opt),
             "timed_steps": len(steps),
+            "round_steps": round_steps,
             # Min over rounds: the first round also pays one-time (first use) allocations.
             "peak_rss": [
                 None if r not in active else min(run["peak_rss_kib"] for run in per_rank[r]) / 1024
@@ -647,7 +671,7 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
     header = (
         "| mode | step ms (median) | ×FSDP2 | ×DDP | fwd ms | bwd ms | opt ms "
         "| peak RSS MiB per rank (growth) | state per rank (p+g+opt) "
-        "| all-gather /step | reduce-scatter /step | all-reduce /step | all-to-all /step "
+        "| all-gather /step | reduce-scatter /step | all-reduce /step "
         "| sent /step | padding % | loss Δ vs single | loss Δ vs FSDP2 |"
     )
     lines = [header, _rule(header)]
@@ -663,7 +687,14 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
         pad = "—"
         if padding:
             pad = f"{100 * padding['padding'] / padding['used']:.3f} ({padding['padding']:,} el.)"
-        all_reduce = _fmt_bytes(s["comm"]["all_reduce"])
+        comm = s["comm"]
+        all_gather = _fmt_bytes(gathered_bytes(comm, world))
+        if comm["send"]:
+            all_gather += " (send/recv)"
+        reduce_scatter = _fmt_bytes(reduced_bytes(comm))
+        if comm["all_to_all"]:
+            reduce_scatter += " (all-to-all)"
+        all_reduce = _fmt_bytes(comm["all_reduce"])
         if mode == "ddp":
             all_reduce += " (analytic)"
         vs_single = None
@@ -676,9 +707,8 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
             f"| {MODE_NAMES[mode]} | {1000 * s['step']:.1f} | {_fmt_ratio(s['step'], fsdp2)} "
             f"| {_fmt_ratio(s['step'], ddp)} | {1000 * s['fwd']:.1f} | {1000 * s['bwd']:.1f} "
             f"| {1000 * s['opt']:.1f} | {rss} | {state} "
-            f"| {_fmt_bytes(s['comm']['all_gather'])} | {_fmt_bytes(s['comm']['reduce_scatter'])} "
-            f"| {all_reduce} | {_fmt_bytes(s['comm']['all_to_all'])} "
-            f"| {_fmt_bytes(wire_bytes(s['comm'], world))} | {pad} "
+            f"| {all_gather} | {reduce_scatter} | {all_reduce} "
+            f"| {_fmt_bytes(wire_bytes(comm, world))} | {pad} "
             f"| {_fmt_rel(vs_single)} | {_fmt_rel(vs_fsdp2)} |"
         )
     table = "\n".join(lines)
@@ -728,11 +758,13 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
         "allocations). State: bytes this rank holds of parameters + gradients "
         "+ AdamW state, after `optimizer.step()` (DTensors: `to_local()`). Collective bytes "
         "per timed step and rank, counted by wrapping `torch.distributed` at the Python level: "
-        "all-gather = gathered output, reduce-scatter = reduced input, all-reduce = tensor, "
-        "all-to-all = input (flatshard's reduce-scatter on gloo: see comm.py). Sent: bytes "
-        "one rank puts on the wire per step for the algorithms gloo runs, (N-1)/N x (all-gather "
-        "+ all-to-all + 2 x all-reduce + 2 x reduce-scatter, as gloo's reduce-scatter "
-        "all-reduces its whole input). "
+        "all-gather = gathered output, reduce-scatter = reduced input, all-reduce = tensor. "
+        "On gloo flatshard all-gathers by sending its shard to each peer (`isend`/`irecv`, "
+        "marked send/recv: gathered = sent x N/(N-1)) and reduce-scatters with one "
+        "`all_to_all_single` of the input and a local sum (marked all-to-all), see "
+        "flatshard/comm.py. Sent: bytes one rank puts on the wire per step for the algorithms "
+        "gloo runs, (N-1)/N x (all-gather + all-to-all + 2 x all-reduce + 2 x reduce-scatter, "
+        "as gloo's reduce-scatter all-reduces its whole input) + point-to-point sends. "
         "DDP all-reduces in C++ gradient buckets that Python never sees: its all-reduce bytes "
         "are analytic (= trainable parameter bytes in the reduce dtype, fp32). Padding: "
         "flatshard's layout padding over used elements, all units. Loss Δ: max over steps and "
@@ -765,11 +797,17 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
         )
     calls = "; ".join(
         f"{MODE_NAMES[m]} "
-        + ", ".join(f"{k.replace('_', '-')} {summary[m]['calls'][k]:.0f}" for k in COMM_KINDS)
+        + ", ".join(f"{COUNTED_NAME[k]} {summary[m]['calls'][k]:.0f}" for k in COMM_KINDS)
         for m in opts["modes"]
         if m != "single"
     )
     explain.append(f"\nPython-level collective calls per step: {calls}.")
+    spread = _round_ratio_spread(summary, opts["modes"])
+    if spread:
+        explain.append(
+            "\nRatio of each round's median step to the peers' in the same round, lowest to "
+            f"highest over {opts['rounds']} rounds (how much drift moved the ratios): {spread}."
+        )
     resident = "; ".join(
         f"{MODE_NAMES[m]} " + " / ".join(_fmt_bytes(v) for v in summary[m]["resident"])
         for m in opts["modes"]
@@ -788,6 +826,24 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
         f"## preset {opts['preset']}, {opts['param_dtype']}, world {world} ({meta['date'][:10]})"
     )
     return "\n".join([title, "", *notes, "", table, *explain, ""])
+
+
+def _round_ratio_spread(summary: dict[str, dict], modes: list[str]) -> str:
+    peers = [p for p in ("fsdp2", "ddp") if p in summary]
+    parts = []
+    for mode in modes:
+        if mode not in FLATSHARD_STAGES or len(summary[mode]["round_steps"]) < 2:
+            continue
+        ranges = []
+        for peer in peers:
+            ratios = [
+                ours / theirs
+                for ours, theirs in zip(summary[mode]["round_steps"], summary[peer]["round_steps"])
+            ]
+            ranges.append(f"×{MODE_NAMES[peer]} {min(ratios):.2f}–{max(ratios):.2f}")
+        if ranges:
+            parts.append(f"{MODE_NAMES[mode]} " + ", ".join(ranges))
+    return "; ".join(parts)
 
 
 def _rule(header: str) -> str:

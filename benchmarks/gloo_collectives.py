@@ -1,10 +1,14 @@
-"""Why flatshard reduce-scatters with an all-to-all on gloo: time the ways to reduce-scatter
-(and all-gather) one flat bucket between spawned CPU processes.
+"""Why flatshard reduce-scatters with an all-to-all and all-gathers with sends on gloo: time
+the ways to reduce-scatter and all-gather one flat bucket between spawned CPU processes.
 
 gloo's `reduce_scatter_single` clones its whole input, all-reduces the clone and copies
 this rank's piece out: it sends twice the bytes a reduce-scatter needs. An all-to-all sends
 each rank only its own piece of every other rank's buffer ((N-1)/N of the buffer, as a ring
 reduce-scatter does) and the N pieces are summed locally (flatshard.comm).
+
+gloo's `all_gather_single` gathers into a temporary buffer it allocates per call and copies
+that into the output. flatshard sends its shard to each peer and receives each peer's
+shard straight into its place in the output: the same bytes, no temporary, no copy.
 
     python benchmarks/gloo_collectives.py --world 2 4 --elements 3400000
 
@@ -63,11 +67,15 @@ def _worker(rank: int, world: int, port: int, elements: int, repeats: int) -> No
     def gloo_all_gather():
         dist.all_gather_single(out_full, shard)
 
+    def flatshard_all_gather():
+        comm.all_gather(out_full, shard, None).wait()
+
     cases = [
         ("reduce-scatter: gloo reduce_scatter_single", gloo_reduce_scatter),
         ("reduce-scatter: all_reduce + copy", all_reduce_then_copy),
         ("reduce-scatter: flatshard (all-to-all + sum)", flatshard_reduce_scatter),
         ("all-gather: gloo all_gather_single", gloo_all_gather),
+        ("all-gather: flatshard (send/recv)", flatshard_all_gather),
     ]
     for name, call in cases:
         walls, cpus = [], []

@@ -1,8 +1,9 @@
 """Communication per ZeRO-3 step: one all-gather per bucket in forward, one per bucket in
 backward (the model root and its first-use groups keep their parameters through backward,
 as FSDP2 keeps its root), one reduce-scatter per trainable bucket, nothing else; bytes
-equal the layout's padded sizes. On gloo a reduce-scatter is one `all_to_all_single` of
-the flat gradient (see comm.py). Order: each unit is gathered where it is first used and
+equal the layout's padded sizes. On gloo an all-gather is N-1 `isend`s of the shard (and
+N-1 `irecv`s into the output) and a reduce-scatter one `all_to_all_single` of the flat
+gradient (see comm.py). Order: each unit is gathered where it is first used and
 reduced as soon as its gradient is complete (the output head first, the embedding last)."""
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ COUNTED = [
     "barrier",
     "send",
     "recv",
+    "isend",
+    "irecv",
 ]
 
 
@@ -50,6 +53,8 @@ class CollectiveCounter:
                 if _name in ("all_gather_single", "reduce_scatter_single", "all_to_all_single"):
                     big = args[0] if _name == "all_gather_single" else args[1]
                     self.bytes[key] += big.numel() * big.element_size()
+                if _name == "isend":
+                    self.bytes[key] += args[0].numel() * args[0].element_size()
                 return _original(*args, **kwargs)
 
             setattr(dist, name, counted)
@@ -87,21 +92,26 @@ def _count_one_step(param_dtype):
     units = list(dict.fromkeys(m._flatshard_unit for m in model.modules() if _is_unit(m)))
     kept = [u for u in units if u.kept_through_backward or u is model._flatshard_unit]
     element = 2 if param_dtype == torch.bfloat16 else 4
+    peers = world - 1  # an all-gather sends this rank's shard to each peer, receives theirs
+    gathered = {
+        "forward": [b for u in units for b in u.buckets],
+        "backward": [b for u in units if u not in kept for b in u.buckets],
+    }
     expected_calls = {
-        ("forward", "all_gather_single"): sum(len(u.buckets) for u in units),
-        ("backward", "all_gather_single"): sum(len(u.buckets) for u in units if u not in kept),
-        ("backward", "all_to_all_single"): sum(
-            b.layout.requires_grad for u in units for b in u.buckets
-        ),
+        (phase, op): peers * len(buckets)
+        for phase, buckets in gathered.items()
+        for op in ("isend", "irecv")
     }
+    expected_calls[("backward", "all_to_all_single")] = sum(
+        b.layout.requires_grad for u in units for b in u.buckets
+    )
     expected_bytes = {
-        ("forward", "all_gather_single"): element
-        * sum(b.layout.padded_size for u in units for b in u.buckets),
-        ("backward", "all_gather_single"): element
-        * sum(b.layout.padded_size for u in units if u not in kept for b in u.buckets),
-        ("backward", "all_to_all_single"): 4
-        * sum(b.layout.padded_size for u in units for b in u.buckets if b.layout.requires_grad),
+        (phase, "isend"): element * peers * sum(b.layout.shard_size for b in buckets)
+        for phase, buckets in gathered.items()
     }
+    expected_bytes[("backward", "all_to_all_single")] = 4 * sum(
+        b.layout.padded_size for u in units for b in u.buckets if b.layout.requires_grad
+    )
     return dict(counter.calls), dict(counter.bytes), expected_calls, expected_bytes
 
 

@@ -11,7 +11,8 @@ data-parallel shard size; the rest follows what the runtime allocates:
   from forward to the end of backward and holds its unsharded gradient buffer meanwhile;
   a block's backward overlaps the next block's prefetch and the previous block's
   reduce-scatter. ZeRO-2 keeps every unit gathered from its forward to its backward.
-- gloo (CPU) allocates a temporary as large as each collective's full buffer; NCCL does not.
+- on gloo (CPU) a reduce-scatter receives every rank's copy of this rank's shard into a
+  buffer as large as the gradient bucket (an all-to-all, see comm.py); NCCL needs none.
 
 Peak = max(start of backward: persistent + activations + the gathered units and gradient
 buffers in use; end of backward: persistent + gradient shards + the buffers in use).
@@ -38,7 +39,7 @@ class Setup:
     micro_batch: int
     seq_len: int
     grad_accum: int
-    backend: str = "nccl"  # gloo allocates a temporary per collective
+    backend: str = "nccl"  # gloo needs a receive buffer per reduce-scatter
     optimizer_states: int = 2  # AdamW
 
     def __post_init__(self):
@@ -131,10 +132,10 @@ def _memory(spec: ModelSpec, units: tuple[UnitFigures, ...], setup: Setup) -> di
     block = max(blocks, key=lambda u: u.padded)
     block_params, block_grads = block.padded * pb, block.padded_trainable * pb
     # a gradient reduced in another dtype is converted first, and the reduce-scatter in
-    # flight holds the copy; gloo's collectives each allocate a temporary of full size
+    # flight holds the copy; on gloo it also holds the all-to-all's receive buffer
     in_flight = block.padded_trainable * rb if rb != pb else 0
     if setup.backend == "gloo":
-        in_flight += block.padded * pb + block.padded_trainable * rb
+        in_flight += block.padded_trainable * rb
     if setup.zero_stage == 3:
         # the root stays gathered with its gradient buffer; a block and the prefetched next
         # one are gathered; this block's gradient buffer and the previous one's (reducing)
