@@ -360,13 +360,41 @@ def state_bytes(optimizer) -> dict[str, int]:
     return out
 
 
+def _units(model) -> list:
+    """flatshard's units, once each (a first-use group spans several modules)."""
+    found = (getattr(m, "_flatshard_unit", None) for m in model.modules())
+    return list(dict.fromkeys(u for u in found if u is not None))
+
+
 def padding_info(model) -> dict | None:
-    units = [m._flatshard_unit for m in model.modules() if hasattr(m, "_flatshard_unit")]
+    units = _units(model)
     if not units:
         return None
     padding = sum(u.layout.padding for u in units)
     used = sum(u.layout.used_size for u in units)
     return {"padding": padding, "used": used, "units": len(units)}
+
+
+def zero3_wire_bytes(model, world: int) -> dict:
+    """What one ZeRO-3 step sends per rank, from the layout: (N-1)/N x (every bucket
+    gathered in forward, again in backward unless its unit stays gathered through backward
+    (the model root's parts, as FSDP2 keeps its root), every trainable bucket reduced), and
+    the textbook 3 x padded parameter bytes x (N-1)/N."""
+    gathered = kept = reduced = 0
+    for unit in _units(model):
+        stays = unit.kept_through_backward or unit is unit.context.root
+        for bucket in unit.buckets:
+            size = bucket.layout.padded_size * bucket.param_dtype.itemsize
+            gathered += size
+            kept += size if stays else 0
+            if bucket.layout.requires_grad:
+                reduced += bucket.layout.padded_size * bucket.reduce_dtype.itemsize
+    share = (world - 1) / world
+    return {
+        "analytic": share * (2 * gathered - kept + reduced),
+        "textbook": share * 3 * gathered,
+        "kept": share * kept,
+    }
 
 
 def resident_unsharded_bytes(model) -> int:
@@ -442,6 +470,7 @@ def run_mode(mode: str, cfg: LlamaConfig, data: list[torch.Tensor], opts: dict) 
         "peak_reset": peak_reset,
         "build_s": build_s,
         "padding": padding_info(model) if mode in FLATSHARD_STAGES else None,
+        "zero3_wire": zero3_wire_bytes(model, world) if mode == "zero3" else None,
         "resident": resident_unsharded_bytes(model) if mode in FLATSHARD_STAGES else None,
     }
     if mode == "ddp":
@@ -648,6 +677,7 @@ def summarize(gathered: list[dict], modes: list[str]) -> dict[str, dict]:
             "comm": comm,
             "calls": calls,
             "padding": lead[0]["padding"],
+            "zero3_wire": lead[0].get("zero3_wire"),
             "resident": [per_rank[r][0].get("resident") for r in active],
             "losses": [run["losses"] for run in lead],
             "build_s": statistics.median(run["build_s"] for run in lead),
@@ -802,6 +832,19 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
         if m != "single"
     )
     explain.append(f"\nPython-level collective calls per step: {calls}.")
+    zero3 = summary.get("zero3")
+    if zero3 and zero3["zero3_wire"]:
+        expected = zero3["zero3_wire"]
+        sent = wire_bytes(zero3["comm"], world)
+        explain.append(
+            f"\nflatshard ZeRO-3 bytes sent per rank per step: {_fmt_bytes(sent)} measured; "
+            f"{_fmt_bytes(expected['analytic'])} from the layout (every unit gathered in "
+            "forward and again in backward, except the model root's parts that stay gathered "
+            "through backward as FSDP2 keeps its root, plus one reduce-scatter), measured / "
+            f"layout = {sent / expected['analytic']:.4f}; the textbook 3 x padded parameter "
+            f"bytes x (N-1)/N is {_fmt_bytes(expected['textbook'])}, "
+            f"{_fmt_bytes(expected['kept'])} more: the root parts' second gather."
+        )
     spread = _round_ratio_spread(summary, opts["modes"])
     if spread:
         explain.append(
