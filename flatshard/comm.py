@@ -72,8 +72,9 @@ class BufferPool:
     CUDA's caching allocator reuses freed blocks by itself. On CPU, glibc returns large
     blocks to the kernel, and using the memory again costs a page fault per 4 KiB (and the
     kernel's zeroing): at 120M parameters about 150,000 faults per step for the unsharded
-    parameters, gradients and receive buffers. The pool is emptied when the step's backward
-    ends (and after a forward without gradients), so nothing is kept between steps.
+    parameters, gradients and receive buffers. The pool is emptied when a forward or a
+    backward pass ends, so no idle buffer is held where memory peaks (the loss and the start
+    of backward) or between steps.
     """
 
     def __init__(self):

@@ -69,7 +69,7 @@ class RootContext:
     post_forward_order: list[Unit] = field(default_factory=list)
     in_forward: bool = False
     in_backward: bool = False
-    buffers: comm.BufferPool = field(default_factory=comm.BufferPool)  # emptied every step
+    buffers: comm.BufferPool = field(default_factory=comm.BufferPool)  # emptied every pass
     pending: list[PendingReduce] = field(default_factory=list)
 
 
@@ -234,8 +234,9 @@ class Unit:
                 self.reshard()
             if self is context.root:
                 context.in_forward = False
-                if not grad_enabled:  # no backward follows to empty the pool
-                    context.buffers.clear()
+                # Buffers the blocks freed would sit idle through the loss and the start of
+                # backward, where memory peaks: let them go (backward refills the pool).
+                context.buffers.clear()
         if grad_enabled:
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:

@@ -229,3 +229,31 @@ def test_gloo_reduce_scatter_is_exact(world_size, dtype):
     for errors in run_distributed(_reduce_scatter_errors, world_size, dtype):
         for ours, gloo in errors:
             assert ours <= rounding and gloo <= rounding, errors
+
+
+def _all_gathers_in_flight():
+    """flatshard's gloo all-gather (point-to-point sends) on a subgroup whose ranks are not
+    the global ones, with several gathers in flight at once, as prefetching does."""
+    from flatshard import comm
+
+    rank = dist.get_rank()
+    group = dist.new_group([1, 2, 3])  # group ranks 0, 1, 2 are global ranks 1, 2, 3
+    if rank == 0:
+        return None
+    me, world = dist.get_rank(group), dist.get_world_size(group)
+    assert me == rank - 1
+
+    def shard_of(member, gather):
+        return torch.arange(5, dtype=torch.float32) + 100 * member + 10_000 * gather
+
+    outputs = [torch.empty(5 * world) for _ in range(3)]
+    works = [comm.all_gather(out, shard_of(me, g), group) for g, out in enumerate(outputs)]
+    for work in reversed(works):  # waited on in any order
+        work.wait()
+    expected = [torch.cat([shard_of(m, g) for m in range(world)]) for g in range(3)]
+    return all(torch.equal(out, exp) for out, exp in zip(outputs, expected))
+
+
+def test_gloo_all_gather_on_a_subgroup_with_gathers_in_flight():
+    results = run_distributed(_all_gathers_in_flight, 4)
+    assert results[0] is None and results[1:] == [True, True, True]
