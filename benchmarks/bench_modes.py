@@ -1,0 +1,165 @@
+"""The benchmark's modes and model: presets, the same model, data and loss for every mode, and
+how each mode (one process, DDP, FSDP2, flatshard ZeRO-3/2/1) wraps it."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:  # `import flatshard` from a checkout without an install
+    sys.path.insert(0, _ROOT)
+
+import flatshard  # noqa: E402
+from flatshard.models import Llama, LlamaConfig  # noqa: E402
+
+PRESETS = {
+    # LlamaConfig.tiny(): mixed row counts (vocab 61, gate_up 90 rows) so padding shows.
+    "tiny": dict(
+        cfg=dict(
+            vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=45, max_seq_len=64
+        ),
+        seq=16,
+        micro_batch=2,
+        steps=3,
+    ),
+    # 35.5M parameters: GQA (8 query / 4 kv heads), SwiGLU 1376, untied 12k vocab.
+    "35m": dict(
+        cfg=dict(
+            vocab_size=12000,
+            dim=512,
+            n_layers=8,
+            n_heads=8,
+            n_kv_heads=4,
+            ffn_dim=1376,
+            max_seq_len=256,
+        ),
+        seq=256,
+        micro_batch=4,
+        steps=6,
+    ),
+    # 124.7M parameters.
+    "120m": dict(
+        cfg=dict(
+            vocab_size=32000,
+            dim=768,
+            n_layers=12,
+            n_heads=12,
+            n_kv_heads=4,
+            ffn_dim=2048,
+            max_seq_len=256,
+        ),
+        seq=256,
+        micro_batch=4,
+        steps=4,
+    ),
+}
+
+MODES = ["single", "ddp", "fsdp2", "zero3", "zero2", "zero1"]
+MODE_NAMES = {
+    "single": "single process",
+    "ddp": "DDP",
+    "fsdp2": "FSDP2",
+    "zero3": "flatshard ZeRO-3",
+    "zero2": "flatshard ZeRO-2",
+    "zero1": "flatshard ZeRO-1",
+}
+FLATSHARD_STAGES = {"zero3": 3, "zero2": 2, "zero1": 1}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MODEL_SEED, DATA_SEED = 0, 1
+LR, WEIGHT_DECAY = 1e-3, 0.1
+
+
+def make_config(preset: str) -> LlamaConfig:
+    return LlamaConfig(**PRESETS[preset]["cfg"])
+
+
+def make_data(cfg: LlamaConfig, steps: int, global_batch: int, seq: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(DATA_SEED)
+    return [
+        torch.randint(0, cfg.vocab_size, (global_batch, seq + 1), generator=generator)
+        for _ in range(steps)
+    ]
+
+
+def lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def build_model(cfg: LlamaConfig) -> Llama:
+    torch.manual_seed(MODEL_SEED)
+    return Llama(cfg)
+
+
+class SingleProcess:
+    """The reference: one process, the global batch. With a low param dtype it does what
+    FSDP2's MixedPrecisionPolicy does: fp32 main weights (and optimizer), a param-dtype
+    compute copy refreshed every step, gradients cast back to fp32."""
+
+    def __init__(self, cfg: LlamaConfig, param_dtype: torch.dtype) -> None:
+        self.main = build_model(cfg)
+        self.compute = None
+        if param_dtype != torch.float32:
+            self.compute = copy.deepcopy(self.main).to(param_dtype)
+            for param in self.compute.parameters():
+                param.grad = None
+
+    def parameters(self):
+        return self.main.parameters()
+
+    def forward_loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.compute is None:
+            return lm_loss(self.main, tokens)
+        with torch.no_grad():
+            for low, full in zip(self.compute.parameters(), self.main.parameters()):
+                low.copy_(full)
+        return lm_loss(self.compute, tokens)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        if self.compute is not None:
+            for low, full in zip(self.compute.parameters(), self.main.parameters()):
+                full.grad = low.grad.float()
+                low.grad = None
+
+
+def build_mode(mode: str, cfg: LlamaConfig, param_dtype: torch.dtype):
+    """Returns (model, loss function, backward function)."""
+    if mode == "single":
+        model = SingleProcess(cfg, param_dtype)
+        return model, model.forward_loss, model.backward
+    model = build_model(cfg)
+    low = param_dtype != torch.float32
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
+        if low:
+            # DDP's own `_MixedPrecision` records CUDA events and fails on CPU: use autocast
+            # (fp32 weights and gradients, matmuls in param_dtype).
+            def autocast_loss(tokens):
+                with torch.autocast("cpu", dtype=param_dtype):
+                    return lm_loss(model, tokens)
+
+            return model, autocast_loss, (lambda loss: loss.backward())
+    elif mode == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        for layer in model.layers:
+            fully_shard(layer, mp_policy=policy if low else MixedPrecisionPolicy())
+        fully_shard(model, mp_policy=policy if low else MixedPrecisionPolicy())
+    else:
+        stage = FLATSHARD_STAGES[mode]
+        policy = flatshard.MixedPrecisionPolicy(
+            param_dtype=param_dtype if low else None, reduce_dtype=torch.float32 if low else None
+        )
+        for layer in model.layers:
+            flatshard.fully_shard(layer, zero_stage=stage, mp_policy=policy)
+        flatshard.fully_shard(model, zero_stage=stage, mp_policy=policy)
+    return model, (lambda tokens: lm_loss(model, tokens)), (lambda loss: loss.backward())

@@ -1,0 +1,354 @@
+"""The benchmark's report: per-mode medians over the workers' raw results and the markdown
+section (machine, command, table, notes) written to RESULTS.md."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import subprocess
+
+import torch
+from bench_modes import FLATSHARD_STAGES, LR, MODE_NAMES, PRESETS, WEIGHT_DECAY, make_config
+from comm_counter import COMM_KINDS, COUNTED_NAME, gathered_bytes, reduced_bytes, wire_bytes
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def mem_total_gib() -> float:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) / 1024 / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def git_revision() -> str:
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        return head + (" (with uncommitted changes)" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _fmt_ratio(value: float, reference: float | None) -> str:
+    return f"{value / reference:.2f}" if reference else "n/a"
+
+
+def _fmt_bytes(n: float) -> str:
+    """Bytes with a binary unit and 3 significant digits: 512 B, 75.4 KiB, 137 MiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1000 or unit == "GiB":
+            break
+        n /= 1024
+    if unit == "B":
+        return f"{n:.0f} B"
+    return f"{n:.3g} {unit}"
+
+
+def _fmt_rel(value: float | None) -> str:
+    if value is None:
+        return "—"
+    return "0" if value == 0 else f"{value:.1e}"
+
+
+def _max_rel(ours: list[list[float]], theirs: list[list[float]]) -> float:
+    worst = 0.0
+    for a_round, b_round in zip(ours, theirs):
+        for a, b in zip(a_round, b_round):
+            worst = max(worst, abs(a - b) / abs(b))
+    return worst
+
+
+def summarize(gathered: list[dict], modes: list[str]) -> dict[str, dict]:
+    """Per mode: step and phase medians over timed steps (each step: the slowest rank),
+    peak RSS per rank, state bytes per rank, collective bytes per step, padding, losses."""
+    world = len(gathered)
+    out = {}
+    for mode in modes:
+        per_rank = [gathered[r][mode] for r in range(world)]
+        active = [r for r in range(world) if not per_rank[r][0]["idle"]]
+        rounds = len(per_rank[active[0]])
+        steps, fwd, bwd, opt, round_steps = [], [], [], [], []
+        for i in range(rounds):
+            for s in range(len(per_rank[active[0]][i]["phases"])):
+                rows = [per_rank[r][i]["phases"][s] for r in active]
+                steps.append(max(sum(row) for row in rows))
+                fwd.append(max(row[0] for row in rows))
+                bwd.append(max(row[1] for row in rows))
+                opt.append(max(row[2] for row in rows))
+            round_steps.append(statistics.median(steps[-len(per_rank[active[0]][i]["phases"]) :]))
+        lead = per_rank[active[0]]
+        comm_steps = [c for run in lead for c in run["comm"]]
+        comm = {
+            kind: statistics.mean(c[kind] for c in comm_steps) if comm_steps else 0
+            for kind in COMM_KINDS
+        }
+        calls = {
+            kind: statistics.mean(c["calls"][kind] for c in comm_steps) if comm_steps else 0
+            for kind in COMM_KINDS
+        }
+        summary = {
+            "step": statistics.median(steps),
+            "fwd": statistics.median(fwd),
+            "bwd": statistics.median(bwd),
+            "opt": statistics.median(opt),
+            "timed_steps": len(steps),
+            "round_steps": round_steps,
+            # Min over rounds: the first round also pays one-time (first use) allocations.
+            "peak_rss": [
+                None if r not in active else min(run["peak_rss_kib"] for run in per_rank[r]) / 1024
+                for r in range(world)
+            ],
+            "rss_growth": [
+                None
+                if r not in active
+                else min(run["peak_rss_kib"] - run["rss_start_kib"] for run in per_rank[r]) / 1024
+                for r in range(world)
+            ],
+            "peak_reset": all(run["peak_reset"] for r in active for run in per_rank[r]),
+            "state": [per_rank[r][0]["state"] if r in active else None for r in range(world)],
+            "comm": comm,
+            "calls": calls,
+            "padding": lead[0]["padding"],
+            "zero3_wire": lead[0].get("zero3_wire"),
+            "resident": [per_rank[r][0].get("resident") for r in active],
+            "losses": [run["losses"] for run in lead],
+            "build_s": statistics.median(run["build_s"] for run in lead),
+        }
+        if mode == "ddp":
+            summary["ddp_bucket_sizes"] = lead[0]["ddp_bucket_sizes"]
+            summary["ddp_python_all_reduce"] = comm["all_reduce"]
+            summary["comm"] = dict(comm, all_reduce=lead[0]["ddp_param_bytes"])
+        out[mode] = summary
+    return out
+
+
+def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
+    cfg = make_config(opts["preset"])
+    preset = PRESETS[opts["preset"]]
+    world = opts["world"]
+    fsdp2 = summary.get("fsdp2", {}).get("step")
+    ddp = summary.get("ddp", {}).get("step")
+    single_losses = summary.get("single", {}).get("losses")
+    fsdp2_losses = summary.get("fsdp2", {}).get("losses")
+    header = (
+        "| mode | step ms (median) | ×FSDP2 | ×DDP | fwd ms | bwd ms | opt ms "
+        "| peak RSS MiB per rank (growth) | state per rank (p+g+opt) "
+        "| all-gather /step | reduce-scatter /step | all-reduce /step "
+        "| sent /step | padding % | loss Δ vs single | loss Δ vs FSDP2 |"
+    )
+    lines = [header, _rule(header)]
+    for mode in opts["modes"]:
+        s = summary[mode]
+        rss = " / ".join(
+            "idle" if peak is None else f"{peak:.0f} (+{growth:.0f})"
+            for peak, growth in zip(s["peak_rss"], s["rss_growth"])
+        )
+        states = [sum(st.values()) for st in s["state"] if st is not None]
+        state = " / ".join(_fmt_bytes(v) for v in states)
+        padding = s["padding"]
+        pad = "—"
+        if padding:
+            pad = f"{100 * padding['padding'] / padding['used']:.3f} ({padding['padding']:,} el.)"
+        comm = s["comm"]
+        all_gather = _fmt_bytes(gathered_bytes(comm, world))
+        if comm["send"]:
+            all_gather += " (send/recv)"
+        reduce_scatter = _fmt_bytes(reduced_bytes(comm))
+        if comm["all_to_all"]:
+            reduce_scatter += " (all-to-all)"
+        all_reduce = _fmt_bytes(comm["all_reduce"])
+        if mode == "ddp":
+            all_reduce += " (analytic)"
+        vs_single = None
+        if mode != "single" and single_losses:
+            vs_single = _max_rel(s["losses"], single_losses)
+        vs_fsdp2 = None
+        if mode != "fsdp2" and fsdp2_losses:
+            vs_fsdp2 = _max_rel(s["losses"], fsdp2_losses)
+        lines.append(
+            f"| {MODE_NAMES[mode]} | {1000 * s['step']:.1f} | {_fmt_ratio(s['step'], fsdp2)} "
+            f"| {_fmt_ratio(s['step'], ddp)} | {1000 * s['fwd']:.1f} | {1000 * s['bwd']:.1f} "
+            f"| {1000 * s['opt']:.1f} | {rss} | {state} "
+            f"| {all_gather} | {reduce_scatter} | {all_reduce} "
+            f"| {_fmt_bytes(wire_bytes(comm, world))} | {pad} "
+            f"| {_fmt_rel(vs_single)} | {_fmt_rel(vs_fsdp2)} |"
+        )
+    table = "\n".join(lines)
+
+    low = opts["param_dtype"] != "fp32"
+    n_params = cfg.num_params()
+    first_loss = summary[opts["modes"][0]]["losses"][0][0]
+    notes = [
+        f"- command: `{meta['command']}`",
+        f"- date: {meta['date']}",
+        f"- machine: {meta['cpu']}, {meta['cores']} cores, {meta['mem_gib']:.0f} GiB RAM; "
+        f"load average {meta['load_start']} at start, {meta['load_end']} at end",
+        f"- software: torch {torch.__version__}, Python {platform.python_version()}, "
+        f"flatshard {meta['git']}",
+        f"- model: Llama preset `{opts['preset']}` ({n_params:,} parameters: "
+        f"dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads}/{cfg.n_kv_heads} heads, "
+        f"ffn {cfg.ffn_dim}, vocab {cfg.vocab_size}); seq {preset['seq']}, micro-batch "
+        f"{preset['micro_batch']} per rank (global batch {preset['micro_batch'] * world}, "
+        "which the single process runs at once); AdamW "
+        f"(lr {LR}, weight decay {WEIGHT_DECAY}) on fp32 weights; param dtype "
+        f"{opts['param_dtype']}" + (", gradients reduced in fp32" if low else ""),
+        f"- run: world {world} (gloo, CPU, spawned processes, 1 torch thread per rank); "
+        f"{opts['rounds']} rounds, each building every mode fresh and running "
+        f"{opts['warmup']} warm-up + {opts['steps_per_round']} timed steps of it "
+        f"(mode order reversed every other round); "
+        f"{summary[opts['modes'][0]]['timed_steps']} timed steps per mode; "
+        f"step-0 loss {first_loss:.4f}; wall time {meta['wall_s']:.0f} s",
+    ]
+    if meta.get("note"):
+        notes.append(f"- note: {meta['note']}")
+    if meta.get("exact_memory"):
+        notes.append(
+            f"- exact memory: workers ran with MALLOC_MMAP_THRESHOLD_="
+            f"{meta['exact_memory']}: glibc maps every block over 64 KiB on its own and "
+            "unmaps it when freed, so peak RSS is the peak of live memory rather than of "
+            "glibc's heap (whose size depends on allocation order); steps are slower "
+            "(more page faults), so read timings from a run without it"
+        )
+    explain = [
+        "",
+        "Columns: step/fwd/bwd/opt are medians over timed steps, each step taking the "
+        "slowest rank after a barrier (opt = `optimizer.step()` + `zero_grad()`; collectives "
+        "a phase waits for count in that phase). ×FSDP2 / ×DDP: step time ratio. Peak RSS: "
+        "VmHWM per rank (reset through /proc/self/clear_refs at the start of each mode after "
+        "gc + malloc_trim; growth = peak minus the resident set at that point, i.e. roughly "
+        "what the mode itself needed; min over rounds, as the first round also pays one-time "
+        "allocations). State: bytes this rank holds of parameters + gradients "
+        "+ AdamW state, after `optimizer.step()` (DTensors: `to_local()`). Collective bytes "
+        "per timed step and rank, counted by wrapping `torch.distributed` at the Python level: "
+        "all-gather = gathered output, reduce-scatter = reduced input, all-reduce = tensor. "
+        "On gloo flatshard all-gathers by sending its shard to each peer (`isend`/`irecv`, "
+        "marked send/recv: gathered = sent x N/(N-1)) and reduce-scatters with one "
+        "`all_to_all_single` of the input and a local sum (marked all-to-all), see "
+        "flatshard/comm.py. Sent: bytes one rank puts on the wire per step for the algorithms "
+        "gloo runs, (N-1)/N x (all-gather + all-to-all + 2 x all-reduce + 2 x reduce-scatter, "
+        "as gloo's reduce-scatter all-reduces its whole input) + point-to-point sends. "
+        "DDP all-reduces in C++ gradient buckets that Python never sees: its all-reduce bytes "
+        "are analytic (= trainable parameter bytes in the reduce dtype, fp32). Padding: "
+        "flatshard's layout padding over used elements, all units. Loss Δ: max over steps and "
+        "rounds of |loss − reference| / |reference| of the global mean loss.",
+    ]
+    if low:
+        explain.append(
+            "\nbf16: FSDP2 and flatshard use `MixedPrecisionPolicy(param_dtype=bf16, "
+            "reduce_dtype=fp32)`; the single process does the same by hand (a bf16 compute "
+            "copy of its fp32 weights, refreshed every step, gradients cast back to fp32), so "
+            "their loss Δ is rounding of bf16 compute in a different reduction order. DDP "
+            "runs under `torch.autocast('cpu', bf16)` on fp32 weights and all-reduces fp32 "
+            "gradients (DDP's `_MixedPrecision` records CUDA events and fails on CPU): its "
+            "numerics differ (norms and elementwise ops in fp32), hence its larger loss Δ."
+        )
+    ddp_summary = summary.get("ddp")
+    if ddp_summary:
+        buckets = ddp_summary.get("ddp_bucket_sizes")
+        if buckets:
+            buckets = (
+                f"{len(buckets)} bucket(s) ({', '.join(_fmt_bytes(b) for b in buckets)}), "
+                f"{_fmt_bytes(sum(buckets))} in all; analytic: "
+                f"{_fmt_bytes(ddp_summary['comm']['all_reduce'])}"
+            )
+        explain.append(
+            f"\nDDP: Python-level all-reduce seen per step: "
+            f"{_fmt_bytes(ddp_summary['ddp_python_all_reduce'])}"
+            + (f"; its gradient buckets after the run (reducer): {buckets}" if buckets else "")
+            + "."
+        )
+    calls = "; ".join(
+        f"{MODE_NAMES[m]} "
+        + ", ".join(f"{COUNTED_NAME[k]} {summary[m]['calls'][k]:.0f}" for k in COMM_KINDS)
+        for m in opts["modes"]
+        if m != "single"
+    )
+    explain.append(f"\nPython-level collective calls per step: {calls}.")
+    zero3 = summary.get("zero3")
+    if zero3 and zero3["zero3_wire"]:
+        expected = zero3["zero3_wire"]
+        sent = wire_bytes(zero3["comm"], world)
+        explain.append(
+            f"\nflatshard ZeRO-3 bytes sent per rank per step: {_fmt_bytes(sent)} measured; "
+            f"{_fmt_bytes(expected['analytic'])} from the layout (every unit gathered in "
+            "forward and again in backward, except the model root's parts that stay gathered "
+            "through backward as FSDP2 keeps its root, plus one reduce-scatter), measured / "
+            f"layout = {sent / expected['analytic']:.4f}; the textbook 3 x padded parameter "
+            f"bytes x (N-1)/N is {_fmt_bytes(expected['textbook'])}, "
+            f"{_fmt_bytes(expected['kept'])} more: the root parts' second gather."
+        )
+    spread = _round_ratio_spread(summary, opts["modes"])
+    if spread:
+        explain.append(
+            "\nRatio of each round's median step to the peers' in the same round, lowest to "
+            f"highest over {opts['rounds']} rounds (how much drift moved the ratios): {spread}."
+        )
+    resident = "; ".join(
+        f"{MODE_NAMES[m]} " + " / ".join(_fmt_bytes(v) for v in summary[m]["resident"])
+        for m in opts["modes"]
+        if m in FLATSHARD_STAGES
+    )
+    if resident:
+        explain.append(
+            "\nflatshard unsharded parameter + gradient buffers still allocated between steps "
+            f"(after `zero_grad`, per rank; not in the state column): {resident}."
+        )
+    builds = ", ".join(f"{MODE_NAMES[m]} {summary[m]['build_s']:.2f}" for m in opts["modes"])
+    explain.append(f"\nBuild + wrap time (s, median): {builds}.")
+    if not all(summary[m]["peak_reset"] for m in opts["modes"]):
+        explain.append("\nWARNING: could not reset VmHWM; peak RSS is the process peak.")
+    title = (
+        f"## preset {opts['preset']}, {opts['param_dtype']}, world {world} ({meta['date'][:10]})"
+    )
+    return "\n".join([title, "", *notes, "", table, *explain, ""])
+
+
+def _round_ratio_spread(summary: dict[str, dict], modes: list[str]) -> str:
+    peers = [p for p in ("fsdp2", "ddp") if p in summary]
+    parts = []
+    for mode in modes:
+        if mode not in FLATSHARD_STAGES or len(summary[mode]["round_steps"]) < 2:
+            continue
+        ranges = []
+        for peer in peers:
+            ratios = [
+                ours / theirs
+                for ours, theirs in zip(summary[mode]["round_steps"], summary[peer]["round_steps"])
+            ]
+            ranges.append(f"×{MODE_NAMES[peer]} {min(ratios):.2f}–{max(ratios):.2f}")
+        if ranges:
+            parts.append(f"{MODE_NAMES[mode]} " + ", ".join(ranges))
+    return "; ".join(parts)
+
+
+def _rule(header: str) -> str:
+    return "|" + "---|" * (header.count("|") - 1)
