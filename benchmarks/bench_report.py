@@ -26,6 +26,22 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def cpu_vector_isa() -> tuple[str, bool]:
+    """torch's CPU kernel level (AVX2, AVX512, ...) and whether the CPU multiplies bf16
+    natively (avx512_bf16 / amx_bf16): without it bf16 matmuls are emulated and 20x or more
+    slower than fp32, so a bf16 run times the emulation, not the sharding."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    return torch.backends.cpu.get_cpu_capability(), bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
 def mem_total_gib() -> float:
     try:
         with open("/proc/meminfo") as meminfo:
@@ -210,7 +226,9 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
     notes = [
         f"- command: `{meta['command']}`",
         f"- date: {meta['date']}",
-        f"- machine: {meta['cpu']}, {meta['cores']} cores, {meta['mem_gib']:.0f} GiB RAM; "
+        f"- machine: {meta['cpu']} ({meta['isa']}, bf16 matmul "
+        f"{'native' if meta['native_bf16'] else 'emulated'}), {meta['cores']} cores, "
+        f"{meta['mem_gib']:.0f} GiB RAM; "
         f"load average {meta['load_start']} at start, {meta['load_end']} at end",
         f"- software: torch {torch.__version__}, Python {platform.python_version()}, "
         f"flatshard {meta['git']}",
@@ -230,6 +248,12 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
     ]
     if meta.get("note"):
         notes.append(f"- note: {meta['note']}")
+    if low and not meta["native_bf16"]:
+        notes.append(
+            "- WARNING: this CPU has no native bf16 matmul (no avx512_bf16 / amx_bf16): "
+            "bf16 compute is emulated and dominates every mode's time; read the bytes, memory "
+            "and losses of this run, not its timings"
+        )
     if meta.get("exact_memory"):
         notes.append(
             f"- exact memory: workers ran with MALLOC_MMAP_THRESHOLD_="
@@ -302,8 +326,9 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
             f"{_fmt_bytes(expected['analytic'])} from the layout (every unit gathered in "
             "forward and again in backward, except the model root's parts that stay gathered "
             "through backward as FSDP2 keeps its root, plus one reduce-scatter), measured / "
-            f"layout = {sent / expected['analytic']:.4f}; the textbook 3 x padded parameter "
-            f"bytes x (N-1)/N is {_fmt_bytes(expected['textbook'])}, "
+            f"layout = {sent / expected['analytic']:.4f}; the textbook count (every bucket "
+            "gathered twice and reduced once: 3 x padded parameter bytes x (N-1)/N in fp32) "
+            f"is {_fmt_bytes(expected['textbook'])}, "
             f"{_fmt_bytes(expected['kept'])} more: the root parts' second gather."
         )
     spread = _round_ratio_spread(summary, opts["modes"])

@@ -54,7 +54,7 @@ from bench_modes import (
     make_config,
     make_data,
 )
-from bench_report import cpu_model, git_revision, mem_total_gib, render, summarize
+from bench_report import cpu_model, cpu_vector_isa, git_revision, mem_total_gib, render, summarize
 from comm_counter import COUNTER, nbytes
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -129,7 +129,8 @@ def zero3_wire_bytes(model, world: int) -> dict:
     """What one ZeRO-3 step sends per rank, from the layout: (N-1)/N x (every bucket
     gathered in forward, again in backward unless its unit stays gathered through backward
     (the model root's parts, as FSDP2 keeps its root), every trainable bucket reduced), and
-    the textbook 3 x padded parameter bytes x (N-1)/N."""
+    the textbook count: every bucket gathered twice and reduced once (in fp32: 3 x padded
+    parameter bytes x (N-1)/N)."""
     gathered = kept = reduced = 0
     for unit in _units(model):
         stays = unit.kept_through_backward or unit is unit.context.root
@@ -142,7 +143,7 @@ def zero3_wire_bytes(model, world: int) -> dict:
     share = (world - 1) / world
     return {
         "analytic": share * (2 * gathered - kept + reduced),
-        "textbook": share * 3 * gathered,
+        "textbook": share * (2 * gathered + reduced),
         "kept": share * kept,
     }
 
@@ -355,6 +356,7 @@ def main(argv=None) -> int:
         "command": shlex.join(["python", script, *argv_shown]),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": cpu_model(),
+        **dict(zip(("isa", "native_bf16"), cpu_vector_isa())),
         "cores": os.cpu_count(),
         "mem_gib": mem_total_gib(),
         "load_start": " ".join(f"{x:.2f}" for x in os.getloadavg()),

@@ -1,11 +1,15 @@
 """Smoke test of benchmarks/compare.py: the tiny preset runs every mode end to end and
-writes a table whose flatshard losses match the single process. No timing assertions."""
+writes a table whose flatshard losses match the single process and whose ZeRO-3 bytes match
+the layout's count (fp32 and bf16). No timing assertions."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "compare.py")
@@ -24,17 +28,40 @@ def _cells(line: str) -> list[str]:
     return [cell.strip() for cell in line.strip().strip("|").split("|")]
 
 
-def test_compare_tiny(tmp_path):
-    out = tmp_path / "results.md"
+def _run_compare(out_dir, *args: str) -> str:
+    out = out_dir / "results.md"
     proc = subprocess.run(
-        [sys.executable, SCRIPT, "--preset", "tiny", "--steps", "2", "--out", str(out)],
+        [sys.executable, SCRIPT, "--preset", "tiny", "--steps", "2", "--out", str(out), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=180,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    text = out.read_text(encoding="utf-8")
+    return out.read_text(encoding="utf-8")
+
+
+def _zero3_measured_over_layout(text: str) -> float:
+    """ZeRO-3 bytes sent, counted at the torch.distributed calls, over the layout's count."""
+    match = re.search(r"measured / layout = ([0-9.]+)", text)
+    assert match, text
+    return float(match.group(1))
+
+
+@pytest.fixture(scope="module")
+def fp32_report(tmp_path_factory) -> str:
+    return _run_compare(tmp_path_factory.mktemp("fp32"))
+
+
+def _row(text: str, mode: str) -> dict[str, str]:
+    lines = [line for line in text.splitlines() if line.startswith("|")]
+    header = _cells(lines[0])
+    rows = [dict(zip(header, _cells(line))) for line in lines[2:]]
+    return next(row for row in rows if row["mode"] == mode)
+
+
+def test_compare_tiny(fp32_report):
+    text = fp32_report
     lines = [line for line in text.splitlines() if line.startswith("|")]
     header = _cells(lines[0])
     assert header[0] == "mode" and LOSS_COLUMN in header, header
@@ -46,6 +73,24 @@ def test_compare_tiny(tmp_path):
         if mode.startswith("flatshard"):
             assert float(rows[mode][loss_index]) <= 1e-5, (mode, rows[mode][loss_index])
     assert "python" in text and "--preset tiny" in text  # the exact command is recorded
+    assert abs(_zero3_measured_over_layout(text) - 1) < 0.01
+
+
+def test_compare_tiny_bf16_bytes(tmp_path, fp32_report):
+    """bf16 parameters: ZeRO-3 still sends what its layout says, gathers half the bytes of
+    the fp32 run and reduces the same (fp32 gradients)."""
+    text = _run_compare(tmp_path, "--param-dtype", "bf16", "--modes", "fsdp2,zero3")
+    assert abs(_zero3_measured_over_layout(text) - 1) < 0.01
+    bf16, fp32 = _row(text, "flatshard ZeRO-3"), _row(fp32_report, "flatshard ZeRO-3")
+    assert float(bf16["loss Δ vs FSDP2"]) <= 1e-5, bf16
+    gathered = _kib(bf16["all-gather /step"]) / _kib(fp32["all-gather /step"])
+    reduced = _kib(bf16["reduce-scatter /step"]) / _kib(fp32["reduce-scatter /step"])
+    assert abs(gathered - 0.5) < 0.01 and abs(reduced - 1) < 0.01, (bf16, fp32)
+
+
+def _kib(cell: str) -> float:
+    value, unit = cell.split()[:2]
+    return float(value) * {"B": 1 / 1024, "KiB": 1, "MiB": 1024}[unit]
 
 
 def test_gloo_collectives_script():
