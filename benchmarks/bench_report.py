@@ -74,8 +74,17 @@ def git_revision() -> str:
         return "unknown"
 
 
-def _fmt_ratio(value: float, reference: float | None) -> str:
-    return f"{value / reference:.2f}" if reference else "n/a"
+def _paired_ratio(summary: dict[str, dict], mode: str, peer: str) -> float | None:
+    """Median over timed steps of this mode's step time over the peer's step of the same
+    round and index: the nearest in time the run has (side by side: seconds apart)."""
+    if peer not in summary:
+        return None
+    pairs = zip(summary[mode]["step_times"], summary[peer]["step_times"])
+    return statistics.median(ours / theirs for ours, theirs in pairs)
+
+
+def _fmt_ratio(ratio: float | None) -> str:
+    return "n/a" if ratio is None else f"{ratio:.2f}"
 
 
 def _fmt_bytes(n: float) -> str:
@@ -131,8 +140,10 @@ def summarize(gathered: list[dict], modes: list[str]) -> dict[str, dict]:
             kind: statistics.mean(c["calls"][kind] for c in comm_steps) if comm_steps else 0
             for kind in COMM_KINDS
         }
+        own_memory = lead[0]["peak_rss_kib"] is not None  # modes run one at a time
         summary = {
             "step": statistics.median(steps),
+            "step_times": steps,  # in (round, step) order: paired with the peers' below
             "fwd": statistics.median(fwd),
             "bwd": statistics.median(bwd),
             "opt": statistics.median(opt),
@@ -142,13 +153,17 @@ def summarize(gathered: list[dict], modes: list[str]) -> dict[str, dict]:
             "peak_rss": [
                 None if r not in active else min(run["peak_rss_kib"] for run in per_rank[r]) / 1024
                 for r in range(world)
-            ],
+            ]
+            if own_memory
+            else None,
             "rss_growth": [
                 None
                 if r not in active
                 else min(run["peak_rss_kib"] - run["rss_start_kib"] for run in per_rank[r]) / 1024
                 for r in range(world)
-            ],
+            ]
+            if own_memory
+            else None,
             "peak_reset": all(run["peak_reset"] for r in active for run in per_rank[r]),
             "state": [per_rank[r][0]["state"] if r in active else None for r in range(world)],
             "comm": comm,
@@ -171,8 +186,6 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
     cfg = make_config(opts["preset"])
     preset = PRESETS[opts["preset"]]
     world = opts["world"]
-    fsdp2 = summary.get("fsdp2", {}).get("step")
-    ddp = summary.get("ddp", {}).get("step")
     single_losses = summary.get("single", {}).get("losses")
     fsdp2_losses = summary.get("fsdp2", {}).get("losses")
     header = (
@@ -184,10 +197,12 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
     lines = [header, _rule(header)]
     for mode in opts["modes"]:
         s = summary[mode]
-        rss = " / ".join(
-            "idle" if peak is None else f"{peak:.0f} (+{growth:.0f})"
-            for peak, growth in zip(s["peak_rss"], s["rss_growth"])
-        )
+        rss = "— (side by side)"
+        if s["peak_rss"] is not None:
+            rss = " / ".join(
+                "idle" if peak is None else f"{peak:.0f} (+{growth:.0f})"
+                for peak, growth in zip(s["peak_rss"], s["rss_growth"])
+            )
         states = [sum(st.values()) for st in s["state"] if st is not None]
         state = " / ".join(_fmt_bytes(v) for v in states)
         padding = s["padding"]
@@ -211,8 +226,10 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
         if mode != "fsdp2" and fsdp2_losses:
             vs_fsdp2 = _max_rel(s["losses"], fsdp2_losses)
         lines.append(
-            f"| {MODE_NAMES[mode]} | {1000 * s['step']:.1f} | {_fmt_ratio(s['step'], fsdp2)} "
-            f"| {_fmt_ratio(s['step'], ddp)} | {1000 * s['fwd']:.1f} | {1000 * s['bwd']:.1f} "
+            f"| {MODE_NAMES[mode]} | {1000 * s['step']:.1f} "
+            f"| {_fmt_ratio(_paired_ratio(summary, mode, 'fsdp2'))} "
+            f"| {_fmt_ratio(_paired_ratio(summary, mode, 'ddp'))} "
+            f"| {1000 * s['fwd']:.1f} | {1000 * s['bwd']:.1f} "
             f"| {1000 * s['opt']:.1f} | {rss} | {state} "
             f"| {all_gather} | {reduce_scatter} | {all_reduce} "
             f"| {_fmt_bytes(wire_bytes(comm, world))} | {pad} "
@@ -223,6 +240,14 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
     low = opts["param_dtype"] != "fp32"
     n_params = cfg.num_params()
     first_loss = summary[opts["modes"][0]]["losses"][0][0]
+    steps = f"{opts['warmup']} warm-up + {opts['steps_per_round']} timed steps"
+    schedule = (
+        f"each building every mode fresh and running {steps} of it (mode order reversed "
+        "every other round)"
+        if opts["interleave"] == "modes"
+        else f"each building every mode, then running {steps} of them side by side, one "
+        "step of each mode in turn (order reversed every step)"
+    )
     notes = [
         f"- command: `{meta['command']}`",
         f"- date: {meta['date']}",
@@ -240,9 +265,7 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
         f"(lr {LR}, weight decay {WEIGHT_DECAY}) on fp32 weights; param dtype "
         f"{opts['param_dtype']}" + (", gradients reduced in fp32" if low else ""),
         f"- run: world {world} (gloo, CPU, spawned processes, 1 torch thread per rank); "
-        f"{opts['rounds']} rounds, each building every mode fresh and running "
-        f"{opts['warmup']} warm-up + {opts['steps_per_round']} timed steps of it "
-        f"(mode order reversed every other round); "
+        f"{opts['rounds']} rounds, {schedule}; "
         f"{summary[opts['modes'][0]]['timed_steps']} timed steps per mode; "
         f"step-0 loss {first_loss:.4f}; wall time {meta['wall_s']:.0f} s",
     ]
@@ -266,11 +289,13 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
         "",
         "Columns: step/fwd/bwd/opt are medians over timed steps, each step taking the "
         "slowest rank after a barrier (opt = `optimizer.step()` + `zero_grad()`; collectives "
-        "a phase waits for count in that phase). ×FSDP2 / ×DDP: step time ratio. Peak RSS: "
+        "a phase waits for count in that phase). ×FSDP2 / ×DDP: median over timed steps of "
+        "the step time over the peer's step of the same round and index. Peak RSS: "
         "VmHWM per rank (reset through /proc/self/clear_refs at the start of each mode after "
         "gc + malloc_trim; growth = peak minus the resident set at that point, i.e. roughly "
         "what the mode itself needed; min over rounds, as the first round also pays one-time "
-        "allocations). State: bytes this rank holds of parameters + gradients "
+        "allocations; not measured when modes run side by side). State: bytes this rank "
+        "holds of parameters + gradients "
         "+ AdamW state, after `optimizer.step()` (DTensors: `to_local()`). Collective bytes "
         "per timed step and rank, counted by wrapping `torch.distributed` at the Python level: "
         "all-gather = gathered output, reduce-scatter = reduced input, all-reduce = tensor. "

@@ -78,8 +78,10 @@ def test_compare_tiny(fp32_report):
 
 def test_compare_tiny_bf16_bytes(tmp_path, fp32_report):
     """bf16 parameters: ZeRO-3 still sends what its layout says, gathers half the bytes of
-    the fp32 run and reduces the same (fp32 gradients)."""
-    text = _run_compare(tmp_path, "--param-dtype", "bf16", "--modes", "fsdp2,zero3")
+    the fp32 run and reduces the same (fp32 gradients); here with the modes side by side."""
+    text = _run_compare(
+        tmp_path, "--param-dtype", "bf16", "--modes", "fsdp2,zero3", "--interleave", "steps"
+    )
     assert abs(_zero3_measured_over_layout(text) - 1) < 0.01
     bf16, fp32 = _row(text, "flatshard ZeRO-3"), _row(fp32_report, "flatshard ZeRO-3")
     assert float(bf16["loss Δ vs FSDP2"]) <= 1e-5, bf16

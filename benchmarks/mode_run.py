@@ -1,0 +1,227 @@
+"""One mode built and trained step by step on this rank, and what it measures: phase times,
+collective bytes, losses, the state it holds, its peak memory, flatshard's layout counts.
+
+`compare.py` drives several of these: one after another (each mode built, trained and freed
+in turn, so its peak memory is its own) or side by side (every mode built, then one step of
+each in turn, so a drift of a shared machine within seconds hits all modes alike).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import time
+
+import torch
+import torch.distributed as dist
+from bench_modes import DTYPES, FLATSHARD_STAGES, LR, WEIGHT_DECAY, LlamaConfig, build_mode
+from comm_counter import COUNTER, nbytes
+
+# --- memory ----------------------------------------------------------------------------
+
+
+def proc_status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def release_free_memory() -> None:
+    """Collect garbage and hand freed malloc memory back to the OS, so the resident set at
+    the start of a mode is what is really alive (glibc keeps freed heap pages otherwise)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current resident set (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+# --- what a model holds ------------------------------------------------------------------
+
+
+def _local_nbytes(tensor) -> int:
+    to_local = getattr(tensor, "to_local", None)
+    return nbytes(to_local() if to_local is not None else tensor)
+
+
+def state_bytes(optimizer) -> dict[str, int]:
+    """Bytes this rank holds of the optimizer's parameters, their gradients and its state."""
+    params = {id(p): p for group in optimizer.param_groups for p in group["params"]}.values()
+    out = {"params": 0, "grads": 0, "optimizer": 0}
+    for param in params:
+        out["params"] += _local_nbytes(param)
+        if param.grad is not None:
+            out["grads"] += _local_nbytes(param.grad)
+        for value in optimizer.state.get(param, {}).values():
+            if isinstance(value, torch.Tensor):
+                out["optimizer"] += _local_nbytes(value)
+    return out
+
+
+def _units(model) -> list:
+    """flatshard's units, once each (a first-use group spans several modules)."""
+    found = (getattr(m, "_flatshard_unit", None) for m in model.modules())
+    return list(dict.fromkeys(u for u in found if u is not None))
+
+
+def padding_info(model) -> dict | None:
+    units = _units(model)
+    if not units:
+        return None
+    padding = sum(u.layout.padding for u in units)
+    used = sum(u.layout.used_size for u in units)
+    return {"padding": padding, "used": used, "units": len(units)}
+
+
+def zero3_wire_bytes(model, world: int) -> dict:
+    """What one ZeRO-3 step sends per rank, from the layout: (N-1)/N x (every bucket
+    gathered in forward, again in backward unless its unit stays gathered through backward
+    (the model root's parts, as FSDP2 keeps its root), every trainable bucket reduced), and
+    the textbook count: every bucket gathered twice and reduced once (in fp32: 3 x padded
+    parameter bytes x (N-1)/N)."""
+    gathered = kept = reduced = 0
+    for unit in _units(model):
+        stays = unit.kept_through_backward or unit is unit.context.root
+        for bucket in unit.buckets:
+            size = bucket.layout.padded_size * bucket.param_dtype.itemsize
+            gathered += size
+            kept += size if stays else 0
+            if bucket.layout.requires_grad:
+                reduced += bucket.layout.padded_size * bucket.reduce_dtype.itemsize
+    share = (world - 1) / world
+    return {
+        "analytic": share * (2 * gathered - kept + reduced),
+        "textbook": share * (2 * gathered + reduced),
+        "kept": share * kept,
+    }
+
+
+def resident_unsharded_bytes(model) -> int:
+    """Bytes of flatshard's unsharded parameter and gradient buffers still allocated
+    between steps (after `zero_grad`): ZeRO-1/2 keep some, ZeRO-3 none."""
+    total = 0
+    for unit in _units(model):
+        for bucket in unit.buckets:
+            for buffer in (bucket.unsharded, bucket.unsharded_grad):
+                if isinstance(buffer, torch.Tensor):
+                    total += buffer.untyped_storage().nbytes()
+    return total
+
+
+# --- a mode, step by step ----------------------------------------------------------------
+
+
+class ModeRun:
+    """Builds `mode` on this rank (the single process only on rank 0: elsewhere `idle`).
+
+    `own_memory`: nothing else was built beside it, so the peak resident set since the
+    build is this mode's own.
+    """
+
+    def __init__(self, mode: str, cfg: LlamaConfig, opts: dict, own_memory: bool):
+        self.mode = mode
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.idle = mode == "single" and self.rank != 0
+        self.own_memory = own_memory
+        self.losses: list[float] = []
+        self.phases: list[tuple[float, float, float]] = []
+        self.comm: list[dict] = []
+        self.sizes: dict | None = None
+        dist.barrier()  # the previous mode has finished on every rank
+        if self.idle:
+            return
+        if own_memory:
+            release_free_memory()
+            self.peak_reset = reset_peak_rss()
+            self.rss_start = proc_status_kib("VmRSS")
+        t_build = time.perf_counter()
+        self.model, self.forward_loss, self.backward = build_mode(
+            mode, cfg, DTYPES[opts["param_dtype"]]
+        )
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY
+        )
+        self.build_s = time.perf_counter() - t_build
+
+    def step(self, tokens: torch.Tensor, timed: bool, last: bool) -> None:
+        """One training step on the global batch `tokens` (this rank's slice of it, but for
+        the single process). Every rank of a distributed mode calls it together."""
+        if self.idle:
+            return
+        if self.mode != "single":
+            per_rank = tokens.shape[0] // self.world
+            tokens = tokens[self.rank * per_rank : (self.rank + 1) * per_rank]
+            dist.barrier()  # every rank starts the step together
+        COUNTER.reset()
+        COUNTER.active = timed
+        t0 = time.perf_counter()
+        loss = self.forward_loss(tokens)
+        t1 = time.perf_counter()
+        self.backward(loss)
+        t2 = time.perf_counter()
+        self.optimizer.step()
+        t3 = time.perf_counter()
+        if last:
+            self.sizes = state_bytes(self.optimizer)  # after the step, before grads go
+        t4 = time.perf_counter()
+        self.optimizer.zero_grad()
+        t5 = time.perf_counter()
+        COUNTER.active = False
+        self.losses.append(loss.item())
+        if timed:
+            self.phases.append((t1 - t0, t2 - t1, (t3 - t2) + (t5 - t4)))
+            self.comm.append(dict(COUNTER.bytes) | {"calls": dict(COUNTER.calls)})
+
+    def finish(self) -> dict:
+        """Frees the model and returns what was measured (losses: the global mean). Every
+        rank calls it for every mode, in the same order."""
+        if self.idle:
+            return {"idle": True}
+        model = self.model
+        peak_kib = proc_status_kib("VmHWM")
+        result = {
+            "idle": False,
+            "losses": self.losses,
+            "phases": self.phases,
+            "comm": self.comm,
+            "state": self.sizes,
+            "peak_rss_kib": peak_kib if self.own_memory else None,
+            "rss_start_kib": self.rss_start if self.own_memory else None,
+            "peak_reset": self.peak_reset if self.own_memory else True,
+            "build_s": self.build_s,
+            "padding": padding_info(model) if self.mode in FLATSHARD_STAGES else None,
+            "zero3_wire": zero3_wire_bytes(model, self.world) if self.mode == "zero3" else None,
+            "resident": resident_unsharded_bytes(model) if self.mode in FLATSHARD_STAGES else None,
+        }
+        if self.mode == "ddp":
+            result["ddp_param_bytes"] = sum(
+                p.numel() * 4 if p.dtype.is_floating_point else nbytes(p)
+                for p in model.parameters()
+                if p.requires_grad
+            )
+            # After the run (and after reading the peak RSS): DDP uses one bucket for its
+            # first step, then rebuilds buckets in backward order. Private API.
+            try:
+                buckets = model.reducer._get_zeros_like_grad_buckets()
+                result["ddp_bucket_sizes"] = [nbytes(b.buffer()) for b in buckets]
+            except (AttributeError, RuntimeError):
+                result["ddp_bucket_sizes"] = None
+        del self.model, self.optimizer, self.forward_loss, self.backward, model
+        if self.mode != "single":
+            # Global mean loss of every step (outside the counted window).
+            total = torch.tensor(result["losses"], dtype=torch.float64)
+            dist.all_reduce(total)
+            result["losses"] = (total / self.world).tolist()
+        return result
