@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every measurement behind RESULTS.md, one compare.py invocation a section, appended to one
-# file (default benchmarks/RESULTS-runs.md; about 75 minutes on 2 cores). Run it on a quiet
+# file (default benchmarks/RESULTS-runs.md; about 80 minutes on 2 cores). Run it on a quiet
 # machine, then copy the sections under RESULTS.md's summary and findings.
 #   bash benchmarks/run_all.sh [OUT]          (PYTHON=.venv/bin/python to pick the interpreter)
 # Timings come from runs with the modes side by side (a step of each in turn), memory from
@@ -17,6 +17,7 @@ run --preset 35m --steps 8 --rounds 4 --interleave steps --world 4
 # ZeRO-1 are timed in the memory run below.
 run --preset 120m --steps 8 --rounds 4 --interleave steps --modes ddp,fsdp2,zero3,zero2
 run --preset 35m --steps 4 --exact-memory
+run --preset 35m --steps 2 --exact-memory --world 4 --modes ddp,fsdp2,zero3
 run --preset 120m --steps 2 --exact-memory
 if grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo; then
   run --preset 35m --steps 12 --rounds 4 --interleave steps --param-dtype bf16
