@@ -199,11 +199,13 @@ def main(argv=None) -> int:
     }
     argv_shown = sys.argv[1:] if argv is None else list(argv)
     script = os.path.relpath(os.path.abspath(__file__), os.getcwd())
+    isa, native_bf16 = cpu_vector_isa()
     meta = {
         "command": shlex.join(["python", script, *argv_shown]),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": cpu_model(),
-        **dict(zip(("isa", "native_bf16"), cpu_vector_isa())),
+        "isa": isa,
+        "native_bf16": native_bf16,
         "cores": os.cpu_count(),
         "mem_gib": mem_total_gib(),
         "load_start": " ".join(f"{x:.2f}" for x in os.getloadavg()),

@@ -28,6 +28,12 @@ def _cells(line: str) -> list[str]:
     return [cell.strip() for cell in line.strip().strip("|").split("|")]
 
 
+def _table(text: str) -> tuple[list[str], dict[str, list[str]]]:
+    """The report's header and its rows (cells) by mode name."""
+    lines = [line for line in text.splitlines() if line.startswith("|")]
+    return _cells(lines[0]), {_cells(line)[0]: _cells(line) for line in lines[2:]}
+
+
 def _run_compare(out_dir, *args: str) -> str:
     out = out_dir / "results.md"
     proc = subprocess.run(
@@ -54,18 +60,14 @@ def fp32_report(tmp_path_factory) -> str:
 
 
 def _row(text: str, mode: str) -> dict[str, str]:
-    lines = [line for line in text.splitlines() if line.startswith("|")]
-    header = _cells(lines[0])
-    rows = [dict(zip(header, _cells(line))) for line in lines[2:]]
-    return next(row for row in rows if row["mode"] == mode)
+    header, rows = _table(text)
+    return dict(zip(header, rows[mode]))
 
 
 def test_compare_tiny(fp32_report):
     text = fp32_report
-    lines = [line for line in text.splitlines() if line.startswith("|")]
-    header = _cells(lines[0])
+    header, rows = _table(text)
     assert header[0] == "mode" and LOSS_COLUMN in header, header
-    rows = {_cells(line)[0]: _cells(line) for line in lines[2:]}
     assert sorted(rows) == sorted(MODES), sorted(rows)
     loss_index = header.index(LOSS_COLUMN)
     for mode in MODES:
