@@ -350,11 +350,19 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
             f"\nflatshard ZeRO-3 bytes sent per rank per step: {_fmt_bytes(sent)} measured; "
             f"{_fmt_bytes(expected['analytic'])} from the layout (every unit gathered in "
             "forward and again in backward, except the model root's parts that stay gathered "
-            "through backward as FSDP2 keeps its root, plus one reduce-scatter), measured / "
+            "through backward as FSDP2 keeps its root, plus one reduce-scatter; an embedding "
+            "looked up from its shards: its lookups' bytes), measured / "
             f"layout = {sent / expected['analytic']:.4f}; the textbook count (every bucket "
             "gathered twice and reduced once: 3 x padded parameter bytes x (N-1)/N in fp32) "
-            f"is {_fmt_bytes(expected['textbook'])}, "
-            f"{_fmt_bytes(expected['kept'])} more: the root parts' second gather."
+            f"is {_fmt_bytes(expected['textbook'])}: "
+            f"{_fmt_bytes(expected['kept'])} more for the root parts' second gather"
+            + (
+                f", and the embedding, looked up from its shards, sends "
+                f"{_fmt_bytes(expected['lookups'])} (token ids, rows and row gradients) "
+                f"instead of its table's {_fmt_bytes(expected['table'])}."
+                if expected.get("lookups")
+                else "."
+            )
         )
     spread = _round_ratio_spread(summary, opts["modes"])
     if spread:

@@ -17,6 +17,8 @@ import torch.distributed as dist
 from bench_modes import DTYPES, FLATSHARD_STAGES, LR, WEIGHT_DECAY, LlamaConfig, build_mode
 from comm_counter import COUNTER, nbytes
 
+from flatshard.sharded_lookup import lookup_payloads
+
 # --- memory ----------------------------------------------------------------------------
 
 
@@ -88,24 +90,49 @@ def padding_info(model) -> dict | None:
 def zero3_wire_bytes(model, world: int) -> dict:
     """What one ZeRO-3 step sends per rank, from the layout: (N-1)/N x (every bucket
     gathered in forward, again in backward unless its unit stays gathered through backward
-    (the model root's parts, as FSDP2 keeps its root), every trainable bucket reduced), and
-    the textbook count: every bucket gathered twice and reduced once (in fp32: 3 x padded
-    parameter bytes x (N-1)/N)."""
-    gathered = kept = reduced = 0
+    (the model root's parts, as FSDP2 keeps its root), every trainable bucket reduced); an
+    embedding looked up from its shards (flatshard/sharded_lookup.py) sends its tokens' ids,
+    rows and row gradients instead of its table. Also the textbook count: every bucket
+    gathered twice and reduced once (in fp32: 3 x padded parameter bytes x (N-1)/N)."""
+    share = (world - 1) / world
+    analytic = textbook = kept = table = lookups = 0.0
     for unit in _units(model):
         stays = unit.kept_through_backward or unit is unit.context.root
-        for bucket in unit.buckets:
-            size = bucket.layout.padded_size * bucket.param_dtype.itemsize
-            gathered += size
-            kept += size if stays else 0
-            if bucket.layout.requires_grad:
-                reduced += bucket.layout.padded_size * bucket.reduce_dtype.itemsize
-    share = (world - 1) / world
+        gathered = sum(b.layout.padded_size * b.param_dtype.itemsize for b in unit.buckets)
+        reduced = sum(
+            b.layout.padded_size * b.reduce_dtype.itemsize
+            for b in unit.buckets
+            if b.layout.requires_grad
+        )
+        textbook += share * (2 * gathered + reduced)
+        kept += share * gathered if stays else 0
+        cost = share * ((1 if stays else 2) * gathered + reduced)
+        if unit.looked_up_from_shards():
+            table += cost
+            lookups += _lookup_bytes(unit.lookup, share)
+        else:
+            analytic += cost
     return {
-        "analytic": share * (2 * gathered - kept + reduced),
-        "textbook": share * (2 * gathered + reduced),
-        "kept": share * kept,
+        "analytic": analytic + lookups,
+        "textbook": textbook,
+        "kept": kept,
+        "table": table,
+        "lookups": lookups,
     }
+
+
+def _lookup_bytes(lookup, share: float) -> float:
+    """Sent per rank by one lookup from the shards and its backward: the token count to
+    every peer, then (N-1)/N of its collectives' payloads (sharded_lookup.py)."""
+    counts = lookup.last_counts
+    gathered, rows = lookup_payloads(
+        len(counts),
+        max(counts),
+        lookup.module.embedding_dim,
+        lookup.bucket.param_dtype.itemsize,
+        lookup.param.sharded.requires_grad,
+    )
+    return 8 * (len(counts) - 1) + share * (gathered + rows)
 
 
 def resident_unsharded_bytes(model) -> int:

@@ -22,6 +22,7 @@ from flatshard.flat_bucket import FlatBucket
 from flatshard.layout import ParamInfo, plan_unit_layout
 from flatshard.policy import MixedPrecisionPolicy, as_mixed_precision, resolve_zero_stage
 from flatshard.row_shard import install_redistribute_override, make_row_sharded_dtensor
+from flatshard.sharded_lookup import embedding_forward
 from flatshard.unit import ManagedParam, Unit
 
 
@@ -116,7 +117,9 @@ _CLASS_CACHE: dict[type, type] = {}
 
 def _wrapped_class(cls: type) -> type:
     if cls not in _CLASS_CACHE:
-        _CLASS_CACHE[cls] = type(f"FlatShard{cls.__name__}", (FlatShardModule, cls), {})
+        plain_embedding = issubclass(cls, nn.Embedding) and cls.forward is nn.Embedding.forward
+        methods = {"forward": embedding_forward} if plain_embedding else {}
+        _CLASS_CACHE[cls] = type(f"FlatShard{cls.__name__}", (FlatShardModule, cls), methods)
     return _CLASS_CACHE[cls]
 
 

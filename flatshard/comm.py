@@ -200,6 +200,19 @@ class _AllToAllReduceScatter:
         return True
 
 
+def gather_counts(count: int, group, device: torch.device) -> list[int]:
+    """Every rank's `count`, in rank order (one tiny all-gather; a host sync on CUDA)."""
+    mine = torch.tensor([count], dtype=torch.int64, device=device)
+    counts = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
+    dist.all_gather_single(counts, mine, group=group)
+    return counts.tolist()
+
+
+def all_to_all(output: torch.Tensor, flat: torch.Tensor, group) -> None:
+    """Rank r receives every rank's piece r of `flat`, in rank order, into `output`."""
+    dist.all_to_all_single(output, flat, group=group)
+
+
 def agree(local_problem: str | None, group, error_type: type[FlatShardError]) -> None:
     """Raise on every rank if any rank found a problem, so no rank waits alone in a collective.
 

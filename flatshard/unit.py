@@ -17,6 +17,8 @@ State machine of a unit's parameters: sharded -> gathering -> unsharded -> shard
   the embedding), then everything pending; DTensor `.grad`s are set.
 The model root and its first-use groups (first_use.py) stay gathered from forward to
 backward. Buffers freed during a pass go to the root's pool for the next unit (comm.py).
+A unit that is one embedding may skip all of this for a forward call and look up from its
+shards instead (sharded_lookup.py): its pre-forward decides, its forward looks up.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from flatshard.flat_bucket import FlatBucket
 from flatshard.layout import UnitLayout
 from flatshard.policy import MixedPrecisionPolicy
 from flatshard.row_shard import RowShard, local_data, make_row_sharded_dtensor
+from flatshard.sharded_lookup import ShardedLookup, lookup_capable
 
 
 @dataclass
@@ -132,6 +135,10 @@ class Unit:
         self._holds_unsynced_grads = False
         self._forward_calls = 0
         self._input_gradients_seen = 0
+        # A unit that is one embedding may look up from its shards instead of gathering.
+        capable = lookup_capable(modules, params, zero_stage, self.world_size)
+        self.lookup = ShardedLookup(self) if capable else None
+        self.looking_up = False  # set for the forward call between the hooks
 
     # --- parameters ------------------------------------------------------------------------
     def unshard(self, async_op: bool = False):
@@ -176,6 +183,10 @@ class Unit:
         """Force the next use to gather again."""
         self._forced_stale = True
 
+    def looked_up_from_shards(self) -> bool:
+        """Whether this unit's last forward looked its embedding up from the shards."""
+        return self.lookup is not None and self.lookup.last_counts is not None
+
     def _register(self, which: str) -> None:
         for param in self.params:
             value = param.unsharded if which == "unsharded" else param.sharded
@@ -187,6 +198,11 @@ class Unit:
         context = self._context()
         if not context.in_backward:  # not an activation-checkpointing recompute
             self._check_requires_grad()
+        if self.lookup is not None and self is not context.root and self.lookup.plan(args, kwargs):
+            # Not gathered, so outside the prefetch order and the backward hooks.
+            self.looking_up = True
+            return args, kwargs
+        if not context.in_backward:
             if self is context.root:
                 context.in_forward = True
                 context.previous_pre_forward_order = context.pre_forward_order
@@ -220,6 +236,11 @@ class Unit:
         return tree_unflatten(leaves, spec)
 
     def post_forward(self, module, args, output):
+        if self.looking_up:
+            self.looking_up = False
+            if self.mp_policy.output_dtype is not None:
+                output = _cast_floats(output, self.mp_policy.output_dtype)
+            return output
         self._register("sharded")
         context = self.context
         grad_enabled = torch.is_grad_enabled()
@@ -355,6 +376,16 @@ class Unit:
         if pending.post_scale is not None:
             reduced.mul_(pending.post_scale)
         bucket = pending.bucket
+        self.add_sharded_grad(bucket, reduced)
+        pool = self.context.buffers
+        if pending.keep_alive is not bucket.unsharded_grad:
+            pool.give_back(pending.keep_alive)  # a copy in the reduce dtype
+        if self.zero_stage != 1:
+            bucket.release_unsharded_grad(pool)
+
+    def add_sharded_grad(self, bucket: FlatBucket, reduced: torch.Tensor) -> None:
+        """Add a bucket's reduced gradient shard to its parameters' `.grad`s (set them
+        to views of it when there are none yet)."""
         params = [p for p in self._trainable if self.buckets[p.bucket] is bucket]
         if bucket.sharded_grad is not None and all(
             p.sharded.grad is not None
@@ -372,11 +403,6 @@ class Unit:
             bucket.sharded_grad = fresh
             for param in params:
                 param.sharded.grad = self._sharded_like(param, bucket.grad_rows(fresh, param.index))
-        pool = self.context.buffers
-        if pending.keep_alive is not bucket.unsharded_grad:
-            pool.give_back(pending.keep_alive)  # a copy in the reduce dtype
-        if self.zero_stage != 1:
-            bucket.release_unsharded_grad(pool)
 
     def _sharded_like(self, param: ManagedParam, local: torch.Tensor):
         bucket = self.buckets[param.bucket]

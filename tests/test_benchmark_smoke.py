@@ -92,6 +92,23 @@ def test_compare_tiny_bf16_bytes(tmp_path, fp32_report):
     assert abs(gathered - 0.5) < 0.01 and abs(reduced - 1) < 0.01, (bf16, fp32)
 
 
+def test_compare_embedding_looked_up_from_shards(tmp_path):
+    """Vocab 257 > ranks x tokens per rank: ZeRO-3 looks the embedding up from its shards,
+    sends what its layout and the lookups say (less than the table would cost) and trains
+    as FSDP2 does."""
+    text = _run_compare(
+        tmp_path, "--preset", "tiny-large-vocab", "--modes", "fsdp2,zero3", "--interleave", "steps"
+    )
+    assert abs(_zero3_measured_over_layout(text) - 1) < 0.01
+    lookup = re.search(
+        r"sends (\S+ \S+) \(token ids, rows and row gradients\) instead of "
+        r"its table's (\S+ \S+)\.",
+        text,
+    )
+    assert lookup and _kib(lookup[1]) < _kib(lookup[2]), text
+    assert float(_row(text, "flatshard ZeRO-3")["loss Δ vs FSDP2"]) <= 1e-5
+
+
 def _kib(cell: str) -> float:
     value, unit = cell.split()[:2]
     return float(value) * {"B": 1 / 1024, "KiB": 1, "MiB": 1024}[unit]

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
+from flatshard.cli import estimate, zoo
+from flatshard.cli.estimate import Setup
 from flatshard.cli.main import main
 from flatshard.models import LlamaConfig
 
@@ -114,3 +117,30 @@ def test_plan_of_a_hugging_face_config(tmp_path, capsys):
     assert "unknown model 'gpt-5'" in capsys.readouterr().err
     assert main(["plan", "llama3-8b", "--world-size", "6", "--dp-shard", "4"]) == 2
     assert "--dp-shard (4) must divide --world-size (6)" in capsys.readouterr().err
+
+
+def test_embedding_looked_up_from_its_shards():
+    """The reference Llama's embedding is a unit of its own: while the ranks' tokens are
+    fewer than its rows, ZeRO-2/3 look it up from the shards (sharded_lookup.py) instead of
+    gathering and reducing the table (the measured run is in test_cli_train.py)."""
+    V, d = 1000, 64
+    config = LlamaConfig(vocab_size=V, dim=d, n_layers=2, n_heads=4, ffn_dim=96)
+    spec = zoo.from_llama_config(config, "llama")
+    setup = Setup(
+        world_size=4, dp_shard=4, zero_stage=3, param_dtype="fp32", reduce_dtype="fp32",
+        micro_batch=2, seq_len=100, grad_accum=1, backend="gloo",
+    )  # fmt: skip
+    looked = estimate.plan(spec, setup).communication
+    # 4 x 250 tokens = 1000 rows: gathering costs no more, so the table is gathered
+    gathered = estimate.plan(spec, replace(setup, seq_len=125)).communication
+    positions = 4 * 200  # every rank's tokens, as every rank sees them
+    assert looked["all_to_all"] == FP32 * positions * d  # the rows
+    assert gathered["all_to_all"] == 0
+    # the table (1000 rows cut into 4 x 250) gathered once (the root's parts stay gathered)
+    # and reduced once, against the token ids (int64) and the output gradients gathered
+    table = FP32 * V * d
+    assert gathered["all_gather"] - looked["all_gather"] == table - positions * (8 + FP32 * d)
+    assert gathered["reduce_scatter"] - looked["reduce_scatter"] == table
+    for stage in (1, 2):  # ZeRO-1 keeps unsharded gradients: it always gathers
+        at_stage = estimate.plan(spec, replace(setup, zero_stage=stage)).communication
+        assert at_stage["all_to_all"] == (FP32 * positions * d if stage == 2 else 0)

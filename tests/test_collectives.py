@@ -3,7 +3,9 @@ backward (the model root and its first-use groups keep their parameters through 
 as FSDP2 keeps its root), one reduce-scatter per trainable bucket, nothing else; bytes
 equal the layout's padded sizes. On gloo an all-gather is N-1 `isend`s of the shard (and
 N-1 `irecv`s into the output) and a reduce-scatter one `all_to_all_single` of the flat
-gradient (see comm.py). Order: each unit is gathered where it is first used and
+gradient (see comm.py). A unit over one embedding first all-gathers every rank's token
+count to decide whether to look up from its shards (sharded_lookup.py; at this vocabulary
+it gathers). Order: each unit is gathered where it is first used and
 reduced as soon as its gradient is complete (the output head first, the embedding last)."""
 
 from __future__ import annotations
@@ -112,6 +114,11 @@ def _count_one_step(param_dtype):
     expected_bytes[("backward", "all_to_all_single")] = 4 * sum(
         b.layout.padded_size for u in units for b in u.buckets if b.layout.requires_grad
     )
+    deciding = [u for u in units if u.lookup is not None]
+    assert deciding == [model.embed_tokens._flatshard_unit]
+    assert not deciding[0].looked_up_from_shards()
+    expected_calls[("forward", "all_gather_single")] = 1
+    expected_bytes[("forward", "all_gather_single")] = 8 * world  # an int64 count per rank
     return dict(counter.calls), dict(counter.bytes), expected_calls, expected_bytes
 
 

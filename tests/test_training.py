@@ -64,13 +64,20 @@ def _compare(
         sync_last_only=sync_last_only,
         **extra,
     )
-    return rel_losses(losses, ref_losses), rel_diff(full_state(model), reference.state_dict())
+    unit = getattr(model.embed_tokens, "_flatshard_unit", None)  # None when tied to the head
+    looked_up = unit is not None and unit.looked_up_from_shards()
+    return (
+        rel_losses(losses, ref_losses),
+        rel_diff(full_state(model), reference.state_dict()),
+        looked_up,
+    )
 
 
-def _check(results):
-    for loss_error, weight_error in results:
+def _check(results, looked_up=False):
+    for loss_error, weight_error, used_lookup in results:
         assert loss_error <= TOLERANCE, results
         assert weight_error <= TOLERANCE, results
+        assert used_lookup == looked_up, results
 
 
 @world_sizes
@@ -88,6 +95,40 @@ def test_gradient_accumulation(world_size, zero_stage, sync_last_only):
             _compare, world_size, zero_stage, microbatches=4, sync_last_only=sync_last_only
         )
     )
+
+
+# 509 rows > ranks x tokens per rank (96): ZeRO-2/3 look the embedding up from its shards
+# (sharded_lookup.py) instead of gathering it; at vocab 61 they gather.
+LARGE_VOCAB = {"vocab_size": 509}
+
+
+@world_sizes
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+def test_embedding_looked_up_from_shards(world_size, zero_stage):
+    results = run_distributed(_compare, world_size, zero_stage, cfg_overrides=LARGE_VOCAB)
+    _check(results, looked_up=world_size > 1 and zero_stage != 1)
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+@pytest.mark.parametrize("sync_last_only", [False, True])
+def test_embedding_lookup_with_gradient_accumulation(zero_stage, sync_last_only):
+    results = run_distributed(
+        _compare,
+        4,
+        zero_stage,
+        microbatches=4,
+        sync_last_only=sync_last_only,
+        cfg_overrides=LARGE_VOCAB,
+    )
+    _check(results, looked_up=True)
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_frozen_embedding_looked_up_from_shards(zero_stage):
+    results = run_distributed(
+        _compare, 2, zero_stage, freeze="embed_tokens.weight", cfg_overrides=LARGE_VOCAB
+    )
+    _check(results, looked_up=True)
 
 
 @world_sizes

@@ -11,6 +11,10 @@ data-parallel shard size; the rest follows what the runtime allocates:
   from forward to the end of backward and holds its unsharded gradient buffer meanwhile;
   a block's backward overlaps the next block's prefetch and the previous block's
   reduce-scatter. ZeRO-2 keeps every unit gathered from its forward to its backward.
+- a unit over one embedding (ZeRO-2/3) is looked up from its shards while the ranks' tokens
+  are fewer than its rows (sharded_lookup.py): never gathered, it moves token ids, rows
+  and output gradients instead, and holds the gathered output gradients at the end of
+  backward.
 - on gloo (CPU) a reduce-scatter receives every rank's copy of this rank's shard into a
   buffer as large as the gradient bucket (an all-to-all, see comm.py); NCCL needs none.
 
@@ -25,6 +29,7 @@ from dataclasses import asdict, dataclass
 from flatshard.cli.errors import ConfigError
 from flatshard.cli.zoo import FP32, ModelSpec
 from flatshard.layout import plan_unit_layout
+from flatshard.sharded_lookup import looks_up, lookup_payloads
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -71,6 +76,8 @@ class UnitFigures:
     shard: int  # per-rank shard elements
     shard_trainable: int
     buckets: int
+    embedding: tuple[int, int] | None  # (rows, dim) of a unit over one plain embedding
+    trainable: bool
 
     @property
     def padding(self) -> int:
@@ -113,7 +120,23 @@ def _unit_figures(unit, dp_shard: int) -> UnitFigures:
         shard=sum(b.shard_size for b in layout.buckets),
         shard_trainable=sum(b.shard_size for b in trainable),
         buckets=len(layout.buckets),
+        embedding=tuple(unit.params[0].shape) if unit.embedding else None,
+        trainable=bool(trainable),
     )
+
+
+def _looked_up(unit: UnitFigures, setup: Setup) -> bool:
+    """Whether the runtime looks this unit's embedding up from its shards."""
+    if unit.embedding is None or setup.zero_stage == 1 or setup.dp_shard == 1:
+        return False
+    return looks_up(setup.dp_shard, setup.micro_batch * setup.seq_len, unit.embedding[0])
+
+
+def _lookup_payloads(unit: UnitFigures, setup: Setup) -> tuple[int, int]:
+    """(all-gathered, all-to-all) bytes of one micro-batch's lookup and its backward."""
+    dim, itemsize = unit.embedding[1], DTYPE_BYTES[setup.param_dtype]
+    tokens = setup.micro_batch * setup.seq_len
+    return lookup_payloads(setup.dp_shard, tokens, dim, itemsize, unit.trainable)
 
 
 def _memory(spec: ModelSpec, units: tuple[UnitFigures, ...], setup: Setup) -> dict[str, int]:
@@ -122,11 +145,15 @@ def _memory(spec: ModelSpec, units: tuple[UnitFigures, ...], setup: Setup) -> di
     params = total(lambda u: u.shard) * FP32
     grads = total(lambda u: u.shard_trainable) * FP32
     optimizer = setup.optimizer_states * total(lambda u: u.shard_trainable) * FP32
-    largest = max(units, key=lambda u: u.padded)
     activations = setup.micro_batch * setup.seq_len * spec.activation_bytes_per_token(pb)
+    looked_up = [u for u in units if _looked_up(u, setup)]
+    # the output gradients a lookup gathers, alive while its backward adds them up
+    lookup_grads = sum(_lookup_payloads(u, setup)[1] for u in looked_up if u.trainable)
+    gathered = [u for u in units if u not in looked_up]
+    largest = max(gathered, key=lambda u: u.padded)
 
-    roots = [u for u in units if u.is_root]
-    blocks = [u for u in units if not u.is_root] or roots
+    roots = [u for u in gathered if u.is_root]
+    blocks = [u for u in gathered if not u.is_root] or roots
     root_params = sum(u.padded for u in roots) * pb
     root_grads = sum(u.padded_trainable for u in roots) * pb
     block = max(blocks, key=lambda u: u.padded)
@@ -142,11 +169,13 @@ def _memory(spec: ModelSpec, units: tuple[UnitFigures, ...], setup: Setup) -> di
         start = end = root_params + root_grads + 2 * block_params + 2 * block_grads + in_flight
     elif setup.zero_stage == 2:
         # every unit stays gathered from its forward to its backward
-        start = total(lambda u: u.padded) * pb + root_grads + 2 * block_grads + in_flight
+        every_unit = sum(u.padded * u.count for u in gathered) * pb
+        start = every_unit + root_grads + 2 * block_grads + in_flight
         end = root_params + root_grads + block_params + 2 * block_grads + in_flight
     else:
         # unsharded parameters and gradients stay between steps
         start = end = total(lambda u: u.padded + u.padded_trainable) * pb + in_flight
+    end += lookup_grads
     persistent = params + optimizer
     # gradient shards are freed by the next forward, activations by the backward: at the
     # start of backward there are activations and no gradient shards, at its end the reverse
@@ -168,8 +197,11 @@ def _memory(spec: ModelSpec, units: tuple[UnitFigures, ...], setup: Setup) -> di
 def _communication(units: tuple[UnitFigures, ...], setup: Setup) -> dict[str, int]:
     pb, rb = DTYPE_BYTES[setup.param_dtype], DTYPE_BYTES[setup.reduce_dtype]
     accumulation = setup.grad_accum
-    gathered = sum(u.padded * u.count for u in units)
-    blocks = sum(u.padded * u.count for u in units if not u.is_root)
+    looked_up = [u for u in units if _looked_up(u, setup)]
+    lookups = [_lookup_payloads(u, setup) for u in looked_up]
+    gathered_units = [u for u in units if u not in looked_up]
+    gathered = sum(u.padded * u.count for u in gathered_units)
+    blocks = sum(u.padded * u.count for u in gathered_units if not u.is_root)
     if setup.zero_stage == 3:
         # forward gathers every unit; backward gathers the blocks again (the root stays)
         again = blocks if len(units) > 1 and any(u.is_root for u in units) else gathered
@@ -178,18 +210,21 @@ def _communication(units: tuple[UnitFigures, ...], setup: Setup) -> dict[str, in
         all_gather = accumulation * gathered * pb
     else:  # ZeRO-1 gathers once per step, after the optimizer changed the weights
         all_gather = gathered * pb
+    all_gather += accumulation * sum(gather for gather, _ in lookups)
+    all_to_all = accumulation * sum(rows for _, rows in lookups)
     reductions = 1 if setup.zero_stage == 1 else accumulation
-    reduce_scatter = reductions * sum(u.padded_trainable * u.count for u in units) * rb
+    reduce_scatter = reductions * sum(u.padded_trainable * u.count for u in gathered_units) * rb
     replicas = setup.dp_replicate
     all_reduce = reductions * sum(u.shard_trainable * u.count for u in units) * rb
     all_reduce = all_reduce if replicas > 1 else 0
     shards = setup.dp_shard
-    wire = (shards - 1) * (all_gather + reduce_scatter) // shards
+    wire = (shards - 1) * (all_gather + reduce_scatter + all_to_all) // shards
     wire += 2 * (replicas - 1) * all_reduce // replicas
     return {
         "all_gather": all_gather,
         "reduce_scatter": reduce_scatter,
+        "all_to_all": all_to_all,
         "replica_all_reduce": all_reduce,
-        "total": all_gather + reduce_scatter + all_reduce,
+        "total": all_gather + reduce_scatter + all_to_all + all_reduce,
         "wire_per_rank": wire,
     }

@@ -34,6 +34,8 @@ class UnitSpec:
     params: tuple[ParamInfo, ...]
     count: int = 1
     is_root: bool = False
+    # one plain `nn.Embedding`: ZeRO-2/3 may look it up from its shards (sharded_lookup.py)
+    embedding: bool = False
 
     @property
     def numel(self) -> int:
@@ -128,16 +130,17 @@ def from_llama_config(cfg: LlamaConfig, name: str) -> ModelSpec:
     layer = _infos(model.layers[0].named_parameters())
     units = (UnitSpec(f"layers.0-{cfg.n_layers - 1}", layer, cfg.n_layers),)
     if cfg.tie_embeddings:  # embedding and head are one parameter: the root keeps it
-        parts = {"root": ("embed_tokens.",), "norm": ("norm.",)}
-    else:
-        parts = {"embed_tokens": ("embed_tokens.",), "norm+lm_head": ("norm.", "lm_head.")}
-    units += tuple(_root_part(model, name, prefixes) for name, prefixes in parts.items())
+        parts = [("root", ("embed_tokens.",), False), ("norm", ("norm.",), False)]
+    else:  # the embedding is a unit over one plain nn.Embedding
+        parts = [("embed_tokens", ("embed_tokens.",), True)]
+        parts.append(("norm+lm_head", ("norm.", "lm_head."), False))
+    units += tuple(_root_part(model, *part) for part in parts)
     return ModelSpec(name, units, cfg.n_layers, lambda a: _dense_activations(cfg, a))
 
 
-def _root_part(model: Llama, name: str, prefixes: tuple[str, ...]) -> UnitSpec:
+def _root_part(model: Llama, name: str, prefixes: tuple[str, ...], embedding: bool) -> UnitSpec:
     named = [(n, p) for n, p in model.named_parameters() if n.startswith(prefixes)]
-    return UnitSpec(name, _infos(named), is_root=True)
+    return UnitSpec(name, _infos(named), is_root=True, embedding=embedding)
 
 
 def _infos(named) -> tuple[ParamInfo, ...]:

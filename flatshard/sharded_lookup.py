@@ -1,0 +1,160 @@
+"""Embedding lookups from the row shards: a unit that is one `nn.Embedding` need not gather
+its table.
+
+Gathering an embedding table to look up a few thousand tokens moves the whole table, V x D x
+(N-1)/N per rank, in forward and again in its gradient's reduce-scatter, and holds it
+unsharded from forward to backward. Each rank already holds whole rows of the table (the
+layout is row-aligned), so instead the ranks exchange their token ids, every rank looks up
+all ranks' tokens in the rows it holds (zeros elsewhere), and one all-to-all sums each
+rank's lookups. Backward all-gathers the output gradient and each rank adds the rows it
+holds into its gradient shard. That moves (N-1) x T x D per rank each way for T tokens per
+rank: cheaper while N x T < V (large vocabularies, small data-parallel groups); otherwise
+the unit gathers like any other. Every output element is one row element plus exact zeros,
+so the output equals the gathered lookup.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from flatshard import comm
+
+
+def lookup_capable(modules: list[nn.Module], params: list, zero_stage: int, world: int) -> bool:
+    """A unit over one plain `nn.Embedding` whose untied weight is its only parameter (ZeRO-1
+    keeps its gradients unsharded, so it always gathers)."""
+    if len(modules) != 1 or len(params) != 1 or zero_stage == 1 or world == 1:
+        return False
+    module = modules[0]
+    return (
+        isinstance(module, nn.Embedding)
+        and type(module).forward is nn.Embedding.forward
+        and module.max_norm is None
+        and not module.sparse
+        and not module.scale_grad_by_freq
+        and params[0].occurrences == [(module, "weight")]
+    )
+
+
+def looks_up(ranks: int, tokens_per_rank: int, rows: int) -> bool:
+    """Whether a lookup from the shards moves less than gathering the table would: the
+    ranks' tokens (padded to the largest count) are fewer than the table's rows."""
+    return ranks * tokens_per_rank < rows
+
+
+def lookup_payloads(ranks: int, tokens_per_rank: int, dim: int, itemsize: int, trainable: bool):
+    """Collective payload bytes of one lookup from the shards (and its backward when
+    `trainable`): (all-gathered: token ids, output gradients; all-to-all: rows)."""
+    positions = ranks * tokens_per_rank
+    rows = positions * dim * itemsize
+    return positions * 8 + (rows if trainable else 0), rows
+
+
+def embedding_forward(module: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
+    """`forward` of a fully_shard-ed `nn.Embedding`: from the shards when its unit chose to."""
+    unit = module._flatshard_unit
+    if unit.looking_up:
+        return unit.lookup(input)
+    return nn.Embedding.forward(module, input)
+
+
+class ShardedLookup:
+    """The lookup of one unit's embedding from the rows each rank holds."""
+
+    def __init__(self, unit):
+        self.unit = unit
+        self.module = unit.modules[0]
+        self.param = unit.params[0]
+        self.bucket = unit.buckets[self.param.bucket]
+        piece = self.bucket.pieces[self.param.index]
+        self.row_start, self.rows_held = piece.row_start, piece.row_end - piece.row_start
+        self._counts: list[int] | None = None  # tokens per rank, for the call being planned
+        self.last_counts: list[int] | None = None  # of the last lookup (for byte counts)
+
+    def plan(self, args: tuple, kwargs: dict) -> bool:
+        """Whether this forward call looks up from the shards; every rank answers alike (the
+        token counts are exchanged first)."""
+        self.last_counts = None
+        ids = args[0] if args else kwargs.get("input")
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
+            return False  # nn.Embedding's own error says what is wrong
+        counts = comm.gather_counts(ids.numel(), self.unit.group, ids.device)
+        if not looks_up(len(counts), max(counts), self.module.num_embeddings):
+            return False
+        self._counts = counts
+        return True
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        counts, self._counts = self._counts, None
+        self.last_counts = counts
+        return _LookupFromShards.apply(self.param.sharded, ids, self, counts)
+
+    def held_positions(self, all_ids: torch.Tensor, counts: list[int]):
+        """For every rank's padded token positions: the row in this rank's shard (row 0
+        where another rank holds it) and whether this rank holds it. Masks, not boolean
+        indexing: no host sync on CUDA."""
+        local = all_ids - self.row_start
+        real = torch.arange(max(counts), device=all_ids.device) < torch.tensor(
+            counts, device=all_ids.device
+        ).unsqueeze(1)
+        held = (local >= 0) & (local < self.rows_held) & real.reshape(-1)
+        return torch.where(held, local, 0), held
+
+    def look_up(self, all_ids: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Every rank's tokens looked up in this rank's rows: (N x T_max, D), zeros where
+        another rank holds the row."""
+        bucket, shape = self.bucket, (all_ids.numel(), self.module.embedding_dim)
+        if not self.rows_held:  # a rank may hold no rows
+            return torch.zeros(shape, dtype=bucket.param_dtype, device=all_ids.device)
+        row, held = self.held_positions(all_ids, counts)
+        picked = bucket.main_rows(self.param.index)[row].to(bucket.param_dtype)
+        return picked.masked_fill_(~held.unsqueeze(1), 0)
+
+    def add_gradient(self, all_ids: torch.Tensor, counts: list[int], grads: torch.Tensor) -> None:
+        """Sum every rank's output gradients into the rows this rank holds (in the main
+        dtype), divide as a reduce-scatter would, and add the result to the gradient shard."""
+        unit, bucket = self.unit, self.bucket
+        flat = torch.zeros(bucket.layout.shard_size, dtype=bucket.main.dtype, device=grads.device)
+        if self.rows_held:
+            row, held = self.held_positions(all_ids, counts)
+            if self.module.padding_idx is not None:
+                held &= all_ids != self.module.padding_idx
+            rows = bucket.grad_rows(flat, self.param.index)
+            rows.index_add_(0, row, grads.masked_fill(~held.unsqueeze(1), 0).to(flat.dtype))
+            rows.div_(unit.gradient_divide_factor)
+        unit.add_sharded_grad(bucket, flat)
+
+
+class _LookupFromShards(torch.autograd.Function):
+    """Output: the embedding of `ids`. `weight` (the sharded parameter) is an input only so
+    that autograd runs the backward, which puts the gradient on it itself."""
+
+    @staticmethod
+    def forward(ctx, weight, ids, lookup: ShardedLookup, counts: list[int]):
+        group, t_max = lookup.unit.group, max(counts)
+        flat_ids = ids.reshape(-1)
+        padded = torch.zeros(t_max, dtype=torch.int64, device=ids.device)
+        padded[: flat_ids.numel()] = flat_ids
+        all_ids = torch.empty(len(counts) * t_max, dtype=torch.int64, device=ids.device)
+        comm.all_gather(all_ids, padded, group).wait()
+        picked = lookup.look_up(all_ids, counts)
+        received = torch.empty_like(picked)
+        comm.all_to_all(received, picked, group)
+        output = received.view(len(counts), t_max, -1).sum(dim=0)[: flat_ids.numel()]
+        ctx.save_for_backward(all_ids)
+        ctx.lookup, ctx.counts = lookup, counts
+        return output.view(*ids.shape, -1)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (all_ids,) = ctx.saved_tensors
+        lookup, counts = ctx.lookup, ctx.counts
+        dim, t_max = grad_output.shape[-1], max(counts)
+        mine = grad_output.reshape(-1, dim)
+        padded = grad_output.new_zeros(t_max, dim)
+        padded[: mine.shape[0]] = mine
+        grads = grad_output.new_empty(len(counts) * t_max, dim)
+        comm.all_gather(grads.view(-1), padded.view(-1), lookup.unit.group).wait()
+        lookup.add_gradient(all_ids, counts, grads)
+        return None, None, None, None
