@@ -349,13 +349,15 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
         explain.append(
             f"\nflatshard ZeRO-3 bytes sent per rank per step: {_fmt_bytes(sent)} measured; "
             f"{_fmt_bytes(expected['analytic'])} from the layout (every unit gathered in "
-            "forward and again in backward, except the model root's parts that stay gathered "
-            "through backward as FSDP2 keeps its root, plus one reduce-scatter; an embedding "
+            "forward and again in backward, except the model root's parts, which stay gathered "
+            "through backward as FSDP2 keeps its root, and the last block, whose backward "
+            "comes next; plus one reduce-scatter; an embedding "
             "looked up from its shards: its lookups' bytes), measured / "
             f"layout = {sent / expected['analytic']:.4f}; the textbook count (every bucket "
             "gathered twice and reduced once: 3 x padded parameter bytes x (N-1)/N in fp32) "
             f"is {_fmt_bytes(expected['textbook'])}: "
-            f"{_fmt_bytes(expected['kept'])} more for the root parts' second gather"
+            f"{_fmt_bytes(expected['kept'])} more for the second gather of the root parts "
+            "and the last block"
             + (
                 f", and the embedding, looked up from its shards, sends "
                 f"{_fmt_bytes(expected['lookups'])} (token ids, rows and row gradients) "

@@ -90,14 +90,15 @@ def padding_info(model) -> dict | None:
 def zero3_wire_bytes(model, world: int) -> dict:
     """What one ZeRO-3 step sends per rank, from the layout: (N-1)/N x (every bucket
     gathered in forward, again in backward unless its unit stays gathered through backward
-    (the model root's parts, as FSDP2 keeps its root), every trainable bucket reduced); an
+    (the model root's parts, as FSDP2 keeps its root, and the last block), every trainable
+    bucket reduced); an
     embedding looked up from its shards (flatshard/sharded_lookup.py) sends its tokens' ids,
     rows and row gradients instead of its table. Also the textbook count: every bucket
     gathered twice and reduced once (in fp32: 3 x padded parameter bytes x (N-1)/N)."""
     share = (world - 1) / world
     analytic = textbook = kept = table = lookups = 0.0
     for unit in _units(model):
-        stays = unit.kept_through_backward or unit is unit.context.root
+        stays = unit.kept_for_backward
         gathered = sum(b.layout.padded_size * b.param_dtype.itemsize for b in unit.buckets)
         reduced = sum(
             b.layout.padded_size * b.reduce_dtype.itemsize

@@ -15,8 +15,9 @@ State machine of a unit's parameters: sharded -> gathering -> unsharded -> shard
   unused (its gradient is then zeros), so collectives always pair up.
 - end of backward (autograd callback): units whose inputs needed no gradient (the root,
   the embedding), then everything pending; DTensor `.grad`s are set.
-The model root and its first-use groups (first_use.py) stay gathered from forward to
-backward. Buffers freed during a pass go to the root's pool for the next unit (comm.py).
+The model root, its first-use groups (first_use.py) and the last unit to run forward
+before them stay gathered from forward to backward. Buffers freed during a pass go to the
+root's pool for the next unit (comm.py).
 A unit that is one embedding may skip all of this for a forward call and look up from its
 shards instead (sharded_lookup.py): its pre-forward decides, its forward looks up.
 """
@@ -117,6 +118,7 @@ class Unit:
         # Needed again early in backward (the model root and its first-use groups): stays
         # gathered from forward to backward, as FSDP2 keeps its root.
         self.kept_through_backward = kept_through_backward
+        self.kept_for_backward = False  # whether the last forward kept it gathered
         self.requires_gradient_sync = True
         self.gradient_divide_factor = float(self.world_size)
         self.forward_prefetch: list[Unit] | None = None
@@ -248,10 +250,8 @@ class Unit:
             if self in context.post_forward_order:  # the last call orders backward
                 context.post_forward_order.remove(self)
             context.post_forward_order.append(self)
-            keep_for_backward = len(context.units) > 1 and (
-                self.kept_through_backward or self is context.root
-            )
-            if not grad_enabled or (self.reshard_after_forward and not keep_for_backward):
+            self.kept_for_backward = self._needed_first_in_backward()
+            if not grad_enabled or (self.reshard_after_forward and not self.kept_for_backward):
                 self.reshard()
             if self is context.root:
                 context.in_forward = False
@@ -265,6 +265,20 @@ class Unit:
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)
         return output
+
+    def _needed_first_in_backward(self) -> bool:
+        """Whether to stay gathered from forward into backward, as FSDP2 keeps its root:
+        the model root and its first-use groups (needed again early in backward), and the
+        last unit to run forward before them (last step's order), whose backward comes next
+        (torchtitan keeps its last block gathered by hand for the same reason)."""
+        context = self.context
+        if len(context.units) == 1:
+            return False
+        stays = lambda unit: unit.kept_through_backward or unit is context.root
+        order = context.previous_pre_forward_order
+        if stays(self) or self not in order:
+            return stays(self)
+        return all(stays(unit) for unit in order[order.index(self) + 1 :])
 
     def _prefetch_targets(self, forward: bool) -> list[Unit]:
         """The unit(s) to gather next: set by the user, else the one after this unit in the

@@ -1,12 +1,13 @@
 """Communication per ZeRO-3 step: one all-gather per bucket in forward, one per bucket in
 backward (the model root and its first-use groups keep their parameters through backward,
-as FSDP2 keeps its root), one reduce-scatter per trainable bucket, nothing else; bytes
-equal the layout's padded sizes. On gloo an all-gather is N-1 `isend`s of the shard (and
-N-1 `irecv`s into the output) and a reduce-scatter one `all_to_all_single` of the flat
-gradient (see comm.py). A unit over one embedding first all-gathers every rank's token
-count to decide whether to look up from its shards (sharded_lookup.py; at this vocabulary
-it gathers). Order: each unit is gathered where it is first used and
-reduced as soon as its gradient is complete (the output head first, the embedding last)."""
+as FSDP2 keeps its root, and so does the last block, whose backward comes next), one
+reduce-scatter per trainable bucket, nothing else; bytes equal the layout's padded sizes.
+On gloo an all-gather is N-1 `isend`s of the shard (and N-1 `irecv`s into the output) and a
+reduce-scatter one `all_to_all_single` of the flat gradient (see comm.py). A unit over one
+embedding first all-gathers every rank's token count to decide whether to look up from its
+shards (sharded_lookup.py; at this vocabulary it gathers). Order: each unit is gathered
+where it is first used and reduced as soon as its gradient is complete (the output head
+first, the embedding last)."""
 
 from __future__ import annotations
 
@@ -92,7 +93,11 @@ def _count_one_step(param_dtype):
             optimizer.step()
             optimizer.zero_grad()
     units = list(dict.fromkeys(m._flatshard_unit for m in model.modules() if _is_unit(m)))
+    # stay gathered from forward into backward: the root, its first-use groups and the
+    # last block (its backward comes right after theirs)
     kept = [u for u in units if u.kept_through_backward or u is model._flatshard_unit]
+    kept.append(model.layers[-1]._flatshard_unit)
+    assert [u.kept_for_backward for u in units] == [u in kept for u in units]
     element = 2 if param_dtype == torch.bfloat16 else 4
     peers = world - 1  # an all-gather sends this rank's shard to each peer, receives theirs
     gathered = {

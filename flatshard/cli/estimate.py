@@ -7,8 +7,9 @@ data-parallel shard size; the rest follows what the runtime allocates:
   per trainable element); ZeRO-1 also keeps every unit's unsharded parameters and gradients.
 - gradient shards (fp32) live from backward until `zero_grad(set_to_none=True)`; the next
   forward frees them, so they do not coexist with a forward's activations.
-- ZeRO-3 gathers a unit for its forward and again for its backward; the root stays gathered
-  from forward to the end of backward and holds its unsharded gradient buffer meanwhile;
+- ZeRO-3 gathers a unit for its forward and again for its backward; the root (and the last
+  block, whose backward comes next) stays gathered from forward to the end of its backward
+  and holds its unsharded gradient buffer meanwhile;
   a block's backward overlaps the next block's prefetch and the previous block's
   reduce-scatter. ZeRO-2 keeps every unit gathered from its forward to its backward.
 - a unit over one embedding (ZeRO-2/3) is looked up from its shards while the ranks' tokens
@@ -203,8 +204,11 @@ def _communication(units: tuple[UnitFigures, ...], setup: Setup) -> dict[str, in
     gathered = sum(u.padded * u.count for u in gathered_units)
     blocks = sum(u.padded * u.count for u in gathered_units if not u.is_root)
     if setup.zero_stage == 3:
-        # forward gathers every unit; backward gathers the blocks again (the root stays)
-        again = blocks if len(units) > 1 and any(u.is_root for u in units) else gathered
+        # forward gathers every unit; backward gathers the blocks again but the last (its
+        # backward comes right after the root's, which stays gathered)
+        again = gathered
+        if len(units) > 1 and any(u.is_root for u in units):
+            again = blocks - [u for u in gathered_units if not u.is_root][-1].padded
         all_gather = accumulation * (gathered + again) * pb
     elif setup.zero_stage == 2:
         all_gather = accumulation * gathered * pb
