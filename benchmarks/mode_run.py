@@ -98,7 +98,8 @@ def zero3_wire_bytes(model, world: int) -> dict:
     share = (world - 1) / world
     analytic = textbook = kept = table = lookups = 0.0
     for unit in _units(model):
-        stays = unit.kept_for_backward
+        # an embedding looked up from its shards would, gathered, stay as a root part
+        stays = unit.kept_for_backward or unit.kept_through_backward
         gathered = sum(b.layout.padded_size * b.param_dtype.itemsize for b in unit.buckets)
         reduced = sum(
             b.layout.padded_size * b.reduce_dtype.itemsize
