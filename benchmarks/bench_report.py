@@ -74,12 +74,15 @@ def git_revision() -> str:
         return "unknown"
 
 
-def _paired_ratio(summary: dict[str, dict], mode: str, peer: str) -> float | None:
-    """Median over timed steps of this mode's step time over the peer's step of the same
-    round and index: the nearest in time the run has (side by side: seconds apart)."""
+def _paired_ratio(
+    summary: dict[str, dict], mode: str, peer: str, times: str = "step_times"
+) -> float | None:
+    """Median over timed steps of this mode's step time (or CPU time) over the peer's step
+    of the same round and index: the nearest in time the run has (side by side: seconds
+    apart)."""
     if peer not in summary:
         return None
-    pairs = zip(summary[mode]["step_times"], summary[peer]["step_times"])
+    pairs = zip(summary[mode][times], summary[peer][times])
     return statistics.median(ours / theirs for ours, theirs in pairs)
 
 
@@ -121,10 +124,11 @@ def summarize(gathered: list[dict], modes: list[str]) -> dict[str, dict]:
         per_rank = [gathered[r][mode] for r in range(world)]
         active = [r for r in range(world) if not per_rank[r][0]["idle"]]
         rounds = len(per_rank[active[0]])
-        steps, fwd, bwd, opt, round_steps = [], [], [], [], []
+        steps, fwd, bwd, opt, round_steps, cpu = [], [], [], [], [], []
         for i in range(rounds):
             for s in range(len(per_rank[active[0]][i]["phases"])):
                 rows = [per_rank[r][i]["phases"][s] for r in active]
+                cpu.append(sum(per_rank[r][i]["cpu_seconds"][s] for r in active))
                 steps.append(max(sum(row) for row in rows))
                 fwd.append(max(row[0] for row in rows))
                 bwd.append(max(row[1] for row in rows))
@@ -144,6 +148,8 @@ def summarize(gathered: list[dict], modes: list[str]) -> dict[str, dict]:
         summary = {
             "step": statistics.median(steps),
             "step_times": steps,  # in (round, step) order: paired with the peers' below
+            "cpu": statistics.median(cpu),
+            "cpu_times": cpu,  # CPU seconds of all ranks, per step, in the same order
             "fwd": statistics.median(fwd),
             "bwd": statistics.median(bwd),
             "opt": statistics.median(opt),
@@ -190,6 +196,7 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
     fsdp2_losses = summary.get("fsdp2", {}).get("losses")
     header = (
         "| mode | step ms (median) | ×FSDP2 | ×DDP | fwd ms | bwd ms | opt ms "
+        "| CPU s/step (all ranks) | CPU ×FSDP2 | CPU ×DDP "
         "| peak RSS MiB per rank (growth) | state per rank (p+g+opt) "
         "| all-gather /step | reduce-scatter /step | all-reduce /step "
         "| sent /step | padding % | loss Δ vs single | loss Δ vs FSDP2 |"
@@ -230,7 +237,10 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
             f"| {_fmt_ratio(_paired_ratio(summary, mode, 'fsdp2'))} "
             f"| {_fmt_ratio(_paired_ratio(summary, mode, 'ddp'))} "
             f"| {1000 * s['fwd']:.1f} | {1000 * s['bwd']:.1f} "
-            f"| {1000 * s['opt']:.1f} | {rss} | {state} "
+            f"| {1000 * s['opt']:.1f} | {s['cpu']:.2f} "
+            f"| {_fmt_ratio(_paired_ratio(summary, mode, 'fsdp2', 'cpu_times'))} "
+            f"| {_fmt_ratio(_paired_ratio(summary, mode, 'ddp', 'cpu_times'))} "
+            f"| {rss} | {state} "
             f"| {all_gather} | {reduce_scatter} | {all_reduce} "
             f"| {_fmt_bytes(wire_bytes(comm, world))} | {pad} "
             f"| {_fmt_rel(vs_single)} | {_fmt_rel(vs_fsdp2)} |"
@@ -290,7 +300,12 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
         "Columns: step/fwd/bwd/opt are medians over timed steps, each step taking the "
         "slowest rank after a barrier (opt = `optimizer.step()` + `zero_grad()`; collectives "
         "a phase waits for count in that phase). ×FSDP2 / ×DDP: median over timed steps of "
-        "the step time over the peer's step of the same round and index. Peak RSS: "
+        "the step time over the peer's step of the same round and index. CPU s/step: "
+        "median over timed steps of the CPU time (user + system, every thread: compute, "
+        "gloo's transfers, copies) all ranks spent in the step; CPU ×FSDP2 / ×DDP: its "
+        "step-paired ratios as above. On this machine the ranks share its cores, so CPU "
+        "time is the work a step costs, and unlike wall time it does not move with other "
+        "tenants' load. Peak RSS: "
         "VmHWM per rank (reset through /proc/self/clear_refs at the start of each mode after "
         "gc + malloc_trim; growth = peak minus the resident set at that point, i.e. roughly "
         "what the mode itself needed; min over rounds, as the first round also pays one-time "

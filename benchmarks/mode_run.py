@@ -124,8 +124,9 @@ def zero3_wire_bytes(model, world: int) -> dict:
 
 
 def _lookup_bytes(lookup, share: float) -> float:
-    """Sent per rank by one lookup from the shards and its backward: the token count to
-    every peer, then (N-1)/N of its collectives' payloads (sharded_lookup.py)."""
+    """Sent per rank by one lookup from the shards and its backward: the token count and
+    range check (two int64s) to every peer, then (N-1)/N of its collectives' payloads
+    (sharded_lookup.py)."""
     counts = lookup.last_counts
     gathered, rows = lookup_payloads(
         len(counts),
@@ -134,7 +135,7 @@ def _lookup_bytes(lookup, share: float) -> float:
         lookup.bucket.param_dtype.itemsize,
         lookup.param.sharded.requires_grad,
     )
-    return 8 * (len(counts) - 1) + share * (gathered + rows)
+    return 16 * (len(counts) - 1) + share * (gathered + rows)
 
 
 def resident_unsharded_bytes(model) -> int:
@@ -166,6 +167,7 @@ class ModeRun:
         self.own_memory = own_memory
         self.losses: list[float] = []
         self.phases: list[tuple[float, float, float]] = []
+        self.cpu_seconds: list[float] = []  # the process's CPU time (all threads) per step
         self.comm: list[dict] = []
         self.sizes: dict | None = None
         dist.barrier()  # the previous mode has finished on every rank
@@ -195,6 +197,7 @@ class ModeRun:
             dist.barrier()  # every rank starts the step together
         COUNTER.reset()
         COUNTER.active = timed
+        cpu0 = time.process_time()
         t0 = time.perf_counter()
         loss = self.forward_loss(tokens)
         t1 = time.perf_counter()
@@ -207,10 +210,12 @@ class ModeRun:
         t4 = time.perf_counter()
         self.optimizer.zero_grad()
         t5 = time.perf_counter()
+        cpu = time.process_time() - cpu0
         COUNTER.active = False
         self.losses.append(loss.item())
         if timed:
             self.phases.append((t1 - t0, t2 - t1, (t3 - t2) + (t5 - t4)))
+            self.cpu_seconds.append(cpu)
             self.comm.append(dict(COUNTER.bytes) | {"calls": dict(COUNTER.calls)})
 
     def finish(self) -> dict:
@@ -224,6 +229,7 @@ class ModeRun:
             "idle": False,
             "losses": self.losses,
             "phases": self.phases,
+            "cpu_seconds": self.cpu_seconds,
             "comm": self.comm,
             "state": self.sizes,
             "peak_rss_kib": peak_kib if self.own_memory else None,

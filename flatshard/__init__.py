@@ -8,6 +8,7 @@ from flatshard.errors import (
     LayoutError,
     MeshError,
     OptimizerOrderError,
+    TokenIdError,
     UnevenShardError,
     WrappingError,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "MeshError",
     "MixedPrecisionPolicy",
     "OptimizerOrderError",
+    "TokenIdError",
     "UnevenShardError",
     "WrappingError",
     "checkpoint",

@@ -1,6 +1,7 @@
 """Backends and devices: the one place that knows gloo from NCCL and CPU from CUDA.
 
-Collectives move whole flat buckets (`all_gather_single` / `reduce_scatter_single` on NCCL).
+Collectives move whole flat buckets (`all_gather_single` / `reduce_scatter_single` on NCCL),
+or an embedding's looked-up rows (sharded_lookup.py).
 They are issued with `async_op=True`; on CUDA, NCCL runs them on its own stream and
 `Work.wait()` makes the current stream wait, so compute on the current stream overlaps
 them. On CPU, gloo runs them on its own threads and `wait()` blocks the caller.
@@ -200,17 +201,13 @@ class _AllToAllReduceScatter:
         return True
 
 
-def gather_counts(count: int, group, device: torch.device) -> list[int]:
-    """Every rank's `count`, in rank order (one tiny all-gather; a host sync on CUDA)."""
-    mine = torch.tensor([count], dtype=torch.int64, device=device)
-    counts = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
-    dist.all_gather_single(counts, mine, group=group)
-    return counts.tolist()
-
-
-def all_to_all(output: torch.Tensor, flat: torch.Tensor, group) -> None:
-    """Rank r receives every rank's piece r of `flat`, in rank order, into `output`."""
-    dist.all_to_all_single(output, flat, group=group)
+def all_gather_ints(values: torch.Tensor, group) -> list[list[int]]:
+    """Every rank's few int64 `values`, in rank order (one tiny all-gather; a host sync on
+    CUDA)."""
+    values = values.to(group_device(group))
+    gathered = values.new_empty(dist.get_world_size(group) * values.numel())
+    dist.all_gather_single(gathered, values, group=group)
+    return gathered.view(-1, values.numel()).tolist()
 
 
 def agree(local_problem: str | None, group, error_type: type[FlatShardError]) -> None:

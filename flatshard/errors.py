@@ -21,6 +21,10 @@ class UnevenShardError(FlatShardError):
     """A DTensor operation that cannot be made correct on flatshard's uneven row shards."""
 
 
+class TokenIdError(FlatShardError, IndexError):
+    """Token ids outside an embedding's rows (an IndexError, as `nn.Embedding` raises)."""
+
+
 class OptimizerOrderError(FlatShardError):
     """An optimizer was built on parameters before they were sharded."""
 

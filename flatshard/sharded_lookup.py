@@ -5,12 +5,19 @@ Gathering an embedding table to look up a few thousand tokens moves the whole ta
 (N-1)/N per rank, in forward and again in its gradient's reduce-scatter, and holds it
 unsharded from forward to backward. Each rank already holds whole rows of the table (the
 layout is row-aligned), so instead the ranks exchange their token ids, every rank looks up
-all ranks' tokens in the rows it holds (zeros elsewhere), and one all-to-all sums each
+all ranks' tokens in the rows it holds (zeros elsewhere), and one reduce-scatter sums each
 rank's lookups. Backward all-gathers the output gradient and each rank adds the rows it
 holds into its gradient shard. That moves (N-1) x T x D per rank each way for T tokens per
 rank: cheaper while N x T < V (large vocabularies, small data-parallel groups); otherwise
 the unit gathers like any other. Every output element is one row element plus exact zeros,
 so the output equals the gathered lookup.
+
+Every forward call first all-gathers each rank's token count and whether its ids fit the
+table (one tiny collective and, on CUDA, one host sync), so all ranks decide alike and an
+out-of-range id raises on every rank. The gradient is summed over ranks in every backward,
+also under `set_requires_gradient_sync(False)`; every rank's backward must reach the lookup
+(as every rank's loss does when it depends on the embedding). On CUDA `index_add_` sums a
+row's gradients in a nondeterministic order unless deterministic algorithms are on.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from flatshard import comm
+from flatshard.errors import TokenIdError
 
 
 def lookup_capable(modules: list[nn.Module], params: list, zero_stage: int, world: int) -> bool:
@@ -40,12 +48,12 @@ def lookup_capable(modules: list[nn.Module], params: list, zero_stage: int, worl
 def looks_up(ranks: int, tokens_per_rank: int, rows: int) -> bool:
     """Whether a lookup from the shards moves less than gathering the table would: the
     ranks' tokens (padded to the largest count) are fewer than the table's rows."""
-    return ranks * tokens_per_rank < rows
+    return 0 < ranks * tokens_per_rank < rows
 
 
 def lookup_payloads(ranks: int, tokens_per_rank: int, dim: int, itemsize: int, trainable: bool):
     """Collective payload bytes of one lookup from the shards (and its backward when
-    `trainable`): (all-gathered: token ids, output gradients; all-to-all: rows)."""
+    `trainable`): (all-gathered: token ids and output gradients, reduce-scattered: rows)."""
     positions = ranks * tokens_per_rank
     rows = positions * dim * itemsize
     return positions * 8 + (rows if trainable else 0), rows
@@ -79,8 +87,18 @@ class ShardedLookup:
         ids = args[0] if args else kwargs.get("input")
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
             return False  # nn.Embedding's own error says what is wrong
-        counts = comm.gather_counts(ids.numel(), self.unit.group, ids.device)
-        if not looks_up(len(counts), max(counts), self.module.num_embeddings):
+        rows = self.module.num_embeddings
+        out_of_range = ((ids < 0) | (ids >= rows)).any().to(torch.int64)
+        count = torch.full((), ids.numel(), dtype=torch.int64, device=ids.device)
+        ranks = comm.all_gather_ints(torch.stack([count, out_of_range]), self.unit.group)
+        bad = [rank for rank, (_, out) in enumerate(ranks) if out]
+        if bad:  # every rank raises: none is left waiting in a collective
+            raise TokenIdError(
+                f"token ids outside [0, {rows}) reached a fully_shard-ed embedding of {rows} "
+                f"rows on rank(s) {bad}; the tokenizer's vocabulary must fit the model's"
+            )
+        counts = [count for count, _ in ranks]
+        if not looks_up(len(counts), max(counts), rows):
             return False
         self._counts = counts
         return True
@@ -90,38 +108,36 @@ class ShardedLookup:
         self.last_counts = counts
         return _LookupFromShards.apply(self.param.sharded, ids, self, counts)
 
-    def held_positions(self, all_ids: torch.Tensor, counts: list[int]):
+    def held_positions(self, all_ids: torch.Tensor):
         """For every rank's padded token positions: the row in this rank's shard (row 0
         where another rank holds it) and whether this rank holds it. Masks, not boolean
         indexing: no host sync on CUDA."""
         local = all_ids - self.row_start
-        real = torch.arange(max(counts), device=all_ids.device) < torch.tensor(
-            counts, device=all_ids.device
-        ).unsqueeze(1)
-        held = (local >= 0) & (local < self.rows_held) & real.reshape(-1)
+        held = (local >= 0) & (local < self.rows_held)
         return torch.where(held, local, 0), held
 
-    def look_up(self, all_ids: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def look_up(self, all_ids: torch.Tensor) -> torch.Tensor:
         """Every rank's tokens looked up in this rank's rows: (N x T_max, D), zeros where
         another rank holds the row."""
         bucket, shape = self.bucket, (all_ids.numel(), self.module.embedding_dim)
         if not self.rows_held:  # a rank may hold no rows
             return torch.zeros(shape, dtype=bucket.param_dtype, device=all_ids.device)
-        row, held = self.held_positions(all_ids, counts)
+        row, held = self.held_positions(all_ids)
         picked = bucket.main_rows(self.param.index)[row].to(bucket.param_dtype)
         return picked.masked_fill_(~held.unsqueeze(1), 0)
 
-    def add_gradient(self, all_ids: torch.Tensor, counts: list[int], grads: torch.Tensor) -> None:
-        """Sum every rank's output gradients into the rows this rank holds (in the main
-        dtype), divide as a reduce-scatter would, and add the result to the gradient shard."""
+    def add_gradient(self, all_ids: torch.Tensor, grads: torch.Tensor) -> None:
+        """Sum every rank's output gradients (`grads`, consumed) into the rows this rank
+        holds, in the main dtype; divide as a reduce-scatter would; add the result to the
+        gradient shard."""
         unit, bucket = self.unit, self.bucket
         flat = torch.zeros(bucket.layout.shard_size, dtype=bucket.main.dtype, device=grads.device)
         if self.rows_held:
-            row, held = self.held_positions(all_ids, counts)
+            row, held = self.held_positions(all_ids)
             if self.module.padding_idx is not None:
                 held &= all_ids != self.module.padding_idx
             rows = bucket.grad_rows(flat, self.param.index)
-            rows.index_add_(0, row, grads.masked_fill(~held.unsqueeze(1), 0).to(flat.dtype))
+            rows.index_add_(0, row, grads.masked_fill_(~held.unsqueeze(1), 0).to(flat.dtype))
             rows.div_(unit.gradient_divide_factor)
         unit.add_sharded_grad(bucket, flat)
 
@@ -132,29 +148,28 @@ class _LookupFromShards(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, weight, ids, lookup: ShardedLookup, counts: list[int]):
-        group, t_max = lookup.unit.group, max(counts)
+        group, t_max, dim = lookup.unit.group, max(counts), lookup.module.embedding_dim
         flat_ids = ids.reshape(-1)
-        padded = torch.zeros(t_max, dtype=torch.int64, device=ids.device)
+        padded = torch.full((t_max,), -1, dtype=torch.int64, device=ids.device)  # no row
         padded[: flat_ids.numel()] = flat_ids
         all_ids = torch.empty(len(counts) * t_max, dtype=torch.int64, device=ids.device)
         comm.all_gather(all_ids, padded, group).wait()
-        picked = lookup.look_up(all_ids, counts)
-        received = torch.empty_like(picked)
-        comm.all_to_all(received, picked, group)
-        output = received.view(len(counts), t_max, -1).sum(dim=0)[: flat_ids.numel()]
+        picked = lookup.look_up(all_ids)
+        mine = picked.new_empty(t_max, dim)
+        comm.reduce_scatter(mine.view(-1), picked.view(-1), group, average=False).wait()
         ctx.save_for_backward(all_ids)
         ctx.lookup, ctx.counts = lookup, counts
-        return output.view(*ids.shape, -1)
+        return mine[: flat_ids.numel()].view(*ids.shape, dim)
 
     @staticmethod
     def backward(ctx, grad_output):
         (all_ids,) = ctx.saved_tensors
         lookup, counts = ctx.lookup, ctx.counts
-        dim, t_max = grad_output.shape[-1], max(counts)
+        dim, t_max = lookup.module.embedding_dim, max(counts)
         mine = grad_output.reshape(-1, dim)
         padded = grad_output.new_zeros(t_max, dim)
         padded[: mine.shape[0]] = mine
         grads = grad_output.new_empty(len(counts) * t_max, dim)
         comm.all_gather(grads.view(-1), padded.view(-1), lookup.unit.group).wait()
-        lookup.add_gradient(all_ids, counts, grads)
+        lookup.add_gradient(all_ids, grads)
         return None, None, None, None

@@ -118,7 +118,8 @@ class Unit:
         # Needed again early in backward (the model root and its first-use groups): stays
         # gathered from forward to backward, as FSDP2 keeps its root.
         self.kept_through_backward = kept_through_backward
-        self.kept_for_backward = False  # whether the last forward kept it gathered
+        # ZeRO-3: whether its last forward with gradients kept it gathered for backward
+        self.kept_for_backward = False
         self.requires_gradient_sync = True
         self.gradient_divide_factor = float(self.world_size)
         self.forward_prefetch: list[Unit] | None = None
@@ -200,9 +201,13 @@ class Unit:
         context = self._context()
         if not context.in_backward:  # not an activation-checkpointing recompute
             self._check_requires_grad()
-        if self.lookup is not None and self is not context.root and self.lookup.plan(args, kwargs):
-            # Not gathered, so outside the prefetch order and the backward hooks.
-            self.looking_up = True
+        self.looking_up = (
+            self.lookup is not None and self is not context.root and self.lookup.plan(args, kwargs)
+        )
+        if self.looking_up:
+            # Not gathered, so outside the prefetch order and the backward hooks; a gather
+            # started for it (a prefetch in an earlier step's order) is dropped.
+            self.reshard()
             return args, kwargs
         if not context.in_backward:
             if self is context.root:
@@ -250,7 +255,7 @@ class Unit:
             if self in context.post_forward_order:  # the last call orders backward
                 context.post_forward_order.remove(self)
             context.post_forward_order.append(self)
-            self.kept_for_backward = self._needed_first_in_backward()
+            self.kept_for_backward = grad_enabled and self._needed_first_in_backward()
             if not grad_enabled or (self.reshard_after_forward and not self.kept_for_backward):
                 self.reshard()
             if self is context.root:

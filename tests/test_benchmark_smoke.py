@@ -76,6 +76,8 @@ def test_compare_tiny(fp32_report):
             assert float(rows[mode][loss_index]) <= 1e-5, (mode, rows[mode][loss_index])
     assert "python" in text and "--preset tiny" in text  # the exact command is recorded
     assert abs(_zero3_measured_over_layout(text) - 1) < 0.01
+    zero3 = _row(text, "flatshard ZeRO-3")
+    assert float(zero3["CPU s/step (all ranks)"]) > 0 and float(zero3["CPU ×DDP"]) > 0
 
 
 def test_compare_tiny_bf16_bytes(tmp_path, fp32_report):

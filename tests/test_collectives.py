@@ -123,7 +123,8 @@ def _count_one_step(param_dtype):
     assert deciding == [model.embed_tokens._flatshard_unit]
     assert not deciding[0].looked_up_from_shards()
     expected_calls[("forward", "all_gather_single")] = 1
-    expected_bytes[("forward", "all_gather_single")] = 8 * world  # an int64 count per rank
+    # each rank's token count and whether its ids fit the table: two int64s
+    expected_bytes[("forward", "all_gather_single")] = 2 * 8 * world
     return dict(counter.calls), dict(counter.bytes), expected_calls, expected_bytes
 
 

@@ -160,3 +160,81 @@ def test_rank_holding_no_rows():
     for looked_up, _, equal_output, grad_error in results:
         assert looked_up and equal_output
         assert grad_error <= 1e-6
+
+
+def _empty_batch_on_one_rank():
+    """Rank 0 has no tokens this step: it still takes part, gets an empty output, and the
+    others' gradients equal one process's."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    reference = TinyLM()
+    model = _sharded(copy.deepcopy(reference), False)
+    tokens = [_tokens(r)[:0] if r == 0 else _tokens(r) for r in range(world)]
+    output = model(tokens[rank])
+    output.pow(2).sum().backward()
+    (sum(reference(t).pow(2).sum() for t in tokens) / world).backward()
+    expected = reference.embed.weight.grad
+    grad = model.embed.weight.grad.full_tensor()
+    return (
+        model.embed._flatshard_unit.looked_up_from_shards(),
+        tuple(output.shape),
+        ((grad - expected).norm() / expected.norm()).item(),
+    )
+
+
+def test_empty_batch_on_one_rank():
+    results = run_distributed(_empty_batch_on_one_rank, 2)
+    assert [shape for _, shape, _ in results] == [(0, 5, VOCAB), (2, 5, VOCAB)]
+    for looked_up, _, grad_error in results:
+        assert looked_up and grad_error <= 1e-6
+
+
+def _out_of_range_ids():
+    """A token id past the table on rank 1 raises on every rank (none waits alone in a
+    collective), as an IndexError like nn.Embedding's."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = _sharded(TinyLM(), False)
+    ids = _tokens(rank)
+    if rank == 1:
+        ids[0, 1] = VOCAB
+    try:
+        model(ids)
+    except flatshard.TokenIdError as error:
+        return isinstance(error, IndexError), str(error)
+    return False, "no error"
+
+
+def test_out_of_range_ids_raise_on_every_rank():
+    for is_index_error, message in run_distributed(_out_of_range_ids, 2):
+        assert is_index_error, message
+        assert f"outside [0, {VOCAB})" in message and "rank(s) [1]" in message
+
+
+def _prefetched_table_dropped():
+    """An evaluation batch too large for a lookup gathers the table and puts the embedding
+    in the recorded order, so the next forward prefetches it; when that forward looks up
+    instead, the stray gather is dropped rather than held to the end of backward."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    reference = TinyLM()
+    model = _sharded(copy.deepcopy(reference), False)
+    unit = model.embed._flatshard_unit
+    with torch.no_grad():
+        model(torch.randint(0, VOCAB, (40, 5)))  # 2 x 200 tokens >= 257 rows: gathered
+    gathered_for_eval = not unit.looked_up_from_shards()
+    loss = _loss(model, _tokens(rank))
+    table_freed = unit.buckets[0].unsharded.untyped_storage().size() == 0
+    loss.backward()
+    expected = _reference_grads(reference, dist.get_world_size())["embed.weight"]
+    grad = model.embed.weight.grad.full_tensor()
+    error = ((grad - expected).norm() / expected.norm()).item()
+    return gathered_for_eval, unit.looked_up_from_shards(), table_freed, error
+
+
+def test_prefetched_table_is_dropped():
+    for gathered_for_eval, looked_up, table_freed, grad_error in run_distributed(
+        _prefetched_table_dropped, 2
+    ):
+        assert gathered_for_eval and looked_up and table_freed
+        assert grad_error <= 1e-6

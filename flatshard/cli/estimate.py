@@ -134,7 +134,7 @@ def _looked_up(unit: UnitFigures, setup: Setup) -> bool:
 
 
 def _lookup_payloads(unit: UnitFigures, setup: Setup) -> tuple[int, int]:
-    """(all-gathered, all-to-all) bytes of one micro-batch's lookup and its backward."""
+    """(all-gathered, reduce-scattered) bytes of one micro-batch's lookup and its backward."""
     dim, itemsize = unit.embedding[1], DTYPE_BYTES[setup.param_dtype]
     tokens = setup.micro_batch * setup.seq_len
     return lookup_payloads(setup.dp_shard, tokens, dim, itemsize, unit.trainable)
@@ -148,8 +148,10 @@ def _memory(spec: ModelSpec, units: tuple[UnitFigures, ...], setup: Setup) -> di
     optimizer = setup.optimizer_states * total(lambda u: u.shard_trainable) * FP32
     activations = setup.micro_batch * setup.seq_len * spec.activation_bytes_per_token(pb)
     looked_up = [u for u in units if _looked_up(u, setup)]
-    # the output gradients a lookup gathers, alive while its backward adds them up
-    lookup_grads = sum(_lookup_payloads(u, setup)[1] for u in looked_up if u.trainable)
+    # the output gradients a lookup gathers (and their fp32 copy), alive while its backward
+    # adds them up
+    grads_gathered = sum(_lookup_payloads(u, setup)[1] for u in looked_up if u.trainable)
+    lookup_grads = grads_gathered + (grads_gathered // pb * FP32 if pb != FP32 else 0)
     gathered = [u for u in units if u not in looked_up]
     largest = max(gathered, key=lambda u: u.padded)
 
@@ -208,27 +210,27 @@ def _communication(units: tuple[UnitFigures, ...], setup: Setup) -> dict[str, in
         # backward comes right after the root's, which stays gathered)
         again = gathered
         if len(units) > 1 and any(u.is_root for u in units):
-            again = blocks - [u for u in gathered_units if not u.is_root][-1].padded
+            last = [u.padded for u in gathered_units if not u.is_root][-1:]
+            again = blocks - sum(last)
         all_gather = accumulation * (gathered + again) * pb
     elif setup.zero_stage == 2:
         all_gather = accumulation * gathered * pb
     else:  # ZeRO-1 gathers once per step, after the optimizer changed the weights
         all_gather = gathered * pb
-    all_gather += accumulation * sum(gather for gather, _ in lookups)
-    all_to_all = accumulation * sum(rows for _, rows in lookups)
     reductions = 1 if setup.zero_stage == 1 else accumulation
     reduce_scatter = reductions * sum(u.padded_trainable * u.count for u in gathered_units) * rb
+    all_gather += accumulation * sum(gather for gather, _ in lookups)
+    reduce_scatter += accumulation * sum(rows for _, rows in lookups)
     replicas = setup.dp_replicate
     all_reduce = reductions * sum(u.shard_trainable * u.count for u in units) * rb
     all_reduce = all_reduce if replicas > 1 else 0
     shards = setup.dp_shard
-    wire = (shards - 1) * (all_gather + reduce_scatter + all_to_all) // shards
+    wire = (shards - 1) * (all_gather + reduce_scatter) // shards
     wire += 2 * (replicas - 1) * all_reduce // replicas
     return {
         "all_gather": all_gather,
         "reduce_scatter": reduce_scatter,
-        "all_to_all": all_to_all,
         "replica_all_reduce": all_reduce,
-        "total": all_gather + reduce_scatter + all_to_all + all_reduce,
+        "total": all_gather + reduce_scatter + all_reduce,
         "wire_per_rank": wire,
     }

@@ -74,40 +74,38 @@ class MemoryMeter:
 
 
 class CommMeter:
-    """Counts collective payload bytes while installed (one per process): all-gathers
-    (output), reduce-scatters (input) and the all-to-alls of embedding lookups (input)."""
-
-    KINDS = ("all_gather", "reduce_scatter", "all_to_all")
+    """Counts collective payload bytes while installed (one per process)."""
 
     def __init__(self):
-        self.bytes = dict.fromkeys(self.KINDS, 0)
+        self.all_gather_bytes = 0
+        self.reduce_scatter_bytes = 0
         self._originals = None
 
     def install(self) -> CommMeter:
-        originals = {kind: getattr(comm, kind) for kind in self.KINDS}
+        gather, scatter = comm.all_gather, comm.reduce_scatter
 
-        def counted(kind: str, payload_position: int):
-            def collective(*args, **kwargs):
-                payload = args[payload_position]
-                self.bytes[kind] += payload.numel() * payload.element_size()
-                return originals[kind](*args, **kwargs)
+        def counted_all_gather(output, shard, group):
+            self.all_gather_bytes += output.numel() * output.element_size()
+            return gather(output, shard, group)
 
-            return collective
+        def counted_reduce_scatter(output, flat, group, average, pool=None):
+            self.reduce_scatter_bytes += flat.numel() * flat.element_size()
+            return scatter(output, flat, group, average, pool)
 
-        # the payload: all_gather's output, reduce_scatter's and all_to_all's input
-        for kind, position in zip(self.KINDS, (0, 1, 1)):
-            setattr(comm, kind, counted(kind, position))
-        self._originals = originals
+        self._originals = (gather, scatter)
+        comm.all_gather, comm.reduce_scatter = counted_all_gather, counted_reduce_scatter
         return self
 
     def uninstall(self) -> None:
         if self._originals:
-            for kind, original in self._originals.items():
-                setattr(comm, kind, original)
+            comm.all_gather, comm.reduce_scatter = self._originals
             self._originals = None
 
-    def take(self) -> dict[str, int]:
-        """Bytes of each kind since the last call, keyed `<kind>_bytes`."""
-        counts = {f"{kind}_bytes": count for kind, count in self.bytes.items()}
-        self.bytes = dict.fromkeys(self.KINDS, 0)
+    def total(self) -> int:
+        return self.all_gather_bytes + self.reduce_scatter_bytes
+
+    def take(self) -> tuple[int, int]:
+        """(all-gather, reduce-scatter) bytes since the last call."""
+        counts = (self.all_gather_bytes, self.reduce_scatter_bytes)
+        self.all_gather_bytes = self.reduce_scatter_bytes = 0
         return counts

@@ -178,8 +178,6 @@ def format_plan(result: Plan) -> str:
         f"    all-gather                      {_gib(c['all_gather'])}",
         f"    reduce-scatter                  {_gib(c['reduce_scatter'])}",
     ]
-    if c["all_to_all"]:
-        lines.append(f"    all-to-all (embedding lookup)   {_gib(c['all_to_all'])}")
     if c["replica_all_reduce"]:
         lines.append(f"    replica all-reduce (HSDP)       {_gib(c['replica_all_reduce'])}")
     lines.append(f"    on the wire (ring algorithms)   {_gib(c['wire_per_rank'])}")

@@ -196,7 +196,7 @@ class Trainer:
         self.step += 1
         self.position += train.global_batch
         elapsed = time.perf_counter() - step_started
-        communicated = self.comm.take()
+        all_gather, reduce_scatter = self.comm.take()
         tokens = train.global_batch * config.data.seq_len
         return {
             "step": self.step,
@@ -209,8 +209,9 @@ class Trainer:
             "elapsed_s": time.perf_counter() - started,
             "peak_mem_bytes": shared["peak_mem_bytes"],
             "peak_rss_bytes": self.memory.peak_resident(),
-            **communicated,
-            "comm_bytes": sum(communicated.values()),
+            "all_gather_bytes": all_gather,
+            "reduce_scatter_bytes": reduce_scatter,
+            "comm_bytes": all_gather + reduce_scatter,
             "stop": stop,
         }
 
