@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every measurement behind RESULTS.md, one compare.py invocation a section, appended to one
-# file (default benchmarks/RESULTS-runs.md; about 80 minutes on 2 cores). Run it on a quiet
+# file (default benchmarks/RESULTS-runs.md; about 60 minutes on 2 cores). Run it on a quiet
 # machine, then copy the sections under RESULTS.md's summary and findings.
 #   bash benchmarks/run_all.sh [OUT]          (PYTHON=.venv/bin/python to pick the interpreter)
 # Timings come from runs with the modes side by side (a step of each in turn), memory from
