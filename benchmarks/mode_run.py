@@ -17,7 +17,7 @@ import torch.distributed as dist
 from bench_modes import DTYPES, FLATSHARD_STAGES, LR, WEIGHT_DECAY, LlamaConfig, build_mode
 from comm_counter import COUNTER, nbytes
 
-from flatshard.sharded_lookup import lookup_payloads
+from flatshard.sharded_lookup import PLAN_BYTES, lookup_payloads
 
 # --- memory ----------------------------------------------------------------------------
 
@@ -124,8 +124,8 @@ def zero3_wire_bytes(model, world: int) -> dict:
 
 
 def _lookup_bytes(lookup, share: float) -> float:
-    """Sent per rank by one lookup from the shards and its backward: the token count and
-    range check (two int64s) to every peer, then (N-1)/N of its collectives' payloads
+    """Sent per rank by one lookup from the shards and its backward: its plan to every
+    peer, then (N-1)/N of its collectives' payloads
     (sharded_lookup.py)."""
     counts = lookup.last_counts
     gathered, rows = lookup_payloads(
@@ -135,7 +135,7 @@ def _lookup_bytes(lookup, share: float) -> float:
         lookup.bucket.param_dtype.itemsize,
         lookup.param.sharded.requires_grad,
     )
-    return 16 * (len(counts) - 1) + share * (gathered + rows)
+    return PLAN_BYTES * (len(counts) - 1) + share * (gathered + rows)
 
 
 def resident_unsharded_bytes(model) -> int:

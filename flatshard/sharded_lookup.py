@@ -28,6 +28,10 @@ import torch.nn as nn
 from flatshard import comm
 from flatshard.errors import TokenIdError
 
+# What each rank sends every peer to plan a forward call: its token count and whether its
+# ids fit the table (two int64s).
+PLAN_BYTES = 2 * 8
+
 
 def lookup_capable(modules: list[nn.Module], params: list, zero_stage: int, world: int) -> bool:
     """A unit over one plain `nn.Embedding` whose untied weight is its only parameter (ZeRO-1

@@ -210,8 +210,8 @@ def _communication(units: tuple[UnitFigures, ...], setup: Setup) -> dict[str, in
         # backward comes right after the root's, which stays gathered)
         again = gathered
         if len(units) > 1 and any(u.is_root for u in units):
-            last = [u.padded for u in gathered_units if not u.is_root][-1:]
-            again = blocks - sum(last)
+            block_sizes = [u.padded for u in gathered_units if not u.is_root]
+            again = blocks - (block_sizes[-1] if block_sizes else 0)
         all_gather = accumulation * (gathered + again) * pb
     elif setup.zero_stage == 2:
         all_gather = accumulation * gathered * pb

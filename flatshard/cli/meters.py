@@ -101,9 +101,6 @@ class CommMeter:
             comm.all_gather, comm.reduce_scatter = self._originals
             self._originals = None
 
-    def total(self) -> int:
-        return self.all_gather_bytes + self.reduce_scatter_bytes
-
     def take(self) -> tuple[int, int]:
         """(all-gather, reduce-scatter) bytes since the last call."""
         counts = (self.all_gather_bytes, self.reduce_scatter_bytes)
