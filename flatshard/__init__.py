@@ -1,6 +1,5 @@
 """flatshard: fully sharded data parallel training on flat, row-aligned buffers."""
 
-
 from flatshard import checkpoint, hf
 from flatshard.api import FlatShardModule, fully_shard, weights_changed
 from flatshard.errors import (

@@ -19,7 +19,7 @@ from flatshard import comm, full_state_dict, optim_hooks
 from flatshard.errors import MeshError, WrappingError
 from flatshard.first_use import first_use_groups
 from flatshard.flat_bucket import FlatBucket
-from flatshard.layout import ParamInfo, plan_unit_layout
+from flatshard.layout import ParamInfo, declared_components, plan_unit_layout
 from flatshard.policy import MixedPrecisionPolicy, as_mixed_precision, resolve_zero_stage
 from flatshard.row_shard import install_redistribute_override, make_row_sharded_dtensor
 from flatshard.sharded_lookup import embedding_forward
@@ -178,7 +178,16 @@ def _shard(members, mesh, stage, policy, kept_through_backward: bool) -> Unit:
 
     rank, world_size = mesh.get_local_rank(), mesh.size()
     device = comm.compute_device(mesh.device_type)
-    infos = [ParamInfo(fqn, tuple(p.shape), p.dtype, p.requires_grad) for fqn, p, _ in found]
+    infos = [
+        ParamInfo(
+            fqn,
+            tuple(p.shape),
+            p.dtype,
+            p.requires_grad,
+            declared_components(*places[0], tuple(p.shape)),
+        )
+        for fqn, p, places in found
+    ]
     layout = plan_unit_layout(infos, world_size)
     names = "+".join(type(m).__name__ for _, m in members)
     if found and layout.empty_ranks():
@@ -207,15 +216,12 @@ def _shard(members, mesh, stage, policy, kept_through_backward: bool) -> Unit:
         bucket_index, slot = layout.locate(position)
         bucket = buckets[bucket_index]
         index = bucket.layout.slots.index(slot)
-        rows = bucket.main_rows(index)
-        piece = bucket.pieces[index]
+        rows, spec = bucket.main_rows(index), bucket.specs[index]
         if not original.is_meta:
             with torch.no_grad():
-                rows.copy_(original.detach()[piece.row_start : piece.row_end])
+                rows.copy_(spec.rows_of(original.detach()))
         sharded = nn.Parameter(
-            make_row_sharded_dtensor(
-                rows, mesh, slot.info.shape, bucket.layout.row_bounds(slot), rank, bucket.main
-            ),
+            make_row_sharded_dtensor(rows, mesh, spec, bucket.main),
             requires_grad=original.requires_grad,
         )
         managed.append(ManagedParam(fqn, occurrences, bucket_index, index, sharded))

@@ -121,13 +121,34 @@ class BufferPool:
         return free.pop() if free else None
 
 
-def all_gather(output: torch.Tensor, shard: torch.Tensor, group):
-    """Start gathering every rank's equal `shard` into the flat `output`.
+class Traffic:
+    """Payload bytes of the all-gathers and reduce-scatters issued here (metrics read it)."""
+
+    def __init__(self):
+        self.all_gather = 0
+        self.reduce_scatter = 0
+
+    def take(self) -> tuple[int, int]:
+        """(all-gather, reduce-scatter) bytes since the last call."""
+        counts = (self.all_gather, self.reduce_scatter)
+        self.all_gather = self.reduce_scatter = 0
+        return counts
+
+
+traffic = Traffic()
+
+
+def all_gather(output: torch.Tensor, shard: torch.Tensor, group, pieces=None):
+    """Start gathering every rank's equal `shard` into the flat `output`; `pieces` are the
+    views of `output` each rank's shard lands in (a bucket's come from its layout; default:
+    equal consecutive chunks, as `all_gather_single` places them).
 
     Returns an object whose `wait()` leaves the result in `output`.
     """
+    traffic.all_gather += output.numel() * output.element_size()
     if shard.device.type == "cpu" and dist.get_backend(group) == "gloo":
-        return _PointToPointAllGather(output, shard, group)
+        pieces = output.chunk(dist.get_world_size(group)) if pieces is None else pieces
+        return _PointToPointAllGather(pieces, shard, group)
     return dist.all_gather_single(output, shard, group=group, async_op=True)
 
 
@@ -141,9 +162,8 @@ class _PointToPointAllGather:
     """An all-gather as N-1 sends of this rank's shard and N-1 receives straight into the
     output; peers in ring order (rank+1 first) so no rank is everyone's first target."""
 
-    def __init__(self, output: torch.Tensor, shard: torch.Tensor, group):
+    def __init__(self, pieces: list[torch.Tensor], shard: torch.Tensor, group):
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        pieces = output.view(world, -1)
         pieces[rank].copy_(shard)
         self.works = []
         for step in range(1, world):
@@ -167,6 +187,7 @@ def reduce_scatter(
 
     Returns an object whose `wait()` leaves the result in `output`.
     """
+    traffic.reduce_scatter += flat.numel() * flat.element_size()
     if flat.device.type == "cpu" and dist.get_backend(group) == "gloo":
         return _AllToAllReduceScatter(output, flat, group, average, pool)
     op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM

@@ -30,7 +30,7 @@ class FlatBucket:
         self.group = group
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
-        self.pieces = [layout.local_piece(slot, rank) for slot in layout.slots]
+        self.specs = [layout.spec(slot, rank) for slot in layout.slots]
         # Padding stays zero: it is all-gathered but never read.
         self.main = torch.zeros(layout.shard_size, dtype=main_dtype, device=device)
         self.unsharded = torch.empty(layout.padded_size, dtype=param_dtype, device=device)
@@ -61,10 +61,9 @@ class FlatBucket:
         return self._piece_view(grad_shard, index)
 
     def _piece_view(self, shard: torch.Tensor, index: int) -> torch.Tensor:
-        piece, slot = self.pieces[index], self.layout.slots[index]
-        rows = piece.row_end - piece.row_start
-        flat = shard[piece.shard_offset : piece.shard_offset + piece.numel]
-        return flat.view(rows, *slot.info.shape[1:]) if slot.info.shape else flat.view(())
+        spec = self.specs[index]
+        flat = shard[spec.shard_offset : spec.shard_offset + spec.numel]
+        return flat.view(spec.local_shape)
 
     def unsharded_view(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
         slot = self.layout.slots[index]
@@ -78,7 +77,9 @@ class FlatBucket:
             source = self.main.to(self.param_dtype)
         self._gather_input = source  # alive until the collective is waited on
         self._version = self.unsharded._version
-        return comm.all_gather(self.unsharded, source, self.group)
+        return comm.all_gather(
+            self.unsharded, source, self.group, self.layout.shard_views(self.unsharded)
+        )
 
     def finish_all_gather(self, work) -> None:
         work.wait()

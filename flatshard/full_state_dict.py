@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from flatshard.row_shard import RowShard, row_range
+from flatshard.row_shard import RowShard, shard_spec
 
 _originals: dict = {}
 
@@ -22,8 +22,7 @@ def _is_row_sharded(value) -> bool:
 
 @torch.no_grad()
 def _copy_rows(local: DTensor, full: torch.Tensor) -> None:
-    start, end = row_range(local)
-    local.to_local().copy_(full[start:end].to(local.device))
+    local.to_local().copy_(shard_spec(local).piece_of(full).to(local.device))
 
 
 def _distribute_state_dict(full_state_dict, local_state_dict, device, pg=None):

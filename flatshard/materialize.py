@@ -70,7 +70,6 @@ def _keep(module: nn.Module, name: str, original, full: torch.Tensor, first: boo
     if first:
         unit, managed = original._flatshard_param
         bucket = unit.buckets[managed.bucket]
-        piece = bucket.pieces[managed.index]
-        bucket.main_rows(managed.index).copy_(full[piece.row_start : piece.row_end])
+        bucket.main_rows(managed.index).copy_(bucket.specs[managed.index].rows_of(full))
     module._parameters[name] = original
     return original

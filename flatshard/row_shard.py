@@ -1,11 +1,11 @@
 """Row shards: the local tensor of every flatshard DTensor.
 
-flatshard's `Shard(0)` pieces follow the layout, not `torch.chunk`: rank r holds rows
-`[row_bounds[r], row_bounds[r+1])`. DTensor itself only knows chunk-style unevenness, so the
-local tensor carries the true row bounds. The metadata survives the ops an optimizer or a
-state dict applies (detach, zeros_like, pointwise and foreach math), so parameters,
-gradients and optimizer states all know where their rows sit globally, with no
-communication.
+flatshard's `Shard(0)` pieces follow the layout, not `torch.chunk`: rank r holds the rows
+its `ShardSpec` names. DTensor itself only knows chunk-style unevenness, so the local tensor
+carries its spec (rows, global offsets, every rank's row counts, components). The spec
+survives the ops an optimizer or a state dict applies (detach, zeros_like, pointwise and
+foreach math), so parameters, gradients and optimizer states all know where their rows
+sit globally, with no communication.
 
 DTensor redistribution of such a tensor is routed here: `Shard(0) -> Replicate` (what
 `full_tensor()` and full state dicts use) gathers by the true bounds; any other
@@ -20,15 +20,15 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from flatshard.errors import UnevenShardError
+from flatshard.layout import ShardSpec, describe_param, whole_param_spec
 
 
 class RowShard(torch.Tensor):
-    """A plain tensor (`data`) holding rows `[row_bounds[index], row_bounds[index+1])` of a
-    tensor sharded on dim 0 across `len(row_bounds) - 1` ranks."""
+    """A plain tensor (`data`) holding the piece of a dim-0 sharded tensor that `spec`
+    describes."""
 
     data_: torch.Tensor
-    row_bounds: tuple[int, ...]
-    index: int
+    spec: ShardSpec
     # The flat buffer this piece is a view of. Ops run below autograd here, where views do
     # not share version counters: writes bump the base's counter explicitly.
     version_base: torch.Tensor | None
@@ -37,8 +37,7 @@ class RowShard(torch.Tensor):
     def __new__(
         cls,
         data: torch.Tensor,
-        row_bounds: tuple[int, ...],
-        index: int,
+        spec: ShardSpec,
         version_base: torch.Tensor | None = None,
     ):
         if isinstance(data, RowShard):
@@ -54,29 +53,24 @@ class RowShard(torch.Tensor):
             requires_grad=False,
         )
         wrapper.data_ = data
-        wrapper.row_bounds = row_bounds
-        wrapper.index = index
+        wrapper.spec = spec
         wrapper.version_base = version_base
         return wrapper
 
-    def __init__(self, data, row_bounds, index, version_base=None):  # set in __new__
+    def __init__(self, data, spec, version_base=None):  # set in __new__
         super().__init__()
 
-    @property
-    def row_start(self) -> int:
-        return self.row_bounds[self.index]
-
     def __repr__(self):
-        return f"RowShard(rows={self.row_start}:{self.row_bounds[self.index + 1]}, {self.data_!r})"
+        return f"RowShard(rows={self.spec.row_start}:{self.spec.row_end}, {self.data_!r})"
 
     # --- DCP: this rank's chunk is known from the row bounds, with no communication --------
     def __create_chunk_list__(self):
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-        if self.shape[0] == 0:
+        box = self.spec.global_box
+        if box.empty:
             return []  # an empty piece writes and reads nothing
-        offsets = torch.Size((self.row_start,) + (0,) * (self.dim() - 1))
-        return [ChunkStorageMetadata(offsets=offsets, sizes=self.shape)]
+        return [ChunkStorageMetadata(offsets=torch.Size(box.offset), sizes=torch.Size(box.shape))]
 
     def __create_write_items__(self, fqn: str, dtensor):
         from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
@@ -99,7 +93,7 @@ class RowShard(torch.Tensor):
         return self.data_  # DCP reads from it on save and loads into it in place
 
     def __tensor_flatten__(self):
-        return ["data_"], (self.row_bounds, self.index)
+        return ["data_"], (self.spec,)
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
@@ -194,7 +188,7 @@ def _rewrap(op: _OpInfo, out, like, args):
     if out.dim() == 0 or out.dim() != like.dim():
         return out
     if op.keeps_rows or (op.view and out.shape == like.shape):
-        return RowShard(out, like.row_bounds, like.index, like.version_base if op.aliases else None)
+        return RowShard(out, like.spec, like.version_base if op.aliases else None)
     return out
 
 
@@ -239,17 +233,13 @@ def _unsupported(what: str) -> str:
 
 def gather_rows(shard: RowShard, group: dist.ProcessGroup) -> torch.Tensor:
     """All ranks' rows, concatenated in rank order: one all-gather padded to the longest piece."""
-    bounds = shard.row_bounds
-    counts = [b - a for a, b in zip(bounds, bounds[1:])]
-    row_shape = tuple(shard.shape[1:])
-    row_numel = 1
-    for size in row_shape:
-        row_numel *= size
+    spec = shard.spec
+    counts, row_shape = spec.global_row_counts, spec.local_shape[1:]
     longest = max(counts)
-    send = torch.zeros(longest * row_numel, dtype=shard.dtype, device=shard.device)
-    send[: counts[shard.index] * row_numel].copy_(shard.data_.reshape(-1))
+    send = torch.zeros(longest * spec.row_size, dtype=shard.dtype, device=shard.device)
+    send[: spec.numel].copy_(shard.data_.reshape(-1))
     received = torch.empty(
-        longest * row_numel * len(counts), dtype=shard.dtype, device=shard.device
+        longest * spec.row_size * len(counts), dtype=shard.dtype, device=shard.device
     )
     dist.all_gather_single(received, send, group=group)
     received = received.view(len(counts), longest, *row_shape)
@@ -289,12 +279,27 @@ def install_redistribute_override() -> None:
         module.redistribute_local_tensor = _redistribute_local_tensor
 
 
-def row_range(param: DTensor) -> tuple[int, int]:
-    """The global rows `[start, end)` of a flatshard DTensor that this rank holds."""
+def shard_spec(param: DTensor) -> ShardSpec:
+    """The `ShardSpec` of this rank's piece of a flatshard DTensor (a parameter, its gradient
+    or an optimizer state of it)."""
     local = param._local_tensor if isinstance(param, DTensor) else None
     if not isinstance(local, RowShard):
         raise TypeError(f"expected a flatshard-sharded DTensor, got {type(param).__name__}")
-    return local.row_start, local.row_bounds[local.index + 1]
+    return local.spec
+
+
+def param_spec(root, fqn: str, param) -> ShardSpec:
+    """What this rank holds of `root`'s parameter `fqn`: its flatshard spec, or the whole of
+    a parameter flatshard does not shard."""
+    if isinstance(param, DTensor):
+        return shard_spec(param)
+    return whole_param_spec(describe_param(root, fqn, param))
+
+
+def row_range(param: DTensor) -> tuple[int, int]:
+    """The global rows `[start, end)` of a flatshard DTensor that this rank holds."""
+    box = shard_spec(param).global_box
+    return box.offset[0], box.offset[0] + box.shape[0]
 
 
 def local_data(dtensor: DTensor) -> torch.Tensor:
@@ -304,24 +309,14 @@ def local_data(dtensor: DTensor) -> torch.Tensor:
 
 
 def make_row_sharded_dtensor(
-    local: torch.Tensor,
-    mesh,
-    global_shape: tuple[int, ...],
-    row_bounds: tuple[int, ...],
-    index: int,
-    version_base: torch.Tensor | None = None,
+    local: torch.Tensor, mesh, spec: ShardSpec, version_base: torch.Tensor | None = None
 ) -> DTensor:
     """A `Shard(0)` DTensor whose local tensor is `local` (a view of `version_base`)."""
-    strides = []
-    step = 1
-    for size in reversed(global_shape):
-        strides.append(step)
-        step *= size
     return DTensor.from_local(
-        RowShard(local, row_bounds, index, version_base),
+        RowShard(local, spec, version_base),
         mesh,
         [Shard(0)],
         run_check=False,
-        shape=torch.Size(global_shape),
-        stride=tuple(reversed(strides)),
+        shape=torch.Size(spec.global_shape),
+        stride=spec.global_strides,
     )

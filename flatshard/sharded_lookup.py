@@ -79,8 +79,8 @@ class ShardedLookup:
         self.module = unit.modules[0]
         self.param = unit.params[0]
         self.bucket = unit.buckets[self.param.bucket]
-        piece = self.bucket.pieces[self.param.index]
-        self.row_start, self.rows_held = piece.row_start, piece.row_end - piece.row_start
+        self.spec = self.bucket.specs[self.param.index]
+        self.rows_held = self.spec.local_rows
         self._counts: list[int] | None = None  # tokens per rank, for the call being planned
         self.last_counts: list[int] | None = None  # of the last lookup (for byte counts)
 
@@ -116,7 +116,7 @@ class ShardedLookup:
         """For every rank's padded token positions: the row in this rank's shard (row 0
         where another rank holds it) and whether this rank holds it. Masks, not boolean
         indexing: no host sync on CUDA."""
-        local = all_ids - self.row_start
+        local = self.spec.to_local_row(all_ids)
         held = (local >= 0) & (local < self.rows_held)
         return torch.where(held, local, 0), held
 

@@ -424,11 +424,8 @@ class Unit:
                 param.sharded.grad = self._sharded_like(param, bucket.grad_rows(fresh, param.index))
 
     def _sharded_like(self, param: ManagedParam, local: torch.Tensor):
-        bucket = self.buckets[param.bucket]
-        slot = bucket.layout.slots[param.index]
-        return make_row_sharded_dtensor(
-            local, self.mesh, slot.info.shape, bucket.layout.row_bounds(slot), self.rank
-        )
+        spec = self.buckets[param.bucket].specs[param.index]
+        return make_row_sharded_dtensor(local, self.mesh, spec)
 
     def end_backward(self) -> None:
         self._backward_started = False

@@ -28,8 +28,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import flatshard  # noqa: E402
 from flatshard import hf  # noqa: E402
 from flatshard.hf.checkpoint import checkpoint_tensors  # noqa: E402
-from flatshard.hf.load import local_rows  # noqa: E402
+from flatshard.hf.load import copy_piece, local_tensor  # noqa: E402
 from flatshard.models import Llama, LlamaConfig  # noqa: E402
+from flatshard.row_shard import param_spec  # noqa: E402
+
+
+class _Received(dict):
+    """Broadcast tensors, read like a safetensors file."""
+
+    def get_slice(self, name):
+        return self[name]
 
 
 def naive_load(model, path) -> int:
@@ -51,12 +59,9 @@ def naive_load(model, path) -> int:
             else:
                 full = torch.empty(info.shape, dtype=params[m.param_name].dtype)
             dist.broadcast(full, src=0)
-            local, first = local_rows(params[m.param_name])
-            start, end = max(m.row_start, first), min(m.row_end, first + local.shape[0])
-            if start < end:
-                local[start - first : end - first].copy_(
-                    full[start - m.row_start : end - m.row_start]
-                )
+            param = params[m.param_name]
+            received = _Received({m.hf_name: full})
+            copy_piece(received, m, param_spec(model, m.param_name, param), local_tensor(param))
     flatshard.weights_changed(model)
     return read
 

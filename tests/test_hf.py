@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 import flatshard
 from flatshard import hf
 from flatshard.hf.checkpoint import INDEX_FILE, SINGLE_FILE
+from flatshard.layout import describe_param
 from flatshard.models import Llama
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach the network
@@ -485,14 +486,17 @@ def test_name_rules_cover_every_tensor_once(checkpoints):
         names = [m.hf_name for m in mappings]
         assert sorted(names) == sorted(read_all(path)), arch
         gate, up = (m for m in mappings if m.param_name == "layers.0.mlp.gate_up_proj.weight")
-        assert (gate.hf_name, gate.row_start, gate.row_end) == (
-            "model.layers.0.mlp.gate_proj.weight", 0, 45,
+        assert (gate.hf_name, gate.component, gate.shape) == (
+            "model.layers.0.mlp.gate_proj.weight", "gate_proj.weight", (45, 32),
         )  # fmt: skip
-        assert (up.hf_name, up.row_start, up.row_end) == (
-            "model.layers.0.mlp.up_proj.weight",
-            45,
-            90,
-        )
+        assert (up.hf_name, up.component, up.shape) == (
+            "model.layers.0.mlp.up_proj.weight", "up_proj.weight", (45, 32),
+        )  # fmt: skip
+        fused = model.layers[0].mlp.gate_up_proj
+        info = describe_param(fused, "weight", fused.weight)
+        assert [(c.name, c.dim, c.start, c.stop) for c in info.components] == [
+            ("gate_proj.weight", 0, 0, 45), ("up_proj.weight", 0, 45, 90),
+        ]  # fmt: skip
 
 
 def test_unmapped_parameter_is_reported(checkpoints):

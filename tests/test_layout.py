@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 from flatshard.errors import LayoutError
 from flatshard.layout import (
     BucketLayout,
-    LocalPiece,
     ParamInfo,
     ParamSlot,
     UnitLayout,
@@ -94,7 +93,7 @@ def test_local_pieces_tile_each_param_in_rank_order(params, world_size):
         assert list(bounds) == sorted(bounds)
         next_row = 0
         for rank in range(world_size):
-            piece = bucket.local_piece(slot, rank)
+            piece = bucket.spec(slot, rank)
             assert (piece.row_start, piece.row_end) == (bounds[rank], bounds[rank + 1])
             assert piece.row_start == next_row
             next_row = piece.row_end
@@ -122,7 +121,7 @@ def test_every_param_element_round_trips_through_all_coordinates(params, world_s
             rank, shard_offset = bucket.bucket_to_shard(bucket_offset)
             assert bucket.shard_to_bucket(rank, shard_offset) == bucket_offset
             # The element is in exactly the piece its rank holds.
-            piece = bucket.local_piece(slot, rank)
+            piece = bucket.spec(slot, rank)
             assert piece.shard_offset <= shard_offset < piece.shard_offset + piece.numel
             assert piece.row_start <= index[0] < piece.row_end if index else True
 
@@ -150,9 +149,9 @@ def test_layout_is_deterministic_and_empty_ranks_hold_nothing(params, world_size
     empty = set(layout.empty_ranks())
     for bucket, slot in slots_of(layout):
         for rank in empty:
-            assert bucket.local_piece(slot, rank).numel == 0
+            assert bucket.spec(slot, rank).numel == 0
     for rank in set(range(world_size)) - empty:
-        assert any(b.local_piece(s, rank).numel > 0 for b, s in slots_of(layout))
+        assert any(b.spec(s, rank).numel > 0 for b, s in slots_of(layout))
     assert isinstance(layout.report(), str)
 
 
@@ -171,6 +170,10 @@ def test_padding_is_bounded_by_one_row_per_rank_and_row_size(params, world_size)
 # -- examples ------------------------------------------------------------------------------
 
 
+def _piece(spec):
+    return spec.shard_offset, spec.numel, spec.row_start, spec.row_end
+
+
 def test_tiny_case_has_exact_offsets():
     params = [
         ParamInfo("w", (4, 3), "f32"),
@@ -185,9 +188,9 @@ def test_tiny_case_has_exact_offsets():
     assert second.shard_size == 2 and [(s.index, s.offset) for s in second.slots] == [(2, 0)]
     w = layout.locate(0)[1]
     assert first.row_bounds(w) == (0, 3, 4)
-    assert first.local_piece(w, 1) == LocalPiece(shard_offset=0, numel=3, row_start=3, row_end=4)
+    assert _piece(first.spec(w, 1)) == (0, 3, 3, 4)
     b = layout.locate(1)[1]
-    assert first.local_piece(b, 1) == LocalPiece(shard_offset=3, numel=5, row_start=0, row_end=5)
+    assert _piece(first.spec(b, 1)) == (3, 5, 0, 5)
     assert first.bucket_to_param(17) is None  # end padding
     assert layout.padding == 1 and layout.empty_ranks() == ()
 
@@ -201,7 +204,7 @@ def test_world_size_one_has_no_padding():
     layout = plan_unit_layout(params, 1)
     assert layout.padding == 0 and layout.empty_ranks() == ()
     bucket = layout.buckets[0]
-    assert bucket.local_piece(layout.locate(1)[1], 0).numel == 55
+    assert bucket.spec(layout.locate(1)[1], 0).numel == 55
 
 
 def test_zero_numel_params_hold_no_elements():
@@ -214,7 +217,7 @@ def test_zero_numel_params_hold_no_elements():
     for index in (0, 1):
         bucket_index, slot = layout.locate(index)
         bucket = layout.buckets[bucket_index]
-        pieces = [bucket.local_piece(slot, r) for r in range(4)]
+        pieces = [bucket.spec(slot, r) for r in range(4)]
         assert all(p.numel == 0 for p in pieces)
         # Local row counts still add up to shape[0], as an uneven Shard(0) DTensor needs.
         assert sum(p.row_end - p.row_start for p in pieces) == slot.rows
@@ -256,7 +259,7 @@ def test_translations_reject_out_of_range_input():
         lambda: bucket.param_to_global(slot, -1),
         lambda: bucket.global_to_param(slot, (4, 0)),
         lambda: bucket.global_to_param(slot, (0,)),
-        lambda: bucket.local_piece(foreign, 0),
+        lambda: bucket.spec(foreign, 0),
         lambda: bucket.shard_range(2),
         lambda: layout.locate(1),
     ]

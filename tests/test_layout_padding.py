@@ -30,7 +30,7 @@ def check_invariants(layout: UnitLayout) -> None:
             assert slot.info.dtype == bucket.dtype
             held_rows = 0
             for rank in range(layout.world_size):
-                piece = bucket.local_piece(slot, rank)
+                piece = bucket.spec(slot, rank)
                 assert piece.row_start == held_rows
                 held_rows = piece.row_end
                 if piece.numel:

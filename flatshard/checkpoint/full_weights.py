@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from flatshard.api import weights_changed
 from flatshard.errors import CheckpointError
-from flatshard.row_shard import RowShard, row_range
+from flatshard.row_shard import RowShard, shard_spec
 from flatshard.safetensors_stream import StreamingSafetensorsWriter
 
 
@@ -59,8 +59,9 @@ def load_full(model: torch.nn.Module, path: str) -> None:
         for key, value in state.items():
             piece = source.get_slice(key)
             if isinstance(value, DTensor) and isinstance(value._local_tensor, RowShard):
-                start, end = row_range(value)
-                value.to_local().copy_(piece[start:end] if end > start else value.to_local())
+                box = shard_spec(value).global_box
+                if not box.empty:
+                    value.to_local().copy_(piece[box.slices])
             elif isinstance(value, DTensor):
                 raise CheckpointError(f"{key} is a DTensor flatshard did not shard; load it by DCP")
             else:

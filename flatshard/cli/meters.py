@@ -3,15 +3,13 @@
 Memory: on CUDA the allocator's peak; on CPU the process's peak resident set (VmHWM)
 above the resident set when measuring started (the imported libraries and the data), the
 figure `flatshard plan` predicts. Communication: the payload of every all-gather and
-reduce-scatter flatshard issues (each bucket's padded size times its dtype's size), counted
-by wrapping `flatshard.comm`'s two collective functions.
+reduce-scatter flatshard issues (each bucket's padded size times its dtype's size), as
+`flatshard.comm.traffic` counts them.
 """
 
 from __future__ import annotations
 
 import torch
-
-from flatshard import comm
 
 
 def _status_bytes(field: str) -> int:
@@ -71,38 +69,3 @@ class MemoryMeter:
     def peak_resident(self) -> int:
         """The process's peak resident set, everything included (0 on CUDA)."""
         return 0 if self.cuda else _status_bytes("VmHWM")
-
-
-class CommMeter:
-    """Counts collective payload bytes while installed (one per process)."""
-
-    def __init__(self):
-        self.all_gather_bytes = 0
-        self.reduce_scatter_bytes = 0
-        self._originals = None
-
-    def install(self) -> CommMeter:
-        gather, scatter = comm.all_gather, comm.reduce_scatter
-
-        def counted_all_gather(output, shard, group):
-            self.all_gather_bytes += output.numel() * output.element_size()
-            return gather(output, shard, group)
-
-        def counted_reduce_scatter(output, flat, group, average, pool=None):
-            self.reduce_scatter_bytes += flat.numel() * flat.element_size()
-            return scatter(output, flat, group, average, pool)
-
-        self._originals = (gather, scatter)
-        comm.all_gather, comm.reduce_scatter = counted_all_gather, counted_reduce_scatter
-        return self
-
-    def uninstall(self) -> None:
-        if self._originals:
-            comm.all_gather, comm.reduce_scatter = self._originals
-            self._originals = None
-
-    def take(self) -> tuple[int, int]:
-        """(all-gather, reduce-scatter) bytes since the last call."""
-        counts = (self.all_gather_bytes, self.reduce_scatter_bytes)
-        self.all_gather_bytes = self.reduce_scatter_bytes = 0
-        return counts

@@ -28,7 +28,7 @@ from flatshard.cli.data import SequenceOrder, load_tokens
 from flatshard.cli.errors import TrainingStopped
 from flatshard.cli.generate import generate
 from flatshard.cli.launch import Ranks, init_distributed
-from flatshard.cli.meters import CommMeter, MemoryMeter, warm_up_runtime
+from flatshard.cli.meters import MemoryMeter, warm_up_runtime
 from flatshard.cli.model import build_sharded, llama_config
 from flatshard.cli.progress import Progress
 from flatshard.cli.schedule import learning_rate
@@ -67,7 +67,7 @@ class Trainer:
         self.accumulation = train.global_batch // (train.micro_batch * ranks.world_size)
         warm_up_runtime(ranks.device)
         self.memory = MemoryMeter(ranks.device)  # from here on: what `flatshard plan` counts
-        self.comm = CommMeter().install()
+        comm.traffic.take()  # count from here
         self.model = build_sharded(
             self.model_config,
             zero_stage=train.zero_stage,
@@ -146,7 +146,6 @@ class Trainer:
             if self.progress is not None:
                 self.progress.close()
             self.stop.restore()
-            self.comm.uninstall()
         self._finish(reason)
 
     def _loop(self) -> str:
@@ -196,7 +195,7 @@ class Trainer:
         self.step += 1
         self.position += train.global_batch
         elapsed = time.perf_counter() - step_started
-        all_gather, reduce_scatter = self.comm.take()
+        all_gather, reduce_scatter = comm.traffic.take()
         tokens = train.global_batch * config.data.seq_len
         return {
             "step": self.step,

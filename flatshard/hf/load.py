@@ -1,12 +1,12 @@
 """`load_pretrained`: fill a (sharded or plain) model from a Hugging Face checkpoint.
 
-Each rank reads only the rows it holds: for every HF tensor, the intersection of the rows
-it fills (a whole parameter, or one fused component such as gate_proj inside gate_up_proj)
-with this rank's row range, through `safe_open(...).get_slice(name)[a:b]`. No rank reads
-another's rows and no weights cross the network. Everything is checked against the
-headers first, so a mismatched checkpoint fails before a single weight is written, with
-one error listing every problem; the check is the same on every rank (same files), so all
-ranks raise alike with no collective at all.
+Each rank reads only the rows it holds: for every HF tensor, the intersection of what it
+fills (a whole parameter, or one fused component such as gate_proj inside gate_up_proj)
+with this rank's piece, as its `ShardSpec` gives it, through
+`safe_open(...).get_slice(name)`. No rank reads another's rows and no weights cross the
+network. Everything is checked against the headers first, so a mismatched checkpoint
+fails before a single weight is written, with one error listing every problem; the check
+is the same on every rank (same files), so all ranks raise alike with no collective.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from flatshard.hf.checkpoint import TensorInfo, checkpoint_tensors
 from flatshard.hf.config import hf_to_config, read_hf_config
 from flatshard.hf.errors import HFCheckpointError
 from flatshard.hf.names import LLAMA_RULES, NameRule, TensorMapping, plan_tensors
+from flatshard.layout import ShardSpec
 from flatshard.models import LlamaConfig
-from flatshard.row_shard import row_range
+from flatshard.row_shard import param_spec
 
 
 @dataclass(frozen=True)
@@ -67,30 +68,32 @@ def load_pretrained(
         for file, group in _by_file(mappings, tensors).items():
             with safe_open(file, framework="pt") as f:
                 for mapping in group:
-                    read = _copy_rows(f, mapping, params[mapping.param_name])
+                    param = params[mapping.param_name]
+                    spec = param_spec(model, mapping.param_name, param)
+                    read = copy_piece(f, mapping, spec, local_tensor(param))
                     bytes_read += read
                     slices += read > 0
     weights_changed(model)
     return LoadStats(bytes_read, slices, time.perf_counter() - started)
 
 
-def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(this rank's rows of `param` as a writable tensor, the global index of its first row)."""
-    if isinstance(param, DTensor):
-        return param.to_local(), row_range(param)[0]
-    return param.detach(), 0
+def local_tensor(param: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of `param` as a writable tensor."""
+    return param.to_local() if isinstance(param, DTensor) else param.detach()
 
 
-def _copy_rows(f, mapping: TensorMapping, param: torch.Tensor) -> int:
-    """Copy the rows of HF tensor `mapping` that this rank holds; returns bytes read."""
-    local, first = local_rows(param)
-    start = max(mapping.row_start, first)
-    end = min(mapping.row_end, first + local.shape[0])
-    if start >= end:
+def copy_piece(f, mapping: TensorMapping, spec: ShardSpec, local: torch.Tensor) -> int:
+    """Copy what this rank holds of HF tensor `mapping` into `local`; returns bytes read."""
+    if mapping.component is None:
+        into, stored = spec.local_box, spec.global_box
+    else:
+        piece = spec.component(mapping.component)
+        into, stored = piece.local, piece.stored
+    if stored.empty:
         return 0
-    piece = f.get_slice(mapping.hf_name)[start - mapping.row_start : end - mapping.row_start]
-    local[start - first : end - first].copy_(piece)
-    return piece.numel() * piece.element_size()
+    data = f.get_slice(mapping.hf_name)[stored.slices]
+    local[into.slices].copy_(data)
+    return data.numel() * data.element_size()
 
 
 def _by_file(mappings, tensors: dict[str, TensorInfo]) -> dict[Path, list[TensorMapping]]:
@@ -106,7 +109,7 @@ def _mismatch_report(model, mappings, unmapped, tensors) -> str:
     unexpected = sorted(set(tensors) - set(expected))
     wrong_shape = [
         f"{name}: checkpoint {list(tensors[name].shape)}, model expects {list(m.shape)} "
-        f"(rows {m.row_start}:{m.row_end} of {m.param_name})"
+        f"({m.component + ' of ' if m.component else ''}{m.param_name})"
         for name, m in sorted(expected.items())
         if name in tensors and tensors[name].shape != m.shape
     ]

@@ -1,11 +1,10 @@
 """Which Hugging Face tensor fills which rows of which flatshard parameter.
 
 The mapping is data: a tuple of `NameRule`s, each pairing an HF tensor name pattern with a
-flatshard parameter name pattern and, for a fused parameter, the component it fills. The
-rows of a component are never computed here from shapes: the model declares them in the
-`fused_components` attribute of the module that owns the parameter (e.g. the MLP's
-`gate_up_proj` = [gate_proj rows; up_proj rows]), so the model stays the one owner of its
-layout. A new architecture (MoE experts, a TP variant) is a new rule tuple.
+flatshard parameter name pattern and, for a fused parameter, the component it fills. Where
+a component lies is never computed here: the model declares its components
+(`fused_components` on the module that owns the parameter, e.g. the MLP's `gate_up_proj` =
+[gate_proj rows; up_proj rows]) and the layout turns them into offsets (`ShardSpec`).
 
 `plan_tensors(model)` turns rules + a model (meta, plain or sharded) into the list of HF
 tensors the model corresponds to, in parameter order: the order export streams them in.
@@ -20,6 +19,8 @@ from functools import cached_property
 from torch import nn
 
 from flatshard.hf.errors import HFCheckpointError
+from flatshard.layout import ParamInfo
+from flatshard.row_shard import param_spec
 
 
 @dataclass(frozen=True)
@@ -76,12 +77,11 @@ LLAMA_RULES: tuple[NameRule, ...] = (
 
 @dataclass(frozen=True)
 class TensorMapping:
-    """HF tensor `hf_name` is rows [row_start, row_end) of parameter `param_name`."""
+    """HF tensor `hf_name` is parameter `param_name`, or its fused `component`."""
 
     hf_name: str
     param_name: str
-    row_start: int
-    row_end: int
+    component: str | None
     shape: tuple[int, ...]  # the HF tensor's shape
 
 
@@ -95,46 +95,28 @@ def plan_tensors(
     """
     mappings, unmapped = [], []
     for name, param in model.named_parameters():
-        shape = tuple(param.shape)  # a DTensor's shape is the global one
         matches = [(rule, rule.hf_name(name)) for rule in rules]
         matches = [(rule, hf) for rule, hf in matches if hf is not None]
         if not matches:
             unmapped.append(name)
-        elif all(rule.component is None for rule, _ in matches):
-            mappings.append(TensorMapping(matches[0][1], name, 0, shape[0], shape))
+            continue
+        info = param_spec(model, name, param).info
+        if all(rule.component is None for rule, _ in matches):
+            mappings.append(TensorMapping(matches[0][1], name, None, info.global_shape))
         else:
-            mappings.extend(_component_mappings(model, name, shape, matches))
+            mappings.extend(_component_mappings(name, info, matches))
     return mappings, unmapped
 
 
-def _component_mappings(model, name, shape, matches) -> list[TensorMapping]:
-    declared = _declared_components(model, name)
+def _component_mappings(name: str, info: ParamInfo, matches) -> list[TensorMapping]:
     by_component = {rule.component: hf for rule, hf in matches}
-    if set(by_component) != {component for component, _ in declared}:
+    declared = [component.name for component in info.components]
+    if set(by_component) != set(declared):
         raise HFCheckpointError(
-            f"parameter {name!r} declares fused components {[c for c, _ in declared]} but the "
-            f"name rules give {sorted(c for c in by_component if c)}; every component needs "
-            "exactly one NameRule"
+            f"parameter {name!r} declares fused components {declared} but the name "
+            f"rules give {sorted(c for c in by_component if c)}; every component needs "
+            "exactly one NameRule (and the module must declare them in `fused_components`)"
         )
-    out, start = [], 0
-    for component, rows in declared:
-        hf = by_component[component]
-        out.append(TensorMapping(hf, name, start, start + rows, (rows, *shape[1:])))
-        start += rows
-    if start != shape[0]:
-        raise HFCheckpointError(
-            f"parameter {name!r} has {shape[0]} rows but its fused_components declare {start}"
-        )
-    return out
-
-
-def _declared_components(model: nn.Module, name: str) -> list[tuple[str, int]]:
-    module_name, _, attr = name.rpartition(".")
-    module = model.get_submodule(module_name)
-    declared = getattr(module, "fused_components", {}).get(attr)
-    if not declared:
-        raise HFCheckpointError(
-            f"a NameRule maps a component of {name!r}, but {type(module).__name__} declares no "
-            f"fused_components for {attr!r}"
-        )
-    return [(component, int(rows)) for component, rows in declared]
+    return [
+        TensorMapping(by_component[c.name], name, c.name, c.global_shape) for c in info.components
+    ]

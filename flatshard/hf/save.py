@@ -25,6 +25,7 @@ from flatshard.hf.config import IGNORED_FIELDS, config_to_hf
 from flatshard.hf.errors import HFCheckpointError
 from flatshard.hf.names import LLAMA_RULES, NameRule, TensorMapping, plan_tensors
 from flatshard.models import LlamaConfig
+from flatshard.row_shard import param_spec
 from flatshard.safetensors_stream import StreamingSafetensorsWriter, tensor_bytes
 
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
@@ -53,6 +54,7 @@ def save_pretrained(
             f"no Hugging Face name for parameter(s) {unmapped}; add a NameRule for them"
         )
     params = dict(model.named_parameters())
+    infos = {name: param_spec(model, name, param).info for name, param in params.items()}
     out_dtype = {m.hf_name: dtype or params[m.param_name].dtype for m in mappings}
     shards = _plan_shards(mappings, out_dtype, _parse_size(max_shard_size))
     group = dist.group.WORLD if dist.is_initialized() else None
@@ -68,7 +70,9 @@ def save_pretrained(
             full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
             for mapping in by_param[name]:
                 if writer is not None:
-                    piece = full[mapping.row_start : mapping.row_end]
+                    piece = full
+                    if mapping.component is not None:
+                        piece = infos[name].component(mapping.component).select(full)
                     writer.write(mapping.hf_name, piece.to(out_dtype[mapping.hf_name]))
             del full  # at most one gathered parameter alive at a time
     problem = writer.finish(config) if writer is not None else None

@@ -1,0 +1,43 @@
+"""The layout: the only place that computes offsets (DESIGN.md, "coordinates").
+
+params.py   what the layout knows of a parameter: shape, global placement, components
+planner.py  packing a unit's parameters into row-aligned, equally sharded buckets
+bucket.py   the buckets and the translations between param, bucket, shard and global
+spec.py     `ShardSpec`: what one rank holds of one parameter, read by everything else
+"""
+
+from flatshard.layout.bucket import BucketLayout, ParamSlot, UnitLayout
+from flatshard.layout.params import (
+    Component,
+    ParamInfo,
+    declared_components,
+    describe_param,
+    stacked_components,
+)
+from flatshard.layout.planner import MERGE_TOLERANCE, plan_unit_layout, single_lcm_padded_size
+from flatshard.layout.spec import (
+    Box,
+    ComponentPiece,
+    ShardSpec,
+    contiguous_strides,
+    whole_param_spec,
+)
+
+__all__ = [
+    "MERGE_TOLERANCE",
+    "Box",
+    "BucketLayout",
+    "Component",
+    "ComponentPiece",
+    "ParamInfo",
+    "ParamSlot",
+    "ShardSpec",
+    "UnitLayout",
+    "contiguous_strides",
+    "declared_components",
+    "describe_param",
+    "plan_unit_layout",
+    "single_lcm_padded_size",
+    "stacked_components",
+    "whole_param_spec",
+]

@@ -1,0 +1,176 @@
+"""What the layout knows about one parameter: its shape, dtype, trainability, where it sits
+in its global (TP/EP-global) tensor, and the components a fused parameter is made of.
+
+A component is a slab `[start, stop)` along one dim of the parameter (SwiGLU's gate and up
+rows of `gate_up_proj`, q/k/v of a fused QKV, gate and up of grouped experts along dim 1).
+Checkpoints store each component as its own tensor, of `global_shape`, in which this
+parameter's slab starts at `global_offset`; so a checkpoint's meaning never depends on how
+the parameter was fused or split. Pure data: no tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from flatshard.errors import LayoutError
+
+
+@dataclass(frozen=True)
+class Component:
+    """A named slab `[start, stop)` along `dim` of a parameter; in the checkpoint, the
+    tensor `name` of `global_shape`, where the slab starts at `global_offset`."""
+
+    name: str
+    dim: int
+    start: int
+    stop: int
+    global_shape: tuple[int, ...] = ()
+    global_offset: tuple[int, ...] = ()
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+    def select(self, tensor):
+        """This component's slab of a tensor shaped like the parameter."""
+        return tensor.narrow(self.dim, self.start, self.size)
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """What the layout needs to know about one parameter.
+
+    shape: the parameter as this rank's module holds it (after TP/EP, before FSDP).
+    global_shape / global_offset: the tensor a checkpoint stores and where this parameter
+        sits in it (default: the parameter itself at offset 0).
+    components: the slabs a fused parameter is made of (default: none).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: object
+    requires_grad: bool = True
+    components: tuple[Component, ...] = ()
+    global_shape: tuple[int, ...] | None = None
+    global_offset: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        # Accept torch.Size / lists, but store plain tuples so equality and hashing are exact.
+        shape = _ints(self.name, "shape", self.shape)
+        if any(d < 0 for d in shape):
+            raise LayoutError(f"parameter {self.name!r}: shape {shape} has a negative dim")
+        object.__setattr__(self, "shape", shape)
+        global_shape = (
+            shape
+            if self.global_shape is None
+            else _ints(self.name, "global_shape", self.global_shape)
+        )
+        offset = (
+            (0,) * len(shape)
+            if self.global_offset is None
+            else _ints(self.name, "global_offset", self.global_offset)
+        )
+        if (
+            len(global_shape) != len(shape)
+            or len(offset) != len(shape)
+            or any(o < 0 or o + s > g for o, s, g in zip(offset, shape, global_shape))
+        ):
+            raise LayoutError(
+                f"parameter {self.name!r}: shape {shape} at offset {offset} does not fit in "
+                f"its global shape {global_shape}"
+            )
+        object.__setattr__(self, "global_shape", global_shape)
+        object.__setattr__(self, "global_offset", offset)
+        object.__setattr__(self, "components", self._checked_components())
+
+    def _checked_components(self) -> tuple[Component, ...]:
+        out = []
+        for c in self.components:
+            if not (0 <= c.dim < len(self.shape) and 0 <= c.start <= c.stop <= self.shape[c.dim]):
+                raise LayoutError(
+                    f"parameter {self.name!r}: component {c.name!r} ({c.start}:{c.stop} along "
+                    f"dim {c.dim}) is outside its shape {self.shape}"
+                )
+            slab = tuple(c.size if d == c.dim else n for d, n in enumerate(self.shape))
+            global_shape = c.global_shape or slab
+            offset = c.global_offset or (0,) * len(slab)
+            if len(global_shape) != len(slab) or any(
+                o + s > g for o, s, g in zip(offset, slab, global_shape)
+            ):
+                raise LayoutError(
+                    f"parameter {self.name!r}: component {c.name!r} of shape {slab} at "
+                    f"{offset} does not fit in its global shape {global_shape}"
+                )
+            out.append(Component(c.name, c.dim, c.start, c.stop, global_shape, offset))
+        return tuple(out)
+
+    def component(self, name: str) -> Component:
+        for component in self.components:
+            if component.name == name:
+                return component
+        raise KeyError(f"parameter {self.name!r} has no component {name!r}")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def row_size(self) -> int:
+        """Elements per dim-0 row; 1 for 0-d and 1-d params, 0 if a trailing dim is 0."""
+        return math.prod(self.shape[1:]) if len(self.shape) >= 2 else 1
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+
+def _ints(name: str, what: str, values) -> tuple[int, ...]:
+    try:
+        return tuple(int(d) for d in values)
+    except TypeError as err:
+        raise LayoutError(
+            f"parameter {name!r}: {what} {values!r} is not a sequence of ints"
+        ) from err
+
+
+def stacked_components(dim: int, sizes: Sequence[tuple[str, int]]) -> tuple[Component, ...]:
+    """Components stacked back to back along `dim`, in order: e.g. `[gate; up]`."""
+    out, start = [], 0
+    for name, size in sizes:
+        out.append(Component(name, dim, start, start + int(size)))
+        start += int(size)
+    return tuple(out)
+
+
+def declared_components(module, attr: str, shape: Sequence[int]) -> tuple[Component, ...]:
+    """The components a module declares for its parameter `attr` (none if it declares none).
+
+    Declaration, on the module that owns the parameter: `fused_components = {attr:
+    ((name, size), ...)}`, stacked along dim 0, or `{attr: {"dim": d, "parts": ((name,
+    size), ...)}}` along another dim (e.g. gate and up of grouped experts along dim 1).
+    """
+    declared = (getattr(module, "fused_components", None) or {}).get(attr)
+    if not declared:
+        return ()
+    dim, parts = (
+        (declared["dim"], declared["parts"]) if isinstance(declared, dict) else (0, declared)
+    )
+    components = stacked_components(dim, parts)
+    if dim >= len(shape) or components[-1].stop != shape[dim]:
+        raise LayoutError(
+            f"{type(module).__name__}.{attr} of shape {tuple(shape)} declares fused components "
+            f"{[name for name, _ in parts]} of {components[-1].stop} along dim {dim}"
+        )
+    return components
+
+
+def describe_param(root, fqn: str, param) -> ParamInfo:
+    """The `ParamInfo` of `root`'s plain parameter `fqn`, with the components its module
+    declares."""
+    module_name, _, attr = fqn.rpartition(".")
+    module = root.get_submodule(module_name)
+    shape = tuple(param.shape)
+    components = declared_components(module, attr, shape)
+    return ParamInfo(fqn, shape, param.dtype, param.requires_grad, components)

@@ -1,0 +1,155 @@
+"""`ShardSpec`: everything one rank needs to know about its piece of one parameter.
+
+Computed by the layout (`BucketLayout.spec`) from the parameter's place in its bucket; the
+runtime, the DTensor integration (DCP chunks, full-tensor gathers), checkpoints, Hugging
+Face slicing, meta-device materialisation and the sharded embedding lookup read it and
+never recompute an offset from a tensor's own `shape` or `numel()`. A plain-tensor
+optimizer state has a local numel and a DTensor a global one: only the spec knows both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flatshard.layout.params import ParamInfo
+
+
+@dataclass(frozen=True)
+class Box:
+    """A block of a tensor: `offset` and `shape`, one entry per dim."""
+
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def slices(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + n) for o, n in zip(self.offset, self.shape))
+
+    @property
+    def empty(self) -> bool:
+        return any(n == 0 for n in self.shape)
+
+
+@dataclass(frozen=True)
+class ComponentPiece:
+    """What a rank's piece holds of one component: `local` indexes the rank's local rows,
+    `stored` the component's own (checkpoint) tensor of `stored_shape`."""
+
+    name: str
+    local: Box
+    stored: Box
+    stored_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Rank `rank`'s piece of parameter `info`: its rows `[row_start, row_end)` of the
+    parameter, stored at `shard_offset` of the rank's bucket shard.
+
+    row_bounds: every rank's rows (rank r holds `[row_bounds[r], row_bounds[r+1])`), so a
+        full tensor is gathered with no communication about sizes.
+    """
+
+    info: ParamInfo
+    rank: int
+    shard_offset: int
+    row_bounds: tuple[int, ...]
+
+    @property
+    def row_start(self) -> int:
+        return self.row_bounds[self.rank]
+
+    @property
+    def row_end(self) -> int:
+        return self.row_bounds[self.rank + 1]
+
+    @property
+    def local_rows(self) -> int:
+        return self.row_end - self.row_start
+
+    @property
+    def row_size(self) -> int:
+        return self.info.row_size
+
+    @property
+    def numel(self) -> int:
+        return self.local_rows * self.info.row_size
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return (self.local_rows, *self.info.shape[1:]) if self.info.shape else ()
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        return self.info.global_shape
+
+    @property
+    def global_offset(self) -> tuple[int, ...]:
+        """Where this piece starts in the global tensor, in every dim."""
+        offset = self.info.global_offset
+        return (offset[0] + self.row_start, *offset[1:]) if offset else ()
+
+    @property
+    def global_box(self) -> Box:
+        return Box(self.global_offset, self.local_shape)
+
+    @property
+    def local_box(self) -> Box:
+        """The whole local piece, as a box of itself."""
+        return Box((0,) * len(self.local_shape), self.local_shape)
+
+    @property
+    def global_row_counts(self) -> tuple[int, ...]:
+        """Rows each rank holds, in rank order (what a full-tensor gather receives)."""
+        return tuple(b - a for a, b in zip(self.row_bounds, self.row_bounds[1:]))
+
+    @property
+    def global_strides(self) -> tuple[int, ...]:
+        """Strides of the contiguous global tensor."""
+        return contiguous_strides(self.global_shape)
+
+    @property
+    def components(self) -> tuple[ComponentPiece, ...]:
+        """The intersection of this piece with each declared component (empty ones too)."""
+        return tuple(self._component_piece(c) for c in self.info.components)
+
+    def component(self, name: str) -> ComponentPiece:
+        return self._component_piece(self.info.component(name))
+
+    def _component_piece(self, component) -> ComponentPiece:
+        # The piece's box in parameter coordinates, cut by the component's slab.
+        low = [self.row_start] + [0] * (len(self.info.shape) - 1)
+        high = [self.row_end, *self.info.shape[1:]]
+        low[component.dim] = max(low[component.dim], component.start)
+        high[component.dim] = min(high[component.dim], component.stop)
+        high = [max(h, lo) for h, lo in zip(high, low)]
+        shape = tuple(h - lo for h, lo in zip(high, low))
+        local = Box((low[0] - self.row_start, *low[1:]), shape)
+        in_slab = [lo - (component.start if d == component.dim else 0) for d, lo in enumerate(low)]
+        stored = Box(tuple(o + i for o, i in zip(component.global_offset, in_slab)), shape)
+        return ComponentPiece(component.name, local, stored, component.global_shape)
+
+    def rows_of(self, param_tensor):
+        """This rank's rows of a tensor shaped like the (local) parameter."""
+        return param_tensor[self.row_start : self.row_end]
+
+    def piece_of(self, global_tensor):
+        """This rank's piece of a tensor shaped like the global tensor."""
+        return global_tensor[self.global_box.slices]
+
+    def to_local_row(self, global_row):
+        """A global row index (an int or an index tensor) in this rank's local rows."""
+        return global_row - self.global_offset[0]
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def whole_param_spec(info: ParamInfo) -> ShardSpec:
+    """The spec of a parameter that one rank holds whole (not sharded)."""
+    return ShardSpec(info, rank=0, shard_offset=0, row_bounds=(0, info.rows))
