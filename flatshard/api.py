@@ -11,15 +11,15 @@ from __future__ import annotations
 import warnings
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from flatshard import comm, full_state_dict, optim_hooks
-from flatshard.errors import MeshError, WrappingError
+from flatshard.errors import WrappingError
 from flatshard.first_use import first_use_groups
 from flatshard.flat_bucket import FlatBucket
 from flatshard.layout import ParamInfo, declared_components, plan_unit_layout
+from flatshard.mesh import ShardMesh
 from flatshard.policy import MixedPrecisionPolicy, as_mixed_precision, resolve_zero_stage
 from flatshard.row_shard import install_redistribute_override, make_row_sharded_dtensor
 from flatshard.sharded_lookup import embedding_forward
@@ -149,21 +149,10 @@ def fully_shard(
         )
     stage = resolve_zero_stage(zero_stage, reshard_after_forward)
     policy = as_mixed_precision(mp_policy)
-    mesh = mesh if mesh is not None else _default_mesh()
-    if mesh.ndim != 1:
-        raise MeshError(
-            f"fully_shard takes a 1-D data-parallel mesh for now; got a {mesh.ndim}-D mesh "
-            f"{mesh.mesh_dim_names or ''}. Pass the data-parallel dimension, e.g. mesh['dp']."
-        )
+    mesh = ShardMesh.resolve(mesh)
     install_redistribute_override()
     full_state_dict.install()
     optim_hooks.install()
-    if mesh.get_coordinate() is None:
-        # no member of the mesh waits for this rank: raising alone cannot hang anyone
-        raise MeshError(
-            f"rank {dist.get_rank()} is not in the device mesh {mesh}; only the mesh's ranks "
-            "may call fully_shard with it"
-        )
     for members in first_use_groups(module):
         _shard(members, mesh, stage, policy, kept_through_backward=True)
     _shard([("", module)], mesh, stage, policy, kept_through_backward=False)
@@ -174,10 +163,9 @@ def _shard(members, mesh, stage, policy, kept_through_backward: bool) -> Unit:
     """One unit over the parameters below `members` [(fqn prefix, module)] that no inner
     unit manages; its hooks go on every member."""
     found = _collect_params(members)
-    comm.agree(_check_params(found), mesh.get_group(), WrappingError)
+    comm.agree(_check_params(found), mesh.shard_group, WrappingError)
 
-    rank, world_size = mesh.get_local_rank(), mesh.size()
-    device = comm.compute_device(mesh.device_type)
+    rank, world_size = mesh.shard_rank, mesh.shard_size
     infos = [
         ParamInfo(
             fqn,
@@ -203,8 +191,8 @@ def _shard(members, mesh, stage, policy, kept_through_backward: bool) -> Unit:
         FlatBucket(
             bucket_layout,
             rank,
-            mesh.get_group(),
-            device,
+            mesh.shard_group,
+            mesh.device,
             main_dtype=bucket_layout.dtype,
             param_dtype=policy.param_dtype or bucket_layout.dtype,
             reduce_dtype=policy.reduce_dtype or policy.param_dtype or bucket_layout.dtype,
@@ -221,7 +209,7 @@ def _shard(members, mesh, stage, policy, kept_through_backward: bool) -> Unit:
             with torch.no_grad():
                 rows.copy_(spec.rows_of(original.detach()))
         sharded = nn.Parameter(
-            make_row_sharded_dtensor(rows, mesh, spec, bucket.main),
+            make_row_sharded_dtensor(rows, mesh.device_mesh, spec, bucket.main),
             requires_grad=original.requires_grad,
         )
         managed.append(ManagedParam(fqn, occurrences, bucket_index, index, sharded))
@@ -244,15 +232,6 @@ def _shard(members, mesh, stage, policy, kept_through_backward: bool) -> Unit:
 def _ranges(ranks) -> str:
     ranks = list(ranks)
     return f"{ranks[0]}..{ranks[-1]}" if len(ranks) > 3 else str(ranks)
-
-
-def _default_mesh() -> DeviceMesh:
-    if not dist.is_initialized():
-        raise MeshError(
-            "torch.distributed is not initialised: call dist.init_process_group() (torchrun "
-            "sets the environment) or pass mesh=init_device_mesh(...)"
-        )
-    return init_device_mesh(comm.default_device_type(), (dist.get_world_size(),))
 
 
 def _collect_params(members):

@@ -28,10 +28,6 @@ import torch.distributed as dist
 from flatshard.errors import FlatShardError
 
 
-def default_device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def compute_device(device_type: str) -> torch.device:
     """Where unsharded parameters and buffers live for a mesh on `device_type`."""
     if device_type == "cuda":
@@ -40,7 +36,8 @@ def compute_device(device_type: str) -> torch.device:
 
 
 def group_device(group) -> torch.device:
-    """Where small control tensors for `group` must live: NCCL only moves CUDA tensors."""
+    """The device `group`'s backend moves (None: the default group): NCCL only moves CUDA
+    tensors; gloo here moves CPU ones. A visible GPU does not make a gloo run a CUDA one."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

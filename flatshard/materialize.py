@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from flatshard import comm
 from flatshard.errors import WrappingError
+from flatshard.mesh import default_device
 
 
 @torch.no_grad()
@@ -24,7 +24,7 @@ def materialize(model: nn.Module, device: torch.device | str | None = None) -> n
     runs its `reset_parameters()` on a throwaway copy, as eager construction did before
     tying. Call it on every rank with the same RNG seed.
     """
-    device = torch.device(device) if device is not None else _default_device()
+    device = torch.device(device) if device is not None else _units_device(model)
     done: dict[int, nn.Parameter] = {}  # id(original) -> what now holds its values
     for module in model.modules():
         pending = _swap_in_full_tensors(module, device, done)
@@ -45,8 +45,14 @@ def materialize(model: nn.Module, device: torch.device | str | None = None) -> n
     return model
 
 
-def _default_device() -> torch.device:
-    return comm.compute_device(comm.default_device_type())
+def _units_device(model: nn.Module) -> torch.device:
+    """Where the model's units keep their shards (the default process group's device when
+    nothing is sharded)."""
+    for module in model.modules():
+        unit = getattr(module, "_flatshard_unit", None)
+        if unit is not None:
+            return unit.mesh.device
+    return default_device()
 
 
 def _swap_in_full_tensors(module: nn.Module, device, done: dict) -> dict:

@@ -104,10 +104,10 @@ class Unit:
         kept_through_backward: bool = False,
     ):
         self.modules = modules  # usually one; a first-use group of a root's children: more
-        self.mesh = mesh
-        self.group = mesh.get_group()
-        self.rank = mesh.get_local_rank()
-        self.world_size = mesh.size()
+        self.mesh = mesh  # a ShardMesh
+        self.group = mesh.shard_group
+        self.rank = mesh.shard_rank
+        self.world_size = mesh.shard_size
         self.layout = layout
         self.buckets = buckets
         self.params = params
@@ -425,7 +425,7 @@ class Unit:
 
     def _sharded_like(self, param: ManagedParam, local: torch.Tensor):
         spec = self.buckets[param.bucket].specs[param.index]
-        return make_row_sharded_dtensor(local, self.mesh, spec)
+        return make_row_sharded_dtensor(local, self.mesh.device_mesh, spec)
 
     def end_backward(self) -> None:
         self._backward_started = False

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from flatshard.cli.errors import ConfigError
 from flatshard.cli.zoo import FP32, ModelSpec
 from flatshard.layout import plan_unit_layout
+from flatshard.mesh import ParallelDims
 from flatshard.sharded_lookup import looks_up, lookup_payloads
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -52,16 +53,18 @@ class Setup:
         for name in ("world_size", "dp_shard", "micro_batch", "seq_len", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.world_size % self.dp_shard:
-            raise ConfigError(
-                f"--dp-shard ({self.dp_shard}) must divide --world-size ({self.world_size})"
-            )
         if self.zero_stage not in (1, 2, 3):
             raise ConfigError(f"--zero-stage must be 1, 2 or 3, got {self.zero_stage}")
+        self.dims  # noqa: B018  (validates the degrees: a MeshError names what is wrong)
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The degrees, validated as `fully_shard`'s mesh validates them."""
+        return ParallelDims(self.world_size, dp_replicate=-1, dp_shard=self.dp_shard)
 
     @property
     def dp_replicate(self) -> int:
-        return self.world_size // self.dp_shard
+        return self.dims.dp_replicate
 
 
 @dataclass(frozen=True)

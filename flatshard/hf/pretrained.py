@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from flatshard import comm
 from flatshard.hf.config import hf_to_config, read_hf_config
 from flatshard.hf.load import load_pretrained
 from flatshard.hf.names import LLAMA_RULES, NameRule
 from flatshard.materialize import materialize
+from flatshard.mesh import default_device
 from flatshard.models import Llama
 
 
@@ -33,7 +33,7 @@ def from_pretrained(
     block, then the root; None keeps it unsharded) and load the weights. Call on every rank.
     """
     config = hf_to_config(read_hf_config(path))  # config errors before anything is built
-    device = torch.device(device) if device else comm.compute_device(comm.default_device_type())
+    device = torch.device(device) if device else default_device()
     with torch.device("meta"):
         model = Llama(config)
     if shard is not None:

@@ -1,0 +1,138 @@
+"""The one owner of the device mesh: degrees of parallelism, sub-meshes, groups, ranks.
+
+`ParallelDims` is the arithmetic (no process group; the planner uses it on paper):
+`dp_replicate x dp_shard x tp` ranks, and expert parallelism `ep`, which borrows its ranks
+from `dp_shard x tp` (the experts' own data-parallel degree is `efsdp = dp_shard * tp /
+ep`, as in torchtitan). `ShardMesh` is a `DeviceMesh` as `fully_shard` uses it: it
+validates the mesh once and answers which group a unit shards over, this rank's index in
+it, its size and the device buffers live on. Nothing else takes a mesh apart.
+
+Today the runtime shards over a 1-D data-parallel mesh; the other degrees are planned on
+paper and refused at `fully_shard` with a message that says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from flatshard import comm
+from flatshard.errors import MeshError
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of parallelism over `world_size` ranks. -1 for `dp_shard` (the default) or
+    `dp_replicate`: whatever the other dense degrees leave."""
+
+    world_size: int
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "tp", "ep"):
+            _check_degree(name, getattr(self, name))
+        left = [n for n in ("dp_replicate", "dp_shard") if getattr(self, n) == -1]
+        if len(left) == 2:
+            raise MeshError("give dp_replicate or dp_shard (at most one may be -1)")
+        if left:
+            given = [n for n in ("dp_replicate", "dp_shard", "tp") if n not in left]
+            for name in given:
+                _check_degree(name, getattr(self, name))
+            others = getattr(self, given[0]) * getattr(self, given[1])
+            if self.world_size % others:
+                named = " x ".join(given)
+                values = " x ".join(str(getattr(self, n)) for n in given)
+                raise MeshError(f"{named} ({values}) must divide world_size ({self.world_size})")
+            object.__setattr__(self, left[0], self.world_size // others)
+        _check_degree("dp_replicate", self.dp_replicate)
+        _check_degree("dp_shard", self.dp_shard)
+        dense = self.dp_replicate * self.dp_shard * self.tp
+        if dense != self.world_size:
+            raise MeshError(
+                f"dp_replicate x dp_shard x tp = {self.dp_replicate} x {self.dp_shard} x "
+                f"{self.tp} = {dense} ranks, but world_size is {self.world_size}"
+            )
+        if (self.dp_shard * self.tp) % self.ep:
+            raise MeshError(
+                f"ep ({self.ep}) must divide dp_shard x tp ({self.dp_shard} x {self.tp}): "
+                "expert parallelism borrows its ranks from them"
+            )
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks each expert is FSDP-sharded over."""
+        return self.dp_shard * self.tp // self.ep
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def unsupported(self) -> str | None:
+        """What of this the runtime cannot run yet (None: all of it)."""
+        beyond = {n: getattr(self, n) for n in ("dp_replicate", "tp", "ep") if getattr(self, n) > 1}
+        if not beyond:
+            return None
+        named = ", ".join(f"{n}={v}" for n, v in beyond.items())
+        return f"fully_shard runs 1-D data parallelism (dp_shard) only for now; got {named}"
+
+
+def _check_degree(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MeshError(f"{name} must be an int >= 1, got {value!r}")
+
+
+class ShardMesh:
+    """A `DeviceMesh` as `fully_shard` uses it: the group a unit shards over, this rank's
+    index in it and its size, the device of the buffers, and the mesh DTensors live on."""
+
+    def __init__(self, device_mesh: DeviceMesh):
+        if device_mesh.ndim != 1:
+            names = device_mesh.mesh_dim_names or ""
+            raise MeshError(
+                f"fully_shard takes a 1-D data-parallel mesh for now; got a "
+                f"{device_mesh.ndim}-D mesh {names}. Pass the data-parallel dimension, e.g. "
+                "mesh['dp']."
+            )
+        if device_mesh.get_coordinate() is None:
+            # no member of the mesh waits for this rank: raising alone cannot hang anyone
+            raise MeshError(
+                f"rank {dist.get_rank()} is not in the device mesh {device_mesh}; only the "
+                "mesh's ranks may call fully_shard with it"
+            )
+        self.device_mesh = device_mesh
+        self.dims = ParallelDims(device_mesh.size(), dp_shard=device_mesh.size())
+        self.shard_group = device_mesh.get_group()
+        self.shard_rank = device_mesh.get_local_rank()
+        self.shard_size = device_mesh.size()
+        self.device = comm.compute_device(device_mesh.device_type)
+
+    @classmethod
+    def resolve(cls, device_mesh: DeviceMesh | ShardMesh | None) -> ShardMesh:
+        """The mesh given to `fully_shard`, or all ranks of the default process group on its
+        backend's device (gloo: CPU, NCCL: CUDA), as FSDP2 defaults."""
+        if isinstance(device_mesh, ShardMesh):
+            return device_mesh
+        if device_mesh is None:
+            if not dist.is_initialized():
+                raise MeshError(
+                    "torch.distributed is not initialised: call dist.init_process_group() "
+                    "(torchrun sets the environment) or pass mesh=init_device_mesh(...)"
+                )
+            device_type = comm.group_device(None).type
+            device_mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+        return cls(device_mesh)
+
+    def __repr__(self) -> str:
+        return f"ShardMesh({self.shard_size} ranks on {self.device})"
+
+
+def default_device() -> torch.device:
+    """Where flatshard puts new buffers outside a mesh: the default process group's device
+    (the CPU without a process group)."""
+    return comm.group_device(None) if dist.is_initialized() else torch.device("cpu")
