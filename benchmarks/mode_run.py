@@ -17,7 +17,7 @@ import torch.distributed as dist
 from bench_modes import DTYPES, FLATSHARD_STAGES, LR, WEIGHT_DECAY, LlamaConfig, build_mode
 from comm_counter import COUNTER, nbytes
 
-from flatshard.sharded_lookup import PLAN_BYTES, lookup_payloads
+from flatshard.runtime.gather_policy import LOOKUP_PLAN_BYTES, all_gathers_per_step, lookup_payloads
 
 # --- memory ----------------------------------------------------------------------------
 
@@ -99,7 +99,7 @@ def zero3_wire_bytes(model, world: int) -> dict:
     analytic = textbook = kept = table = lookups = 0.0
     for unit in _units(model):
         # an embedding looked up from its shards would, gathered, stay as a root part
-        stays = unit.kept_for_backward or unit.kept_through_backward
+        stays = unit.kept_for_backward or unit.root_part
         gathered = sum(b.layout.padded_size * b.param_dtype.itemsize for b in unit.buckets)
         reduced = sum(
             b.layout.padded_size * b.reduce_dtype.itemsize
@@ -108,7 +108,7 @@ def zero3_wire_bytes(model, world: int) -> dict:
         )
         textbook += share * (2 * gathered + reduced)
         kept += share * gathered if stays else 0
-        cost = share * ((1 if stays else 2) * gathered + reduced)
+        cost = share * (all_gathers_per_step(3, stays, microbatches=1) * gathered + reduced)
         if unit.looked_up_from_shards():
             table += cost
             lookups += _lookup_bytes(unit.lookup, share)
@@ -135,7 +135,7 @@ def _lookup_bytes(lookup, share: float) -> float:
         lookup.bucket.param_dtype.itemsize,
         lookup.param.sharded.requires_grad,
     )
-    return PLAN_BYTES * (len(counts) - 1) + share * (gathered + rows)
+    return LOOKUP_PLAN_BYTES * (len(counts) - 1) + share * (gathered + rows)
 
 
 def resident_unsharded_bytes(model) -> int:

@@ -1,7 +1,8 @@
 """flatshard: fully sharded data parallel training on flat, row-aligned buffers."""
 
 from flatshard import checkpoint, hf
-from flatshard.api import FlatShardModule, fully_shard, weights_changed
+from flatshard.api import fully_shard
+from flatshard.dtensor.row_shard import row_range
 from flatshard.errors import (
     FlatShardError,
     LayoutError,
@@ -11,9 +12,9 @@ from flatshard.errors import (
     UnevenShardError,
     WrappingError,
 )
+from flatshard.fsdp_module import FlatShardModule, weights_changed
 from flatshard.materialize import materialize
 from flatshard.policy import MixedPrecisionPolicy
-from flatshard.row_shard import row_range
 
 __all__ = [
     "FlatShardError",

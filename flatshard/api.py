@@ -3,7 +3,7 @@
 Called bottom-up like PyTorch FSDP2 (blocks first, then the root). Afterwards every
 managed parameter is an `nn.Parameter(DTensor)` on the mesh, `Shard(0)`, whose local tensor
 is a view of the unit's sharded main-weight buffer; the module's class gains the
-`FlatShardModule` methods.
+`FlatShardModule` methods (fsdp_module.py).
 """
 
 from __future__ import annotations
@@ -14,113 +14,19 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from flatshard import comm, full_state_dict, optim_hooks
+from flatshard import comm
+from flatshard.dtensor import patches
+from flatshard.dtensor.row_shard import make_row_sharded_dtensor
 from flatshard.errors import WrappingError
-from flatshard.first_use import first_use_groups
-from flatshard.flat_bucket import FlatBucket
+from flatshard.fsdp_module import FlatShardModule, wrapped_class
 from flatshard.layout import ParamInfo, declared_components, plan_unit_layout
 from flatshard.mesh import ShardMesh
 from flatshard.policy import MixedPrecisionPolicy, as_mixed_precision, resolve_zero_stage
-from flatshard.row_shard import install_redistribute_override, make_row_sharded_dtensor
-from flatshard.sharded_lookup import embedding_forward
-from flatshard.unit import ManagedParam, Unit
-
-
-class FlatShardModule(nn.Module):
-    """Methods a `fully_shard`-ed module gains (the `FSDPModule` ones that apply here)."""
-
-    _flatshard_unit: Unit
-
-    def unshard(self, async_op: bool = False):
-        """Gather this unit's parameters now; with `async_op`, return a handle to `wait()` on."""
-        unit = self._flatshard_unit
-        unit.unshard(async_op=async_op)
-        return _UnshardHandle(unit) if async_op else None
-
-    def reshard(self) -> None:
-        """Free this unit's unsharded parameters."""
-        self._flatshard_unit.reshard()
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
-        """False: keep accumulating unsharded gradients locally, with no communication."""
-        for unit in self._units(recurse):
-            unit.requires_gradient_sync = requires_gradient_sync
-
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):
-        for unit in self._units(recurse):
-            unit.reshard_after_backward = reshard_after_backward
-
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True):
-        for unit in self._units(recurse):
-            unit.reshard_after_forward = reshard_after_forward
-
-    def set_modules_to_forward_prefetch(self, modules: list[FlatShardModule]) -> None:
-        self._flatshard_unit.forward_prefetch = [_require_unit(m) for m in modules]
-
-    def set_modules_to_backward_prefetch(self, modules: list[FlatShardModule]) -> None:
-        self._flatshard_unit.backward_prefetch = [_require_unit(m) for m in modules]
-
-    def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide summed gradients by `factor` instead of the data-parallel world size."""
-        if factor <= 0:
-            raise WrappingError(f"gradient divide factor must be positive, got {factor}")
-        for unit in self._units(recurse=True):
-            unit.gradient_divide_factor = float(factor)
-
-    def _units(self, recurse: bool) -> list[Unit]:
-        if not recurse:
-            return [self._flatshard_unit]
-        units = [m._flatshard_unit for m in self.modules() if isinstance(m, FlatShardModule)]
-        return list(dict.fromkeys(units))  # a unit over several modules once
-
-    def _apply(self, fn, recurse=True):
-        # `to_empty()`, `.to()` etc. must not replace the sharded parameters: they are views
-        # of flat buffers. Hide them while the conversion runs over everything else.
-        below = set(self.modules())
-        hidden = []
-        for param in self._flatshard_unit.params:
-            for module, name in param.occurrences:
-                if module in below:  # a unit over several modules: each hides its own
-                    hidden.append((module, name, module._parameters.pop(name)))
-        try:
-            return super()._apply(fn, recurse)
-        finally:
-            for module, name, value in reversed(hidden):
-                module._parameters[name] = value
-
-
-def weights_changed(model: nn.Module) -> None:
-    """Make every unit gather again before its next use. In-place writes to the sharded
-    weights are noticed on their own (version counters); this is for writes that bypass
-    autograd's version tracking (e.g. through `.data` or raw storage)."""
-    for module in model.modules():
-        if isinstance(module, FlatShardModule):
-            module._flatshard_unit.mark_stale()
-
-
-class _UnshardHandle:
-    def __init__(self, unit: Unit):
-        self._unit = unit
-
-    def wait(self) -> None:
-        self._unit.wait_unshard()
-
-
-def _require_unit(module) -> Unit:
-    if not isinstance(module, FlatShardModule):
-        raise WrappingError(f"{type(module).__name__} is not fully_shard-ed; prefetch needs units")
-    return module._flatshard_unit
-
-
-_CLASS_CACHE: dict[type, type] = {}
-
-
-def _wrapped_class(cls: type) -> type:
-    if cls not in _CLASS_CACHE:
-        plain_embedding = issubclass(cls, nn.Embedding) and cls.forward is nn.Embedding.forward
-        methods = {"forward": embedding_forward} if plain_embedding else {}
-        _CLASS_CACHE[cls] = type(f"FlatShard{cls.__name__}", (FlatShardModule, cls), methods)
-    return _CLASS_CACHE[cls]
+from flatshard.runtime.first_use import first_use_groups
+from flatshard.runtime.flat_bucket import FlatBucket
+from flatshard.runtime.hooks import attach
+from flatshard.runtime.states import Resharding
+from flatshard.runtime.unit import ManagedParam, Unit
 
 
 def fully_shard(
@@ -150,16 +56,14 @@ def fully_shard(
     stage = resolve_zero_stage(zero_stage, reshard_after_forward)
     policy = as_mixed_precision(mp_policy)
     mesh = ShardMesh.resolve(mesh)
-    install_redistribute_override()
-    full_state_dict.install()
-    optim_hooks.install()
+    patches.install()
     for members in first_use_groups(module):
-        _shard(members, mesh, stage, policy, kept_through_backward=True)
-    _shard([("", module)], mesh, stage, policy, kept_through_backward=False)
+        _shard(members, mesh, stage, policy, root_part=True)
+    _shard([("", module)], mesh, stage, policy, root_part=False)
     return module
 
 
-def _shard(members, mesh, stage, policy, kept_through_backward: bool) -> Unit:
+def _shard(members, mesh, stage, policy, root_part: bool) -> Unit:
     """One unit over the parameters below `members` [(fqn prefix, module)] that no inner
     unit manages; its hooks go on every member."""
     found = _collect_params(members)
@@ -216,16 +120,16 @@ def _shard(members, mesh, stage, policy, kept_through_backward: bool) -> Unit:
         _retire(original, sharded)
 
     modules = [m for _, m in members]
-    unit = Unit(modules, mesh, layout, buckets, managed, stage, policy, kept_through_backward)
+    resharding = Resharding.for_stage(stage)
+    unit = Unit(modules, mesh, layout, buckets, managed, resharding, policy, root_part)
     for param in managed:
         param.sharded._flatshard_param = (unit, param)
         for owner, name in param.occurrences:
             owner._parameters[name] = param.sharded
     for module in modules:
         module._flatshard_unit = unit
-        module.__class__ = _wrapped_class(type(module))
-        module.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
-        module.register_forward_hook(unit.post_forward)
+        module.__class__ = wrapped_class(type(module))
+        attach(unit, module)
     return unit
 
 

@@ -9,7 +9,7 @@ from distributed import run_distributed
 from reference import adamw, batches, build_model, config, lm_loss, rank_slice, shard
 
 from flatshard import comm
-from flatshard.flat_bucket import FlatBucket
+from flatshard.runtime.flat_bucket import FlatBucket
 
 
 def test_a_returned_buffer_is_handed_out_again():

@@ -95,7 +95,7 @@ def _count_one_step(param_dtype):
     units = list(dict.fromkeys(m._flatshard_unit for m in model.modules() if _is_unit(m)))
     # stay gathered from forward into backward: the root, its first-use groups and the
     # last block (its backward comes right after theirs)
-    kept = [u for u in units if u.kept_through_backward or u is model._flatshard_unit]
+    kept = [u for u in units if u.root_part or u is model._flatshard_unit]
     kept.append(model.layers[-1]._flatshard_unit)
     assert [u.kept_for_backward for u in units] == [u in kept for u in units]
     element = 2 if param_dtype == torch.bfloat16 else 4
@@ -152,7 +152,7 @@ def test_zero3_collectives_per_step(world_size, param_dtype):
 
 def _order_one_step():
     """Which unit each all-gather / reduce-scatter of the second step belongs to, in order."""
-    from flatshard.flat_bucket import FlatBucket
+    from flatshard.runtime.flat_bucket import FlatBucket
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = config()

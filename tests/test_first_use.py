@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.nn as nn
 from reference import build_model, config
 
-from flatshard.first_use import first_use_groups
+from flatshard.runtime.first_use import first_use_groups
 
 
 def _mark_blocks(model: nn.Module) -> nn.Module:

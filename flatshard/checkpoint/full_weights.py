@@ -12,9 +12,9 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
-from flatshard.api import weights_changed
+from flatshard.dtensor.row_shard import RowShard, shard_spec
 from flatshard.errors import CheckpointError
-from flatshard.row_shard import RowShard, shard_spec
+from flatshard.fsdp_module import weights_changed
 from flatshard.safetensors_stream import StreamingSafetensorsWriter
 
 

@@ -17,7 +17,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from flatshard import comm
-from flatshard.api import weights_changed
 from flatshard.checkpoint import commit, manifest
 from flatshard.checkpoint.save import wait_for_pending_save
 from flatshard.checkpoint.state import (
@@ -28,6 +27,7 @@ from flatshard.checkpoint.state import (
     set_rng_state,
 )
 from flatshard.errors import CheckpointError
+from flatshard.fsdp_module import weights_changed
 
 
 @dataclass

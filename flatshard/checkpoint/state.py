@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from flatshard.row_shard import local_data
+from flatshard.dtensor.row_shard import local_data
 
 _group = None
 

@@ -31,7 +31,14 @@ from flatshard.cli.errors import ConfigError
 from flatshard.cli.zoo import FP32, ModelSpec
 from flatshard.layout import plan_unit_layout
 from flatshard.mesh import ParallelDims
-from flatshard.sharded_lookup import looks_up, lookup_payloads
+from flatshard.runtime.gather_policy import (
+    all_gathers_per_step,
+    looks_up,
+    lookup_payloads,
+    lookup_possible,
+    reduce_scatters_per_step,
+    stays_gathered,
+)
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -131,7 +138,7 @@ def _unit_figures(unit, dp_shard: int) -> UnitFigures:
 
 def _looked_up(unit: UnitFigures, setup: Setup) -> bool:
     """Whether the runtime looks this unit's embedding up from its shards."""
-    if unit.embedding is None or setup.zero_stage == 1 or setup.dp_shard == 1:
+    if unit.embedding is None or not lookup_possible(setup.zero_stage, setup.dp_shard):
         return False
     return looks_up(setup.dp_shard, setup.micro_batch * setup.seq_len, unit.embedding[0])
 
@@ -206,21 +213,19 @@ def _communication(units: tuple[UnitFigures, ...], setup: Setup) -> dict[str, in
     looked_up = [u for u in units if _looked_up(u, setup)]
     lookups = [_lookup_payloads(u, setup) for u in looked_up]
     gathered_units = [u for u in units if u not in looked_up]
-    gathered = sum(u.padded * u.count for u in gathered_units)
-    blocks = sum(u.padded * u.count for u in gathered_units if not u.is_root)
-    if setup.zero_stage == 3:
-        # forward gathers every unit; backward gathers the blocks again but the last (its
-        # backward comes right after the root's, which stays gathered)
-        again = gathered
-        if len(units) > 1 and any(u.is_root for u in units):
-            block_sizes = [u.padded for u in gathered_units if not u.is_root]
-            again = blocks - (block_sizes[-1] if block_sizes else 0)
-        all_gather = accumulation * (gathered + again) * pb
-    elif setup.zero_stage == 2:
-        all_gather = accumulation * gathered * pb
-    else:  # ZeRO-1 gathers once per step, after the optimizer changed the weights
-        all_gather = gathered * pb
-    reductions = 1 if setup.zero_stage == 1 else accumulation
+    # the forward order the runtime sees: blocks, then the root's parts (where the
+    # embedding runs does not change which units stay gathered: gather_policy.py)
+    order = [u for u in gathered_units for _ in range(u.count)]
+    root_parts = [u.is_root for u in order]
+    in_model = sum(u.count for u in units)
+    all_gather = pb * sum(
+        u.padded
+        * all_gathers_per_step(
+            setup.zero_stage, stays_gathered(i, root_parts, in_model), accumulation
+        )
+        for i, u in enumerate(order)
+    )
+    reductions = reduce_scatters_per_step(setup.zero_stage, accumulation)
     reduce_scatter = reductions * sum(u.padded_trainable * u.count for u in gathered_units) * rb
     all_gather += accumulation * sum(gather for gather, _ in lookups)
     reduce_scatter += accumulation * sum(rows for _, rows in lookups)

@@ -20,14 +20,14 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from flatshard.api import weights_changed
+from flatshard.dtensor.row_shard import param_spec
+from flatshard.fsdp_module import weights_changed
 from flatshard.hf.checkpoint import TensorInfo, checkpoint_tensors
 from flatshard.hf.config import hf_to_config, read_hf_config
 from flatshard.hf.errors import HFCheckpointError
 from flatshard.hf.names import LLAMA_RULES, NameRule, TensorMapping, plan_tensors
 from flatshard.layout import ShardSpec
 from flatshard.models import LlamaConfig
-from flatshard.row_shard import param_spec
 
 
 @dataclass(frozen=True)

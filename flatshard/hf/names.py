@@ -18,9 +18,9 @@ from functools import cached_property
 
 from torch import nn
 
+from flatshard.dtensor.row_shard import param_spec
 from flatshard.hf.errors import HFCheckpointError
 from flatshard.layout import ParamInfo
-from flatshard.row_shard import param_spec
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from flatshard import comm
+from flatshard.dtensor.row_shard import param_spec
 from flatshard.hf.checkpoint import INDEX_FILE, SINGLE_FILE
 from flatshard.hf.config import IGNORED_FIELDS, config_to_hf
 from flatshard.hf.errors import HFCheckpointError
 from flatshard.hf.names import LLAMA_RULES, NameRule, TensorMapping, plan_tensors
 from flatshard.models import LlamaConfig
-from flatshard.row_shard import param_spec
 from flatshard.safetensors_stream import StreamingSafetensorsWriter, tensor_bytes
 
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")

@@ -248,35 +248,15 @@ def gather_rows(shard: RowShard, group: dist.ProcessGroup) -> torch.Tensor:
     return torch.cat([received[r, :n] for r, n in enumerate(counts)])
 
 
-_original_redistribute = None
-
-
-def _redistribute_local_tensor(local_tensor, current_spec, target_spec, **kwargs):
-    if not isinstance(local_tensor, RowShard):
-        return _original_redistribute(local_tensor, current_spec, target_spec, **kwargs)
+def redistribute_rows(local_tensor: RowShard, current_spec, target_spec) -> torch.Tensor:
+    """DTensor redistribution of a row shard (patches.py routes it here): `Shard(0) ->
+    Replicate` gathers by the true rows; anything else raises on every rank alike."""
     current, target = tuple(current_spec.placements), tuple(target_spec.placements)
     if current == target:
         return local_tensor
     if current == (Shard(0),) and target == (Replicate(),):
         return gather_rows(local_tensor, current_spec.mesh.get_group(0))
     raise UnevenShardError(_unsupported(f"redistributing {current} -> {target}"))
-
-
-def install_redistribute_override() -> None:
-    """Route DTensor redistribution of row shards through `_redistribute_local_tensor`.
-
-    DTensor calls `redistribute_local_tensor` from three modules (explicit `redistribute`,
-    the autograd function, implicit redistribution during op dispatch); each gets the
-    wrapper, which only changes behaviour for `RowShard` local tensors.
-    """
-    global _original_redistribute
-    if _original_redistribute is not None:
-        return
-    from torch.distributed.tensor import _api, _dispatch, _redistribute
-
-    _original_redistribute = _redistribute.redistribute_local_tensor
-    for module in (_api, _dispatch, _redistribute):
-        module.redistribute_local_tensor = _redistribute_local_tensor
 
 
 def shard_spec(param: DTensor) -> ShardSpec:

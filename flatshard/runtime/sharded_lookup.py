@@ -27,16 +27,13 @@ import torch.nn as nn
 
 from flatshard import comm
 from flatshard.errors import TokenIdError
-
-# What each rank sends every peer to plan a forward call: its token count and whether its
-# ids fit the table (two int64s).
-PLAN_BYTES = 2 * 8
+from flatshard.runtime.gather_policy import looks_up, lookup_possible
 
 
-def lookup_capable(modules: list[nn.Module], params: list, zero_stage: int, world: int) -> bool:
-    """A unit over one plain `nn.Embedding` whose untied weight is its only parameter (ZeRO-1
-    keeps its gradients unsharded, so it always gathers)."""
-    if len(modules) != 1 or len(params) != 1 or zero_stage == 1 or world == 1:
+def lookup_capable(modules: list[nn.Module], params: list, stage: int, ranks: int) -> bool:
+    """A unit over one plain `nn.Embedding` whose untied weight is its only parameter, at a
+    ZeRO stage and rank count where looking up can pay (gather_policy.py)."""
+    if len(modules) != 1 or len(params) != 1 or not lookup_possible(stage, ranks):
         return False
     module = modules[0]
     return (
@@ -49,38 +46,27 @@ def lookup_capable(modules: list[nn.Module], params: list, zero_stage: int, worl
     )
 
 
-def looks_up(ranks: int, tokens_per_rank: int, rows: int) -> bool:
-    """Whether a lookup from the shards moves less than gathering the table would: the
-    ranks' tokens (padded to the largest count) are fewer than the table's rows."""
-    return 0 < ranks * tokens_per_rank < rows
-
-
-def lookup_payloads(ranks: int, tokens_per_rank: int, dim: int, itemsize: int, trainable: bool):
-    """Collective payload bytes of one lookup from the shards (and its backward when
-    `trainable`): (all-gathered: token ids and output gradients, reduce-scattered: rows)."""
-    positions = ranks * tokens_per_rank
-    rows = positions * dim * itemsize
-    return positions * 8 + (rows if trainable else 0), rows
-
-
 def embedding_forward(module: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
     """`forward` of a fully_shard-ed `nn.Embedding`: from the shards when its unit chose to."""
-    unit = module._flatshard_unit
-    if unit.looking_up:
-        return unit.lookup(input)
+    lookup = module._flatshard_unit.lookup
+    if lookup is not None and lookup.looking_up:
+        return lookup(input)
     return nn.Embedding.forward(module, input)
 
 
 class ShardedLookup:
-    """The lookup of one unit's embedding from the rows each rank holds."""
+    """The lookup of one embedding from the rows each rank holds. It talks to its unit only
+    through what it is given: the embedding, its parameter and bucket (rows, gradient
+    shard views), the group, and the unit's gradient sync (divide factor, and where the
+    gradient shard goes)."""
 
-    def __init__(self, unit):
-        self.unit = unit
-        self.module = unit.modules[0]
-        self.param = unit.params[0]
-        self.bucket = unit.buckets[self.param.bucket]
-        self.spec = self.bucket.specs[self.param.index]
+    def __init__(self, module: nn.Embedding, param, bucket, group, grads):
+        self.module, self.param, self.bucket, self.group, self.grads = (
+            module, param, bucket, group, grads,
+        )  # fmt: skip
+        self.spec = bucket.specs[param.index]
         self.rows_held = self.spec.local_rows
+        self.looking_up = False  # this forward call looks up (set by the pre-forward)
         self._counts: list[int] | None = None  # tokens per rank, for the call being planned
         self.last_counts: list[int] | None = None  # of the last lookup (for byte counts)
 
@@ -94,7 +80,7 @@ class ShardedLookup:
         rows = self.module.num_embeddings
         out_of_range = ((ids < 0) | (ids >= rows)).any().to(torch.int64)
         count = torch.full((), ids.numel(), dtype=torch.int64, device=ids.device)
-        ranks = comm.all_gather_ints(torch.stack([count, out_of_range]), self.unit.group)
+        ranks = comm.all_gather_ints(torch.stack([count, out_of_range]), self.group)
         bad = [rank for rank, (_, out) in enumerate(ranks) if out]
         if bad:  # every rank raises: none is left waiting in a collective
             raise TokenIdError(
@@ -134,7 +120,7 @@ class ShardedLookup:
         """Sum every rank's output gradients (`grads`, consumed) into the rows this rank
         holds, in the main dtype; divide as a reduce-scatter would; add the result to the
         gradient shard."""
-        unit, bucket = self.unit, self.bucket
+        bucket = self.bucket
         flat = torch.zeros(bucket.layout.shard_size, dtype=bucket.main.dtype, device=grads.device)
         if self.rows_held:
             row, held = self.held_positions(all_ids)
@@ -142,8 +128,8 @@ class ShardedLookup:
                 held &= all_ids != self.module.padding_idx
             rows = bucket.grad_rows(flat, self.param.index)
             rows.index_add_(0, row, grads.masked_fill_(~held.unsqueeze(1), 0).to(flat.dtype))
-            rows.div_(unit.gradient_divide_factor)
-        unit.add_sharded_grad(bucket, flat)
+            rows.div_(self.grads.divide_factor)
+        self.grads.add_reduced(bucket, flat)
 
 
 class _LookupFromShards(torch.autograd.Function):
@@ -152,7 +138,7 @@ class _LookupFromShards(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, weight, ids, lookup: ShardedLookup, counts: list[int]):
-        group, t_max, dim = lookup.unit.group, max(counts), lookup.module.embedding_dim
+        group, t_max, dim = lookup.group, max(counts), lookup.module.embedding_dim
         flat_ids = ids.reshape(-1)
         padded = torch.full((t_max,), -1, dtype=torch.int64, device=ids.device)  # no row
         padded[: flat_ids.numel()] = flat_ids
@@ -174,6 +160,6 @@ class _LookupFromShards(torch.autograd.Function):
         padded = grad_output.new_zeros(t_max, dim)
         padded[: mine.shape[0]] = mine
         grads = grad_output.new_empty(len(counts) * t_max, dim)
-        comm.all_gather(grads.view(-1), padded.view(-1), lookup.unit.group).wait()
+        comm.all_gather(grads.view(-1), padded.view(-1), lookup.group).wait()
         lookup.add_gradient(all_ids, grads)
         return None, None, None, None

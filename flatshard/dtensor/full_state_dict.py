@@ -2,8 +2,9 @@
 
 `set_model_state_dict` / `set_optimizer_state_dict` with `full_state_dict=True` cut each
 full tensor into `torch.chunk` pieces before copying it into a DTensor. flatshard's pieces
-are layout rows, so for DTensors whose local tensor is a `RowShard` the rows are taken by
-their true bounds instead (no communication); every other entry goes the usual way.
+are layout rows, so for DTensors whose local tensor is a `RowShard` the piece its spec
+names is taken instead (no communication); every other entry goes the usual way
+(`original`: torch's function, which patches.py replaces with these).
 """
 
 from __future__ import annotations
@@ -11,9 +12,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from flatshard.row_shard import RowShard, shard_spec
-
-_originals: dict = {}
+from flatshard.dtensor.row_shard import RowShard, shard_spec
 
 
 def _is_row_sharded(value) -> bool:
@@ -25,7 +24,7 @@ def _copy_rows(local: DTensor, full: torch.Tensor) -> None:
     local.to_local().copy_(shard_spec(local).piece_of(full).to(local.device))
 
 
-def _distribute_state_dict(full_state_dict, local_state_dict, device, pg=None):
+def distribute_state_dict(original, full_state_dict, local_state_dict, device, pg=None):
     rest = {}
     for key, value in full_state_dict.items():
         local = local_state_dict.get(key)
@@ -33,10 +32,10 @@ def _distribute_state_dict(full_state_dict, local_state_dict, device, pg=None):
             _copy_rows(local, value.detach())
         else:
             rest[key] = value
-    _originals["distribute_state_dict"](rest, local_state_dict, device, pg)
+    original(rest, local_state_dict, device, pg)
 
 
-def _distribute_tensors(local_state_dict, keys, device, pg=None):
+def distribute_tensors(original, local_state_dict, keys, device, pg=None):
     rest = []
     for key in keys:
         entry = local_state_dict.get(key)
@@ -45,18 +44,4 @@ def _distribute_tensors(local_state_dict, keys, device, pg=None):
             local_state_dict[key] = entry[0]
         else:
             rest.append(key)
-    _originals["distribute_tensors"](local_state_dict, rest, device, pg)
-
-
-def install() -> None:
-    """Route torch's full-state-dict distribution through the row-aware versions above."""
-    if _originals:
-        return
-    from torch.distributed import _state_dict_utils
-    from torch.distributed.checkpoint import state_dict
-
-    _originals["distribute_state_dict"] = _state_dict_utils._distribute_state_dict
-    _originals["distribute_tensors"] = _state_dict_utils._distribute_tensors
-    _state_dict_utils._distribute_state_dict = _distribute_state_dict
-    state_dict._distribute_state_dict = _distribute_state_dict
-    _state_dict_utils._distribute_tensors = _distribute_tensors
+    original(local_state_dict, rest, device, pg)

@@ -5,22 +5,12 @@ from __future__ import annotations
 
 import weakref
 
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-
 from flatshard.errors import OptimizerOrderError
 
-_installed = False
 _checked: weakref.WeakSet = weakref.WeakSet()  # optimizers already checked (first step only)
 
 
-def install() -> None:
-    global _installed
-    if not _installed:
-        register_optimizer_step_pre_hook(_check_first_step)
-        _installed = True
-
-
-def _check_first_step(optimizer, args, kwargs) -> None:
+def check_first_step(optimizer, args, kwargs) -> None:
     if optimizer in _checked:
         return
     for group in optimizer.param_groups:

@@ -1,0 +1,63 @@
+"""Every change flatshard makes to PyTorch's own behaviour, in one place, installed once
+(by the first `fully_shard`). Each one only changes what happens to flatshard's own
+tensors (a `RowShard` local tensor, a parameter `fully_shard` replaced); everything else
+goes to PyTorch's original function.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from flatshard.dtensor import full_state_dict
+from flatshard.dtensor.optimizer_check import check_first_step
+from flatshard.dtensor.row_shard import RowShard, redistribute_rows
+
+_installed = False
+
+
+def install() -> None:
+    global _installed
+    if _installed:
+        return
+    _route_redistribution()
+    _route_full_state_dict_loading()
+    # An optimizer built before fully_shard holds the replaced parameters and would
+    # silently train nothing: its first step raises instead.
+    register_optimizer_step_pre_hook(check_first_step)
+    _installed = True
+
+
+def _route_redistribution() -> None:
+    """DTensor redistributes by `torch.chunk` pieces, which flatshard's row pieces are not:
+    `full_tensor()`, `redistribute()` and full state dicts would return wrong rows. DTensor
+    calls `redistribute_local_tensor` from three modules (explicit `redistribute`, its
+    autograd function, implicit redistribution during op dispatch); each gets the wrapper."""
+    from torch.distributed.tensor import _api, _dispatch, _redistribute
+
+    original = _redistribute.redistribute_local_tensor
+
+    def redistribute_local_tensor(local_tensor, current_spec, target_spec, **kwargs):
+        if isinstance(local_tensor, RowShard):
+            return redistribute_rows(local_tensor, current_spec, target_spec)
+        return original(local_tensor, current_spec, target_spec, **kwargs)
+
+    for module in (_api, _dispatch, _redistribute):
+        module.redistribute_local_tensor = redistribute_local_tensor
+
+
+def _route_full_state_dict_loading() -> None:
+    """`set_model_state_dict` / `set_optimizer_state_dict(full_state_dict=True)` cut full
+    tensors into `torch.chunk` pieces: flatshard's DTensors take their layout rows instead
+    (full_state_dict.py)."""
+    from torch.distributed import _state_dict_utils
+    from torch.distributed.checkpoint import state_dict
+
+    state_dicts = partial(
+        full_state_dict.distribute_state_dict, _state_dict_utils._distribute_state_dict
+    )
+    tensors = partial(full_state_dict.distribute_tensors, _state_dict_utils._distribute_tensors)
+    _state_dict_utils._distribute_state_dict = state_dicts
+    state_dict._distribute_state_dict = state_dicts
+    _state_dict_utils._distribute_tensors = tensors

@@ -1,0 +1,107 @@
+"""`FlatShardModule`: the methods a `fully_shard`-ed module gains, as FSDP2's `FSDPModule`
+(unshard, reshard, gradient sync, resharding, prefetch, divide factor)."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from flatshard.errors import WrappingError
+from flatshard.runtime.sharded_lookup import embedding_forward
+from flatshard.runtime.unit import Unit
+
+
+class FlatShardModule(nn.Module):
+    """Methods a `fully_shard`-ed module gains (the `FSDPModule` ones that apply here)."""
+
+    _flatshard_unit: Unit
+
+    def unshard(self, async_op: bool = False):
+        """Gather this unit's parameters now; with `async_op`, return a handle to `wait()` on."""
+        unit = self._flatshard_unit
+        unit.unshard(async_op=async_op)
+        return _UnshardHandle(unit) if async_op else None
+
+    def reshard(self) -> None:
+        """Free this unit's unsharded parameters."""
+        self._flatshard_unit.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
+        """False: keep accumulating unsharded gradients locally, with no communication."""
+        for unit in self._units(recurse):
+            unit.grads.requires_sync = requires_gradient_sync
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):
+        for unit in self._units(recurse):
+            unit.resharding.after_backward = reshard_after_backward
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True):
+        for unit in self._units(recurse):
+            unit.resharding.after_forward = reshard_after_forward
+
+    def set_modules_to_forward_prefetch(self, modules: list[FlatShardModule]) -> None:
+        self._flatshard_unit.forward_prefetch = [_require_unit(m) for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list[FlatShardModule]) -> None:
+        self._flatshard_unit.backward_prefetch = [_require_unit(m) for m in modules]
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide summed gradients by `factor` instead of the data-parallel world size."""
+        if factor <= 0:
+            raise WrappingError(f"gradient divide factor must be positive, got {factor}")
+        for unit in self._units(recurse=True):
+            unit.grads.divide_factor = float(factor)
+
+    def _units(self, recurse: bool) -> list[Unit]:
+        if not recurse:
+            return [self._flatshard_unit]
+        units = [m._flatshard_unit for m in self.modules() if isinstance(m, FlatShardModule)]
+        return list(dict.fromkeys(units))  # a unit over several modules once
+
+    def _apply(self, fn, recurse=True):
+        # `to_empty()`, `.to()` etc. must not replace the sharded parameters: they are views
+        # of flat buffers. Hide them while the conversion runs over everything else.
+        below = set(self.modules())
+        hidden = []
+        for param in self._flatshard_unit.params:
+            for module, name in param.occurrences:
+                if module in below:  # a unit over several modules: each hides its own
+                    hidden.append((module, name, module._parameters.pop(name)))
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            for module, name, value in reversed(hidden):
+                module._parameters[name] = value
+
+
+def weights_changed(model: nn.Module) -> None:
+    """Make every unit gather again before its next use. In-place writes to the sharded
+    weights are noticed on their own (version counters); this is for writes that bypass
+    autograd's version tracking (e.g. through `.data` or raw storage)."""
+    for module in model.modules():
+        if isinstance(module, FlatShardModule):
+            module._flatshard_unit.mark_stale()
+
+
+class _UnshardHandle:
+    def __init__(self, unit: Unit):
+        self._unit = unit
+
+    def wait(self) -> None:
+        self._unit.wait_unshard()
+
+
+def _require_unit(module) -> Unit:
+    if not isinstance(module, FlatShardModule):
+        raise WrappingError(f"{type(module).__name__} is not fully_shard-ed; prefetch needs units")
+    return module._flatshard_unit
+
+
+_CLASS_CACHE: dict[type, type] = {}
+
+
+def wrapped_class(cls: type) -> type:
+    if cls not in _CLASS_CACHE:
+        plain_embedding = issubclass(cls, nn.Embedding) and cls.forward is nn.Embedding.forward
+        methods = {"forward": embedding_forward} if plain_embedding else {}
+        _CLASS_CACHE[cls] = type(f"FlatShard{cls.__name__}", (FlatShardModule, cls), methods)
+    return _CLASS_CACHE[cls]

@@ -1,0 +1,148 @@
+"""A unit's gradients: one flat buffer per bucket that autograd accumulates into, the
+reduce-scatter into the sharded gradients, and accumulation without sync.
+
+Before a unit's backward, each unsharded parameter's `.grad` is pointed at its place in a
+zeroed flat buffer per bucket, so autograd adds every gradient in place (no per-parameter
+copy). After it, each bucket is reduce-scattered asynchronously; the previous unit's
+reduce-scatter finishes then, so at most two are in flight (`ReduceQueue`). Finished
+shards become the parameters' DTensor `.grad`s (views of one flat shard, added to when
+gradients accumulate). Under `set_requires_gradient_sync(False)` the flat buffers are kept
+(low-precision ones summed in the reduce dtype) and reduced with the next synced backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flatshard.dtensor.row_shard import RowShard, local_data, make_row_sharded_dtensor
+from flatshard.errors import UnevenShardError
+from flatshard.runtime.flat_bucket import FlatBucket
+
+
+@dataclass
+class PendingReduce:
+    sync: GradientSync
+    bucket: FlatBucket
+    work: object
+    output: torch.Tensor
+    keep_alive: torch.Tensor
+    post_scale: float | None
+
+
+class ReduceQueue:
+    """Reduce-scatters in flight, oldest first (one per model root)."""
+
+    def __init__(self):
+        self.pending: list[PendingReduce] = []
+
+    def finish(self, keep: int = 0) -> None:
+        """Finish all but the newest `keep` (memory stays bounded)."""
+        while len(self.pending) > keep:
+            pending = self.pending.pop(0)
+            pending.sync.finish(pending)
+
+
+class GradientSync:
+    def __init__(self, unit):
+        self.unit = unit
+        self.requires_sync = True
+        self.divide_factor = float(unit.world_size)
+        self._holds_unsynced = False
+
+    def _trainable_in(self, bucket: FlatBucket):
+        return [p for p in self.unit.trainable if self.unit.buckets[p.bucket] is bucket]
+
+    def prepare(self) -> None:
+        """Zeroed flat gradient buffers that the unsharded parameters' `.grad` views;
+        autograd then adds each gradient in place. Unsynced gradients are kept."""
+        unit = self.unit
+        unit.make_unsharded_params()
+        for bucket in unit.buckets:
+            if bucket.layout.requires_grad:
+                bucket.prepare_unsharded_grad(self._holds_unsynced, unit.context.buffers)
+        for param in unit.trainable:
+            bucket = unit.buckets[param.bucket]
+            view = bucket.unsharded_view(bucket.unsharded_grad, param.index)
+            grad = param.unsharded.grad
+            if grad is not None and grad.data_ptr() != view.data_ptr():
+                view.add_(grad)  # a gradient autograd allocated itself (no hook ran first)
+            param.unsharded.grad = view
+
+    def reduce(self) -> None:
+        """The unit's backward is done: reduce-scatter its gradients (or hold them)."""
+        unit = self.unit
+        if not self.requires_sync:
+            for bucket in unit.buckets:
+                if bucket.layout.requires_grad and bucket.hold_unsynced_grad():
+                    for param in self._trainable_in(bucket):
+                        param.unsharded.grad = None
+            self._holds_unsynced = True
+            return
+        queue = unit.context.reduces
+        started = 0
+        for bucket in unit.buckets:
+            if bucket.layout.requires_grad:
+                work, output, keep_alive, post_scale = bucket.start_reduce_scatter(
+                    self.divide_factor, unit.world_size, unit.context.buffers
+                )
+                queue.pending.append(
+                    PendingReduce(self, bucket, work, output, keep_alive, post_scale)
+                )
+                started += 1
+        self._holds_unsynced = False
+        for param in unit.trainable:
+            param.unsharded.grad = None
+        # Bound memory: finish every earlier reduce-scatter, keep only this unit's in flight.
+        queue.finish(keep=started)
+
+    def finish(self, pending: PendingReduce) -> None:
+        pending.work.wait()
+        reduced = pending.output
+        if pending.post_scale is not None:
+            reduced.mul_(pending.post_scale)
+        bucket = pending.bucket
+        self.add_reduced(bucket, reduced)
+        pool = self.unit.context.buffers
+        if pending.keep_alive is not bucket.unsharded_grad:
+            pool.give_back(pending.keep_alive)  # a copy in the reduce dtype
+        if not self.unit.resharding.keep_grad_buffers:
+            bucket.release_unsharded_grad(pool)
+
+    def add_reduced(self, bucket: FlatBucket, reduced: torch.Tensor) -> None:
+        """Add a bucket's reduced gradient shard to its parameters' `.grad`s (set them
+        to views of it when there are none yet)."""
+        params = self._trainable_in(bucket)
+        if bucket.sharded_grad is not None and all(
+            p.sharded.grad is not None
+            and local_data(p.sharded.grad).data_ptr()
+            == bucket.grad_rows(bucket.sharded_grad, p.index).data_ptr()
+            for p in params
+        ):
+            bucket.sharded_grad.add_(reduced)  # gradient accumulation: one flat add
+            return
+        fresh = reduced.to(bucket.main.dtype)
+        for param in params:
+            if param.sharded.grad is not None:  # a gradient flatshard does not own yet
+                rows = bucket.grad_rows(fresh, param.index)
+                rows.add_(_own_rows(param, rows))
+        bucket.sharded_grad = fresh
+        device_mesh = self.unit.mesh.device_mesh
+        for param in params:
+            local = bucket.grad_rows(fresh, param.index)
+            spec = bucket.specs[param.index]
+            param.sharded.grad = make_row_sharded_dtensor(local, device_mesh, spec)
+
+
+def _own_rows(param, rows: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a gradient someone else put on a flatshard parameter; it must
+    use flatshard's row layout (a chunk-sharded one would land on the wrong rows)."""
+    local = param.sharded.grad._local_tensor
+    if not isinstance(local, RowShard):  # the same answer on every rank: safe to raise
+        raise UnevenShardError(
+            f"the gradient on {param.fqn!r} was not produced in flatshard's row layout (e.g. "
+            "by differentiating through full_tensor()); compute losses on the module's "
+            "parameters, or set .grad from to_local() rows"
+        )
+    return local.data_

@@ -1,0 +1,177 @@
+"""The hooks that drive a unit through a step.
+
+- pre-forward: gather (or wait for a prefetch), register the unsharded parameters on the
+  modules, start the next unit's gather; an identity autograd function on the inputs marks
+  where this unit's backward ends.
+- post-forward: register the sharded DTensor parameters again; ZeRO-3 frees the unsharded
+  buffer unless the unit stays gathered into backward (schedule.py); hooks on the outputs
+  mark where this unit's backward starts.
+- pre-backward (first output gradient): gather again if freed, register the unsharded
+  parameters (activation checkpointing recomputes with them), prepare the flat gradient
+  buffers, prefetch the next unit.
+- post-backward (gradient of the inputs computed): reduce-scatter (grad_sync.py). The
+  trigger is the same on every rank even when a rank leaves some parameter unused (its
+  gradient is then zeros), so collectives always pair up; never a count of gradients.
+- end of backward (autograd callback): units whose inputs needed no gradient (the root,
+  the embedding), then every reduce-scatter still in flight.
+A unit that is one embedding may look its forward up from its shards instead
+(sharded_lookup.py): its pre-forward decides, for this call, and nothing else runs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+
+from flatshard.runtime.schedule import RootContext, context_of
+from flatshard.runtime.states import TrainingState
+
+
+def attach(unit, module) -> None:
+    module.register_forward_pre_hook(
+        lambda m, args, kwargs: pre_forward(unit, args, kwargs), prepend=True, with_kwargs=True
+    )
+    module.register_forward_hook(lambda m, args, output: post_forward(unit, output))
+
+
+def pre_forward(unit, args, kwargs):
+    context = context_of(unit)
+    if not context.in_backward:  # not an activation-checkpointing recompute
+        unit.check_requires_grad()
+        unit.move_to(TrainingState.FORWARD)
+    lookup = unit.lookup
+    if lookup is not None:
+        lookup.looking_up = unit is not context.root and lookup.plan(args, kwargs)
+    if lookup is not None and lookup.looking_up:
+        # Not gathered, so outside the prefetch order and the backward hooks; a gather
+        # started for it (a prefetch in an earlier step's order) is dropped.
+        unit.reshard()
+        return args, kwargs
+    if not context.in_backward:
+        if unit is context.root:
+            context.start_forward()
+        context.ran_pre_forward(unit)
+    unit.unshard()
+    unit.register("unsharded")
+    if not context.in_backward:
+        for target in context.prefetch_targets(unit, forward=True):
+            target.unshard(async_op=True)
+    if unit.mp_policy.cast_forward_inputs and unit.mp_policy.param_dtype is not None:
+        args, kwargs = _cast_floats((args, kwargs), unit.mp_policy.param_dtype)
+    if torch.is_grad_enabled() and not context.in_backward:
+        args, kwargs = _mark_backward_end(unit, (args, kwargs))
+    return args, kwargs
+
+
+def post_forward(unit, output):
+    context = unit.context
+    if not context.in_backward:
+        unit.move_to(TrainingState.IDLE)
+    if unit.lookup is not None and unit.lookup.looking_up:
+        unit.lookup.looking_up = False
+        return _cast_output(unit, output)
+    unit.register("sharded")
+    grad_enabled = torch.is_grad_enabled()
+    if not context.in_backward:
+        context.ran_post_forward(unit)
+        unit.kept_for_backward = grad_enabled and context.stays_gathered(unit)
+        if not grad_enabled or (unit.resharding.after_forward and not unit.kept_for_backward):
+            unit.reshard()
+        if unit is context.root:
+            context.end_forward()
+    if grad_enabled:
+        for tensor in tree_flatten(output)[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(lambda grad: pre_backward(unit, grad))
+    return _cast_output(unit, output)
+
+
+class _MarkBackwardEnd(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once their gradients are computed."""
+
+    @staticmethod
+    def forward(ctx, unit, *inputs):
+        ctx.unit = unit
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        unit = ctx.unit
+        unit.input_gradients_seen += 1
+        if unit.input_gradients_seen == unit.forward_calls:
+            post_backward(unit)
+        return (None, *grads)
+
+
+def _mark_backward_end(unit, tree):
+    leaves, spec = tree_flatten(tree)
+    positions = [
+        i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad
+    ]
+    if not positions:
+        return tree
+    unit.forward_calls += 1
+    marked = _MarkBackwardEnd.apply(unit, *(leaves[i] for i in positions))
+    for i, tensor in zip(positions, marked):
+        leaves[i] = tensor
+    return tree_unflatten(leaves, spec)
+
+
+def pre_backward(unit, grad):
+    if unit.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+        return grad
+    context = unit.context
+    if not context.in_backward:
+        context.start_backward()
+        Variable._execution_engine.queue_callback(lambda: end_backward(context))
+    unit.move_to(TrainingState.PRE_BACKWARD)
+    unit.unshard()
+    unit.register("unsharded")  # activation checkpointing recomputes with these
+    unit.grads.prepare()
+    for target in context.prefetch_targets(unit, forward=False):
+        target.unshard(async_op=True)
+    return grad
+
+
+def post_backward(unit) -> None:
+    started = unit.training_state is TrainingState.PRE_BACKWARD
+    has_grads = any(
+        p.unsharded is not None and p.unsharded.grad is not None for p in unit.trainable
+    )
+    if unit.training_state is TrainingState.POST_BACKWARD or not (started or has_grads):
+        return
+    if not started:
+        unit.grads.prepare()  # gradients autograd put on the parameters without our hook
+    unit.move_to(TrainingState.POST_BACKWARD)
+    unit.register("sharded")
+    if unit.resharding.after_backward:
+        unit.reshard()
+    unit.grads.reduce()
+
+
+def end_backward(context: RootContext) -> None:
+    """Runs once autograd has finished the whole backward pass."""
+    for unit in context.post_forward_order[::-1] + context.units:
+        post_backward(unit)
+    context.reduces.finish()
+    for unit in context.units:
+        unit.move_to(TrainingState.IDLE)
+        unit.forward_calls = unit.input_gradients_seen = 0
+        unit.wait_unshard()  # a prefetch nobody used must not outlive the step
+        unit.register("sharded")
+        if unit.resharding.after_backward:
+            unit.reshard()
+    context.end_backward()
+
+
+def _cast_output(unit, output):
+    if unit.mp_policy.output_dtype is not None:
+        return _cast_floats(output, unit.mp_policy.output_dtype)
+    return output
+
+
+def _cast_floats(tree, dtype: torch.dtype):
+    return tree_map_only(
+        torch.Tensor, lambda t: t.to(dtype) if torch.is_floating_point(t) else t, tree
+    )

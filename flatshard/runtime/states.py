@@ -1,0 +1,72 @@
+"""A unit's state, explicit: where its parameters are and where it is in a step.
+
+Two enums with checked transitions (in the spirit of FSDP2's `ShardedState` and
+`TrainingState`) instead of flags that can disagree: a transition the runtime never
+makes is a bug in flatshard, reported at once rather than as a hang or a wrong gradient
+later. `Resharding` is what a unit frees when, from which the ZeRO stage follows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum, auto
+
+
+class ShardedState(Enum):
+    SHARDED = auto()  # only the shards are allocated
+    GATHERING = auto()  # all-gathers issued, not yet waited on
+    UNSHARDED = auto()  # the unsharded buffers hold the gathered parameters
+
+
+class TrainingState(Enum):
+    IDLE = auto()  # between steps, or in forward/backward outside this unit
+    FORWARD = auto()  # between this unit's pre- and post-forward
+    PRE_BACKWARD = auto()  # its backward started: gathered, gradient buffers prepared
+    POST_BACKWARD = auto()  # its gradients reduced (or held); waits for the end of backward
+
+
+_SHARDED_MOVES = {
+    ShardedState.SHARDED: {ShardedState.GATHERING},
+    ShardedState.GATHERING: {ShardedState.UNSHARDED},
+    # a re-gather of a stale copy starts from the unsharded state
+    ShardedState.UNSHARDED: {ShardedState.SHARDED, ShardedState.GATHERING},
+}
+_TRAINING_MOVES = {
+    # a forward may be re-entered (a module calling itself) or left by an exception
+    TrainingState.IDLE: {TrainingState.FORWARD, TrainingState.PRE_BACKWARD,
+                         TrainingState.POST_BACKWARD, TrainingState.IDLE},
+    TrainingState.FORWARD: {TrainingState.IDLE, TrainingState.FORWARD},
+    TrainingState.PRE_BACKWARD: {TrainingState.POST_BACKWARD, TrainingState.IDLE},
+    TrainingState.POST_BACKWARD: {TrainingState.IDLE},
+}  # fmt: skip
+
+
+def check_move(old: Enum, new: Enum) -> Enum:
+    """`new`, if a unit may go there from `old`; else an internal error."""
+    moves = _SHARDED_MOVES if isinstance(old, ShardedState) else _TRAINING_MOVES
+    if new not in moves[old]:
+        raise RuntimeError(f"flatshard internal error: a unit moved from {old} to {new}")
+    return new
+
+
+@dataclass
+class Resharding:
+    """What a unit frees when. ZeRO-3 frees its unsharded parameters after forward and
+    backward; ZeRO-2 after backward only; ZeRO-1 keeps parameters and its unsharded
+    gradient buffers between steps (only main weights and optimizer state are sharded).
+    FSDP2's `set_reshard_after_forward` / `_backward` change the first two; the stage is
+    read off them, so the two can never disagree."""
+
+    after_forward: bool
+    after_backward: bool
+    keep_grad_buffers: bool
+
+    @classmethod
+    def for_stage(cls, stage: int) -> Resharding:
+        return cls(
+            after_forward=stage == 3, after_backward=stage != 1, keep_grad_buffers=stage == 1
+        )
+
+    @property
+    def stage(self) -> int:
+        return 3 if self.after_forward else 2 if self.after_backward else 1

@@ -1,0 +1,168 @@
+"""A unit: what one `fully_shard(module)` call manages.
+
+Its buckets (storage), its parameters in their two forms (the sharded DTensors the user and
+the optimizer see; the unsharded views of the gathered buffers that forward and backward
+use), its settings and its explicit state (states.py). The hooks that drive it through a
+step are in hooks.py, the order and prefetch decisions in schedule.py, its gradients in
+grad_sync.py, an embedding's lookup from the shards in sharded_lookup.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from flatshard import comm
+from flatshard.errors import WrappingError
+from flatshard.layout import UnitLayout
+from flatshard.policy import MixedPrecisionPolicy
+from flatshard.runtime.flat_bucket import FlatBucket
+from flatshard.runtime.grad_sync import GradientSync
+from flatshard.runtime.sharded_lookup import ShardedLookup, lookup_capable
+from flatshard.runtime.states import Resharding, ShardedState, TrainingState, check_move
+
+
+@dataclass
+class ManagedParam:
+    """One parameter of a unit: where it is registered, its sharded and unsharded forms."""
+
+    fqn: str
+    occurrences: list[tuple[nn.Module, str]]  # (module, attribute); >1 when tied
+    bucket: int
+    index: int  # position in the bucket's slots
+    sharded: nn.Parameter
+    unsharded: nn.Parameter | None = None
+
+
+class Unit:
+    def __init__(
+        self,
+        modules: list[nn.Module],
+        mesh,
+        layout: UnitLayout,
+        buckets: list[FlatBucket],
+        params: list[ManagedParam],
+        resharding: Resharding,
+        mp_policy: MixedPrecisionPolicy,
+        root_part: bool = False,
+    ):
+        self.modules = modules  # usually one; a first-use group of a root's children: more
+        self.mesh = mesh  # a ShardMesh
+        self.layout = layout
+        self.buckets = buckets
+        self.params = params
+        self.resharding = resharding
+        self.mp_policy = mp_policy
+        # A first-use group of the model root (first_use.py): needed again early in
+        # backward, so it stays gathered from forward to backward like the root itself.
+        self.root_part = root_part
+        self.kept_for_backward = False  # its last forward kept it gathered for backward
+        self.forward_prefetch: list[Unit] | None = None  # set by the user, else run-time order
+        self.backward_prefetch: list[Unit] | None = None
+        self.context = None  # the RootContext of its model, set on the first forward
+        self.sharded_state = ShardedState.SHARDED
+        self.training_state = TrainingState.IDLE
+        self.trainable = [p for p in params if p.sharded.requires_grad]
+        self.grads = GradientSync(self)
+        self.lookup = None
+        if lookup_capable(modules, params, resharding.stage, mesh.shard_size):
+            param = params[0]
+            self.lookup = ShardedLookup(
+                modules[0], param, buckets[param.bucket], mesh.shard_group, self.grads
+            )
+        self._gather_works: list | None = None
+        self._forced_stale = False
+        self._wrapped_requires_grad = [p.sharded.requires_grad for p in params]
+        self.forward_calls = 0  # forward calls whose inputs' gradients end its backward
+        self.input_gradients_seen = 0
+
+    @property
+    def group(self):
+        return self.mesh.shard_group
+
+    @property
+    def rank(self) -> int:
+        return self.mesh.shard_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.shard_size
+
+    def move_to(self, state: TrainingState) -> None:
+        self.training_state = check_move(self.training_state, state)
+
+    def _move_sharded(self, state: ShardedState) -> None:
+        self.sharded_state = check_move(self.sharded_state, state)
+
+    # --- parameters ------------------------------------------------------------------------
+    def unshard(self, async_op: bool = False):
+        """Start gathering the parameters (no-op while a gathered copy is up to date)."""
+        state = self.sharded_state
+        if state is ShardedState.SHARDED or (state is ShardedState.UNSHARDED and self._stale()):
+            pool = self.pool()
+            self._gather_works = [bucket.start_all_gather(pool) for bucket in self.buckets]
+            self._move_sharded(ShardedState.GATHERING)
+            self._forced_stale = False
+        if not async_op:
+            self.wait_unshard()
+
+    def _stale(self) -> bool:
+        # Any write to the sharded weights (optimizer step, checkpoint load, a user's
+        # in-place edit of `to_local()`) bumps the version of the bucket's main buffer.
+        return self._forced_stale or any(b.gathered_version_changed() for b in self.buckets)
+
+    def wait_unshard(self) -> None:
+        if self.sharded_state is not ShardedState.GATHERING:
+            return
+        for work, bucket in zip(self._gather_works, self.buckets):
+            bucket.finish_all_gather(work)
+        self._gather_works = None
+        self._move_sharded(ShardedState.UNSHARDED)
+        self.make_unsharded_params()
+
+    def make_unsharded_params(self) -> None:
+        if self.params and self.params[0].unsharded is not None:
+            return
+        for param in self.params:
+            bucket = self.buckets[param.bucket]
+            view = bucket.unsharded_view(bucket.unsharded, param.index)
+            param.unsharded = nn.Parameter(view, requires_grad=param.sharded.requires_grad)
+
+    def reshard(self) -> None:
+        self.wait_unshard()
+        if self.sharded_state is ShardedState.UNSHARDED:
+            for bucket in self.buckets:
+                bucket.free_unsharded(self.pool())
+            self._move_sharded(ShardedState.SHARDED)
+
+    def mark_stale(self) -> None:
+        """Force the next use to gather again."""
+        self._forced_stale = True
+
+    def register(self, which: str) -> None:
+        """Put the "sharded" or "unsharded" parameters on the modules."""
+        for param in self.params:
+            value = param.unsharded if which == "unsharded" else param.sharded
+            for module, name in param.occurrences:
+                module._parameters[name] = value
+
+    def looked_up_from_shards(self) -> bool:
+        """Whether this unit's last forward looked its embedding up from the shards."""
+        return self.lookup is not None and self.lookup.last_counts is not None
+
+    def check_requires_grad(self) -> None:
+        now = [p.sharded.requires_grad for p in self.params]
+        if now != self._wrapped_requires_grad:
+            changed = [
+                p.fqn for p, a, b in zip(self.params, now, self._wrapped_requires_grad) if a != b
+            ]
+            raise WrappingError(
+                f"requires_grad of {changed} changed after fully_shard; freeze or unfreeze "
+                "parameters before wrapping (the layout groups trainable and frozen ones apart)"
+            )
+
+    def pool(self) -> comm.BufferPool | None:
+        """Buffers freed in a forward or backward pass are kept for the next unit; outside
+        them (a user's `unshard()` / `reshard()`) memory goes straight back."""
+        return self.context.pool() if self.context is not None else None
