@@ -45,7 +45,7 @@ def naive_load(model, path) -> int:
     from safetensors import safe_open
 
     tensors = checkpoint_tensors(path)  # headers only, on every rank: shapes for recv buffers
-    mappings, _ = hf.plan_tensors(model)
+    mappings, _ = hf.adapter_for(model).plan(model)
     params = dict(model.named_parameters())
     handles, read = {}, 0
     with torch.no_grad():

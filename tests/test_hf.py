@@ -473,6 +473,36 @@ def test_export_refuses_models_hf_cannot_express():
 
 
 # --------------------------------------------------------------------------------------------
+# The generic adapter: a transformers model, sharded in place (names are the HF names)
+# --------------------------------------------------------------------------------------------
+
+
+def _transformers_in_place(path, out, tokens):
+    """A transformers model with random weights, fully_shard-ed per decoder layer and at the
+    root, loaded from `path` and exported to `out` with no adapter of its own."""
+    torch.manual_seed(123)  # weights the load must overwrite
+    config = transformers.AutoConfig.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    for layer in model.model.layers:
+        flatshard.fully_shard(layer)
+    flatshard.fully_shard(model)
+    assert hf.adapter_for(model) is hf.GENERIC
+    hf.load_pretrained(model, path)
+    with torch.no_grad():
+        logits = model(tokens).logits.detach().clone()
+    hf.save_pretrained(model, out)
+    return logits
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama_tied"])
+def test_transformers_model_loads_and_saves_without_an_adapter(checkpoints, tmp_path, arch):
+    path, tokens, reference = checkpoints[arch]
+    for logits in run_distributed(_transformers_in_place, 2, path, str(tmp_path), tokens):
+        assert rel(logits, reference) < TOLERANCE
+    assert_bit_exact(tmp_path, path)
+
+
+# --------------------------------------------------------------------------------------------
 # Name rules
 # --------------------------------------------------------------------------------------------
 
@@ -481,7 +511,7 @@ def test_name_rules_cover_every_tensor_once(checkpoints):
     for arch, (path, _, _) in checkpoints.items():
         with torch.device("meta"):
             model = Llama(hf.hf_to_config(hf.read_hf_config(path)))
-        mappings, unmapped = hf.plan_tensors(model)
+        mappings, unmapped = hf.adapter_for(model).plan(model)
         assert not unmapped
         names = [m.hf_name for m in mappings]
         assert sorted(names) == sorted(read_all(path)), arch

@@ -9,13 +9,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from padding_report import MODELS, WORLD_SIZES, format_table, padding_rows  # noqa: E402
+from padding_report import WORLD_SIZES, format_table, layers, padding_rows  # noqa: E402
 
 from flatshard.layout import UnitLayout, plan_unit_layout  # noqa: E402
 
 MAX_PADDING_FRACTION = 0.005
 # Mixtral's 8 experts cannot be split over 64 ranks by whole rows: its padding is only reported.
-UNBOUNDED = {("Mixtral-8x7B", 64)}
+UNBOUNDED = {("mixtral-8x7b", 64)}
+LAYERS = layers()
 
 
 def check_invariants(layout: UnitLayout) -> None:
@@ -41,17 +42,17 @@ def check_invariants(layout: UnitLayout) -> None:
             assert held_rows == slot.rows
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", LAYERS)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_layer_padding_is_small(model, world_size):
-    layout = plan_unit_layout(MODELS[model](), world_size)
+    layout = plan_unit_layout(LAYERS[model], world_size)
     check_invariants(layout)
     if (model, world_size) not in UNBOUNDED:
         assert layout.padding_fraction <= MAX_PADDING_FRACTION, layout.report()
 
 
 def test_mixtral_at_64_shards_with_empty_ranks_and_reports_padding():
-    layout = plan_unit_layout(MODELS["Mixtral-8x7B"](), 64)
+    layout = plan_unit_layout(LAYERS["mixtral-8x7b"], 64)
     check_invariants(layout)
     assert layout.empty_ranks()  # 8 expert rows of 117M elements leave ranks empty
     assert "padding=" in layout.report()

@@ -3,7 +3,7 @@ every parameter's shape, and how many activation bytes a token leaves for backwa
 
 Dense Llama/Qwen2/Qwen3 models are the reference `Llama`, built on the meta device from
 their Hugging Face config; the parameters are read off it exactly as `fully_shard` collects
-them. Mixture-of-experts models (Qwen3-MoE, DeepSeek-V3), which the reference model
+them. Mixture-of-experts models (Qwen3-MoE, Mixtral, DeepSeek-V3), which the reference model
 cannot express, are described by their layer shapes from the public configs, with grouped
 expert weights `(experts, out, in)` as a grouped-GEMM implementation holds them.
 """
@@ -80,6 +80,11 @@ ZOO: dict[str, dict] = {
         num_attention_heads=64, num_key_value_heads=4, head_dim=128, num_experts=128,
         num_experts_per_tok=8, moe_intermediate_size=1536, tie_word_embeddings=False,
     ),
+    "mixtral-8x7b": dict(
+        model_type="mixtral", vocab_size=32000, hidden_size=4096, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, num_local_experts=8,
+        num_experts_per_tok=2, intermediate_size=14336, tie_word_embeddings=False,
+    ),
     "deepseek-v3": dict(
         model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, num_hidden_layers=61,
         first_k_dense_replace=3, intermediate_size=18432, moe_intermediate_size=2048,
@@ -113,7 +118,13 @@ def resolve(name_or_path: str) -> ModelSpec:
 def from_hf_config(hf: dict, name: str) -> ModelSpec:
     model_type = hf.get("model_type")
     if model_type == "qwen3_moe":
-        return _qwen3_moe(hf, name)
+        return _moe(
+            hf, name, experts=hf["num_experts"], ffn=hf["moe_intermediate_size"], qk_norm=True
+        )
+    if model_type == "mixtral":
+        return _moe(
+            hf, name, experts=hf["num_local_experts"], ffn=hf["intermediate_size"], qk_norm=False
+        )
     if model_type == "deepseek_v3":
         return _deepseek_v3(hf, name)
     from flatshard.hf import hf_to_config  # Llama, Qwen2, Qwen3: the reference model
@@ -212,26 +223,27 @@ def _root(vocab: int, hidden: int, tied: bool) -> tuple[UnitSpec, ...]:
     return UnitSpec("root", params, is_root=True), UnitSpec("lm_head", head, is_root=True)
 
 
-def _qwen3_moe(hf: dict, name: str) -> ModelSpec:
+def _moe(hf: dict, name: str, experts: int, ffn: int, qk_norm: bool) -> ModelSpec:
+    """A Qwen3-MoE (q/k norms) or Mixtral layer stack: attention, a router and grouped
+    experts in every layer."""
     d, h, kv = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"]
-    hd, experts, top_k = hf["head_dim"], hf["num_experts"], hf["num_experts_per_tok"]
-    ffn = hf["moe_intermediate_size"]
+    hd, top_k = hf["head_dim"], hf["num_experts_per_tok"]
     layers, vocab = hf["num_hidden_layers"], hf["vocab_size"]
     attention = [
         _p("self_attn.q_proj.weight", h * hd, d),
         _p("self_attn.k_proj.weight", kv * hd, d),
         _p("self_attn.v_proj.weight", kv * hd, d),
         _p("self_attn.o_proj.weight", d, h * hd),
-        _p("self_attn.q_norm.weight", hd),
-        _p("self_attn.k_norm.weight", hd),
     ]
+    if qk_norm:
+        attention += [_p("self_attn.q_norm.weight", hd), _p("self_attn.k_norm.weight", hd)]
     params = tuple(attention + _moe_params(d, experts, ffn) + _layer_norms(d))
     layer = UnitSpec(f"layers.0-{layers - 1}", params, layers)
 
     def activations(a: int) -> int:
         per_layer = (
             2 * _norm_bytes(d, a)
-            + _attention_bytes(h, kv, hd, True, a)
+            + _attention_bytes(h, kv, hd, qk_norm, a)
             + _moe_bytes(d, experts, top_k, ffn, a)
         )
         return layers * per_layer + _head_bytes(d, vocab, a)

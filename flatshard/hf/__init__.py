@@ -1,25 +1,36 @@
-"""Hugging Face import/export: Llama, Qwen2 and Qwen3 safetensors checkpoints.
+"""Hugging Face import/export through per-family state-dict adapters (adapter.py).
 
 model = flatshard.hf.from_pretrained(path, shard=my_sharding_fn)   # build + load
 flatshard.hf.load_pretrained(model, path)                          # into an existing model
 flatshard.hf.save_pretrained(model, out_path, max_shard_size="5GB")
+
+flatshard's reference Llama (Llama, Qwen2, Qwen3 checkpoints) has an adapter (llama.py);
+a model whose parameter names are the HF names (a transformers model) needs none.
 """
 
-from flatshard.hf.config import IGNORED_FIELDS, config_to_hf, hf_to_config, read_hf_config
+from flatshard.hf.adapter import GENERIC, StateDictAdapter, adapter_for, adapter_for_config
+from flatshard.hf.checkpoint import read_hf_config
 from flatshard.hf.errors import HFCheckpointError, HFConfigError
+from flatshard.hf.llama import LLAMA, LLAMA_RULES
+from flatshard.hf.llama_config import IGNORED_FIELDS, config_to_hf, hf_to_config
 from flatshard.hf.load import LoadStats, load_pretrained
-from flatshard.hf.names import LLAMA_RULES, NameRule, TensorMapping, plan_tensors
+from flatshard.hf.names import NameRule, TensorMapping, plan_tensors
 from flatshard.hf.pretrained import from_pretrained
 from flatshard.hf.save import save_pretrained
 
 __all__ = [
+    "GENERIC",
     "IGNORED_FIELDS",
+    "LLAMA",
     "LLAMA_RULES",
     "HFCheckpointError",
     "HFConfigError",
     "LoadStats",
     "NameRule",
+    "StateDictAdapter",
     "TensorMapping",
+    "adapter_for",
+    "adapter_for_config",
     "config_to_hf",
     "from_pretrained",
     "hf_to_config",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from flatshard.hf.errors import HFCheckpointError
+from flatshard.hf.errors import HFCheckpointError, HFConfigError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -79,3 +79,20 @@ def _read_headers(file: Path) -> dict[str, TensorInfo]:
             }
     except Exception as e:  # safetensors raises its own SafetensorError on a bad header
         raise HFCheckpointError(f"cannot read the safetensors header of {file}: {e}") from None
+
+
+def read_hf_config(path: str | Path) -> dict:
+    """The dict in `path/config.json`."""
+    file = Path(path) / "config.json"
+    try:
+        with open(file) as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise HFConfigError(
+            f"{file} does not exist: a Hugging Face model directory needs its config.json"
+        ) from None
+    except json.JSONDecodeError as e:
+        raise HFConfigError(f"{file} is not valid JSON ({e}); fix or re-download it") from None
+    if not isinstance(config, dict):
+        raise HFConfigError(f"{file} holds a {type(config).__name__}, not a JSON object")
+    return config

@@ -22,12 +22,11 @@ from torch.distributed.tensor import DTensor
 
 from flatshard.dtensor.row_shard import param_spec
 from flatshard.fsdp_module import weights_changed
+from flatshard.hf.adapter import StateDictAdapter, adapter_for
 from flatshard.hf.checkpoint import TensorInfo, checkpoint_tensors
-from flatshard.hf.config import hf_to_config, read_hf_config
 from flatshard.hf.errors import HFCheckpointError
-from flatshard.hf.names import LLAMA_RULES, NameRule, TensorMapping, plan_tensors
+from flatshard.hf.names import NameRule, TensorMapping
 from flatshard.layout import ShardSpec
-from flatshard.models import LlamaConfig
 
 
 @dataclass(frozen=True)
@@ -43,22 +42,28 @@ def load_pretrained(
     model: nn.Module,
     path: str | Path,
     *,
-    rules: tuple[NameRule, ...] = LLAMA_RULES,
+    adapter: StateDictAdapter | None = None,
+    rules: tuple[NameRule, ...] | None = None,
     check_config: bool = True,
 ) -> LoadStats:
     """Load the HF checkpoint at `path` into `model` (strict: every tensor used, every
     parameter filled). Works on a `fully_shard`-ed model at any world size and on a plain one.
 
-    check_config: when the model has a `LlamaConfig` and `path` a config.json, they must
-    describe the same model (shapes alone do not catch e.g. a different rope_theta).
+    adapter: the model family's naming (default: the model's own, adapter.py).
+    rules: other name rules for that adapter.
+    check_config: the model and `path/config.json` must describe the same model, where the
+        adapter can tell.
     """
     started = time.perf_counter()
     path = Path(path)
+    adapter = adapter or adapter_for(model)
+    if rules is not None:
+        adapter = adapter.with_rules(rules)
     if check_config:
-        _check_config(model, path)
+        adapter.check_config(model, path)
     tensors = checkpoint_tensors(path)
-    mappings, unmapped = plan_tensors(model, rules)
-    problem = _mismatch_report(model, mappings, unmapped, tensors)
+    mappings, unmapped = adapter.plan(model)
+    problem = _mismatch_report(adapter, model, mappings, unmapped, tensors)
     if problem:
         raise HFCheckpointError(f"checkpoint {path} does not match the model:\n{problem}")
 
@@ -103,7 +108,7 @@ def _by_file(mappings, tensors: dict[str, TensorInfo]) -> dict[Path, list[Tensor
     return groups
 
 
-def _mismatch_report(model, mappings, unmapped, tensors) -> str:
+def _mismatch_report(adapter, model, mappings, unmapped, tensors) -> str:
     expected = {m.hf_name: m for m in mappings}
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
@@ -125,37 +130,9 @@ def _mismatch_report(model, mappings, unmapped, tensors) -> str:
             lines.extend(f"    {item}" for item in items)
     if not lines:
         return ""
-    if "lm_head.weight" in unexpected and _ties_embeddings(model):
-        lines.append(
-            "  (the model ties lm_head to embed_tokens but the checkpoint stores lm_head.weight: "
-            "build the model with tie_embeddings=False)"
-        )
+    lines.extend(adapter.mismatch_hints(model, unexpected))
     lines.append(
         "Check that the model was built from this checkpoint's config.json (e.g. with "
         "flatshard.hf.from_pretrained) and that the checkpoint is complete."
     )
     return "\n".join(lines)
-
-
-def _ties_embeddings(model) -> bool:
-    config = getattr(model, "config", None)
-    return isinstance(config, LlamaConfig) and config.tie_embeddings
-
-
-def _check_config(model: nn.Module, path: Path) -> None:
-    ours = getattr(model, "config", None)
-    if not isinstance(ours, LlamaConfig) or not (path / "config.json").is_file():
-        return
-    theirs = hf_to_config(read_hf_config(path))
-    # max_seq_len only bounds the inputs: a shorter limit than the checkpoint's is fine
-    differ = [
-        f"{field}: model {getattr(ours, field)!r}, config.json {getattr(theirs, field)!r}"
-        for field in ours.__dataclass_fields__
-        if field != "max_seq_len" and getattr(ours, field) != getattr(theirs, field)
-    ]
-    if differ:
-        raise HFCheckpointError(
-            f"the model's config differs from {path / 'config.json'}: {'; '.join(differ)}. "
-            "Build the model with flatshard.hf.hf_to_config(read_hf_config(path)), or pass "
-            "check_config=False if the difference is intended."
-        )

@@ -51,30 +51,6 @@ class NameRule:
         return None if match is None else self.hf.format(**match.groupdict())
 
 
-# Llama, Qwen2 and Qwen3 share one HF naming; which tensors exist follows from which
-# parameters the model has (biases for Qwen2, q/k norms for Qwen3, no lm_head when tied).
-LLAMA_RULES: tuple[NameRule, ...] = (
-    NameRule("model.embed_tokens.weight", "embed_tokens.weight"),
-    NameRule("model.layers.{n}.input_layernorm.weight", "layers.{n}.attn_norm.weight"),
-    # q/k/v/o_proj weights and biases, q_norm and k_norm: same names below self_attn
-    NameRule("model.layers.{n}.self_attn.{module}.{tensor}", "layers.{n}.attn.{module}.{tensor}"),
-    NameRule("model.layers.{n}.post_attention_layernorm.weight", "layers.{n}.mlp_norm.weight"),
-    NameRule(
-        "model.layers.{n}.mlp.gate_proj.weight",
-        "layers.{n}.mlp.gate_up_proj.weight",
-        component="gate_proj.weight",
-    ),
-    NameRule(
-        "model.layers.{n}.mlp.up_proj.weight",
-        "layers.{n}.mlp.gate_up_proj.weight",
-        component="up_proj.weight",
-    ),
-    NameRule("model.layers.{n}.mlp.down_proj.weight", "layers.{n}.mlp.down_proj.weight"),
-    NameRule("model.norm.weight", "norm.weight"),
-    NameRule("lm_head.weight", "lm_head.weight"),
-)
-
-
 @dataclass(frozen=True)
 class TensorMapping:
     """HF tensor `hf_name` is parameter `param_name`, or its fused `component`."""
@@ -86,15 +62,20 @@ class TensorMapping:
 
 
 def plan_tensors(
-    model: nn.Module, rules: tuple[NameRule, ...] = LLAMA_RULES
+    model: nn.Module, rules: tuple[NameRule, ...] | None = None
 ) -> tuple[list[TensorMapping], list[str]]:
     """(the HF tensors of `model` in parameter order, the parameters no rule maps).
 
+    rules None: every HF tensor is named like the parameter (a transformers model).
     Tied parameters appear once (under their first name), as `named_parameters()` gives
     them: HF omits the tied `lm_head.weight` the same way.
     """
     mappings, unmapped = [], []
     for name, param in model.named_parameters():
+        if rules is None:
+            shape = param_spec(model, name, param).info.global_shape
+            mappings.append(TensorMapping(name, name, None, shape))
+            continue
         matches = [(rule, rule.hf_name(name)) for rule in rules]
         matches = [(rule, hf) for rule, hf in matches if hf is not None]
         if not matches:

@@ -1,9 +1,10 @@
-"""`from_pretrained`: a flatshard model built, sharded and loaded from a HF directory.
+"""`from_pretrained`: a model built, sharded and loaded from a Hugging Face directory.
 
-The model is built on the meta device, so no rank ever holds more than its shards plus the
-parameters left unsharded: the sharding function wraps it (allocating only this rank's
-shards), `materialize` initialises the shards, unsharded meta parameters get empty
-storage, and the load then overwrites every parameter (a strict load fills them all).
+The model is built on the meta device by its family's adapter, so no rank ever holds more
+than its shards plus the parameters left unsharded: the sharding function wraps it
+(allocating only this rank's shards), `materialize` initialises the shards, unsharded meta
+parameters get empty storage, and the load then overwrites every parameter (a strict load
+fills them all).
 """
 
 from __future__ import annotations
@@ -14,12 +15,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from flatshard.hf.config import hf_to_config, read_hf_config
+from flatshard.hf.adapter import StateDictAdapter, adapter_for_config
+from flatshard.hf.checkpoint import read_hf_config
 from flatshard.hf.load import load_pretrained
-from flatshard.hf.names import LLAMA_RULES, NameRule
 from flatshard.materialize import materialize
 from flatshard.mesh import default_device
-from flatshard.models import Llama
 
 
 def from_pretrained(
@@ -27,22 +27,23 @@ def from_pretrained(
     *,
     shard: Callable[[nn.Module], object] | None = None,
     device: torch.device | str | None = None,
-    rules: tuple[NameRule, ...] = LLAMA_RULES,
-) -> Llama:
+    adapter: StateDictAdapter | None = None,
+) -> nn.Module:
     """Build the model `path/config.json` describes, apply `shard` (e.g. fully_shard each
     block, then the root; None keeps it unsharded) and load the weights. Call on every rank.
     """
-    config = hf_to_config(read_hf_config(path))  # config errors before anything is built
+    hf_config = read_hf_config(path)
+    adapter = adapter or adapter_for_config(hf_config)
     device = torch.device(device) if device else default_device()
     with torch.device("meta"):
-        model = Llama(config)
+        model = adapter.build(hf_config)  # config errors before anything is allocated
     if shard is not None:
         shard(model)
     _allocate_unsharded(model, device)
     # materialize draws an init that the load overwrites: leave the caller's RNG as it was
     with torch.random.fork_rng(devices=[]):
         materialize(model, device)
-    load_pretrained(model, path, rules=rules)
+    load_pretrained(model, path, adapter=adapter)
     return model
 
 

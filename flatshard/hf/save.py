@@ -21,11 +21,10 @@ from torch.distributed.tensor import DTensor
 
 from flatshard import comm
 from flatshard.dtensor.row_shard import param_spec
+from flatshard.hf.adapter import StateDictAdapter, adapter_for
 from flatshard.hf.checkpoint import INDEX_FILE, SINGLE_FILE
-from flatshard.hf.config import IGNORED_FIELDS, config_to_hf
 from flatshard.hf.errors import HFCheckpointError
-from flatshard.hf.names import LLAMA_RULES, NameRule, TensorMapping, plan_tensors
-from flatshard.models import LlamaConfig
+from flatshard.hf.names import NameRule, TensorMapping
 from flatshard.safetensors_stream import StreamingSafetensorsWriter, tensor_bytes
 
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
@@ -37,7 +36,8 @@ def save_pretrained(
     *,
     max_shard_size: int | str = "5GB",
     dtype: torch.dtype | None = None,
-    rules: tuple[NameRule, ...] = LLAMA_RULES,
+    adapter: StateDictAdapter | None = None,
+    rules: tuple[NameRule, ...] | None = None,
     extra_config: dict | None = None,
 ) -> None:
     """Write `config.json` and the weights of `model` (sharded or plain) to `path`.
@@ -47,8 +47,11 @@ def save_pretrained(
     Returns once the files are complete, on every rank.
     """
     path = Path(path)
-    config = _hf_config(model, dtype, extra_config)  # every rank checks: same answer
-    mappings, unmapped = plan_tensors(model, rules)
+    adapter = adapter or adapter_for(model)
+    if rules is not None:
+        adapter = adapter.with_rules(rules)
+    config = adapter.export_config(model, dtype, dict(extra_config or {}))  # same on all ranks
+    mappings, unmapped = adapter.plan(model)
     if unmapped:
         raise HFCheckpointError(
             f"no Hugging Face name for parameter(s) {unmapped}; add a NameRule for them"
@@ -77,25 +80,6 @@ def save_pretrained(
             del full  # at most one gathered parameter alive at a time
     problem = writer.finish(config) if writer is not None else None
     comm.agree(problem, group, HFCheckpointError)  # also the barrier: files exist after it
-
-
-def _hf_config(model, dtype, extra_config) -> dict:
-    config = getattr(model, "config", None)
-    if not isinstance(config, LlamaConfig):
-        raise HFCheckpointError(
-            f"{type(model).__name__} has no flatshard LlamaConfig in `.config`; save_pretrained "
-            "writes config.json from it"
-        )
-    dtypes = {p.dtype for p in model.parameters()}
-    hf = config_to_hf(config, dtype or (dtypes.pop() if len(dtypes) == 1 else None))
-    extra = dict(extra_config or {})
-    not_ignorable = sorted(set(extra) - IGNORED_FIELDS)
-    if not_ignorable:
-        raise HFCheckpointError(
-            f"extra_config may only add fields that do not change the model "
-            f"(flatshard.hf.config.IGNORED_FIELDS); {not_ignorable} are not among them"
-        )
-    return {**hf, **extra}
 
 
 def _parse_size(size: int | str) -> int:

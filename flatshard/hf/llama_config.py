@@ -9,10 +9,8 @@ never silently dropped: a dropped field is a model that quietly computes somethi
 
 from __future__ import annotations
 
-import json
 import math
 import re
-from pathlib import Path
 
 import torch
 
@@ -96,23 +94,6 @@ _HF_NAMES = {
     "max_seq_len": "max_position_embeddings",
 }  # fmt: skip
 _ROPE_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
-
-
-def read_hf_config(path: str | Path) -> dict:
-    """The dict in `path/config.json`."""
-    file = Path(path) / "config.json"
-    try:
-        with open(file) as f:
-            config = json.load(f)
-    except FileNotFoundError:
-        raise HFConfigError(
-            f"{file} does not exist: a Hugging Face model directory needs its config.json"
-        ) from None
-    except json.JSONDecodeError as e:
-        raise HFConfigError(f"{file} is not valid JSON ({e}); fix or re-download it") from None
-    if not isinstance(config, dict):
-        raise HFConfigError(f"{file} holds a {type(config).__name__}, not a JSON object")
-    return config
 
 
 def hf_to_config(hf: dict) -> LlamaConfig:

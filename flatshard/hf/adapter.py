@@ -1,0 +1,93 @@
+"""State-dict adapters: how one model family appears in Hugging Face checkpoints.
+
+The HF code (load, save, from_pretrained) talks to a model only through its adapter: the
+name rules (HF tensor <-> parameter or fused component), the config.json it is built from
+and exported with, and hints for a mismatched checkpoint. The base class is the generic
+case and needs no per-model code: HF tensor names are the parameters' fully-qualified names
+(a `transformers` model, sharded in place), and the config is the model's own `config`.
+A family whose parameters are named or fused differently (flatshard's reference Llama:
+llama.py) registers an adapter of its own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from flatshard.hf.errors import HFCheckpointError, HFConfigError
+from flatshard.hf.names import NameRule, TensorMapping, plan_tensors
+
+
+class StateDictAdapter:
+    rules: tuple[NameRule, ...] | None = None  # None: HF names are the parameter names
+
+    def handles(self, model: nn.Module) -> bool:
+        """Whether this adapter is the one for `model`."""
+        return False
+
+    def handles_config(self, hf_config: dict) -> bool:
+        """Whether this adapter builds the model `hf_config` (a config.json) describes."""
+        return False
+
+    def with_rules(self, rules: tuple[NameRule, ...]) -> StateDictAdapter:
+        """This adapter with other name rules (e.g. a model with an extra parameter)."""
+        adapter = type(self).__new__(type(self))
+        adapter.__dict__.update(self.__dict__, rules=tuple(rules))
+        return adapter
+
+    def plan(self, model: nn.Module) -> tuple[list[TensorMapping], list[str]]:
+        """(the HF tensors of `model` in parameter order, the parameters nothing maps)."""
+        return plan_tensors(model, self.rules)
+
+    def build(self, hf_config: dict) -> nn.Module:
+        """The model `hf_config` describes, built on the current (e.g. meta) device."""
+        archs = hf_config.get("architectures")
+        raise HFConfigError(
+            f"config.json architectures {archs!r}: from_pretrained builds "
+            f"{', '.join(supported_architectures())}. For another transformers model, build it "
+            "with transformers, fully_shard it and call flatshard.hf.load_pretrained."
+        )
+
+    def check_config(self, model: nn.Module, path: Path) -> None:
+        """Raise if `path/config.json` describes another model than `model` (shapes alone
+        do not catch e.g. a different rope_theta)."""
+
+    def export_config(self, model: nn.Module, dtype: torch.dtype | None, extra: dict) -> dict:
+        """The config.json to write with `model`'s weights."""
+        config = getattr(model, "config", None)
+        if not hasattr(config, "to_dict"):
+            raise HFCheckpointError(
+                f"{type(model).__name__} has no `config` with to_dict(); save_pretrained writes "
+                "config.json from it"
+            )
+        hf = config.to_dict()
+        if dtype is not None:
+            hf["dtype"] = str(dtype).removeprefix("torch.")
+        return {**hf, **extra}
+
+    def mismatch_hints(self, model: nn.Module, unexpected: list[str]) -> list[str]:
+        """Extra lines for a load's mismatch report."""
+        return []
+
+
+GENERIC = StateDictAdapter()
+_FAMILIES: list[StateDictAdapter] = []
+
+
+def register(adapter: StateDictAdapter) -> StateDictAdapter:
+    _FAMILIES.append(adapter)
+    return adapter
+
+
+def adapter_for(model: nn.Module) -> StateDictAdapter:
+    return next((a for a in _FAMILIES if a.handles(model)), GENERIC)
+
+
+def adapter_for_config(hf_config: dict) -> StateDictAdapter:
+    return next((a for a in _FAMILIES if a.handles_config(hf_config)), GENERIC)
+
+
+def supported_architectures() -> list[str]:
+    return [arch for adapter in _FAMILIES for arch in getattr(adapter, "architectures", ())]
