@@ -28,7 +28,7 @@ PRESETS = {
         steps=3,
     ),
     # The same with vocab 257 > ranks x tokens per rank: ZeRO-2/3 look the embedding up
-    # from its shards (flatshard/sharded_lookup.py), as at 35M and 120M.
+    # from its shards (flatshard/runtime/sharded_lookup.py), as at 35M and 120M.
     "tiny-large-vocab": dict(
         cfg=dict(
             vocab_size=257, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=45, max_seq_len=64

@@ -92,7 +92,7 @@ def zero3_wire_bytes(model, world: int) -> dict:
     gathered in forward, again in backward unless its unit stays gathered through backward
     (the model root's parts, as FSDP2 keeps its root, and the last block), every trainable
     bucket reduced); an
-    embedding looked up from its shards (flatshard/sharded_lookup.py) sends its tokens' ids,
+    embedding looked up from its shards (flatshard/runtime/sharded_lookup.py) sends its tokens' ids,
     rows and row gradients instead of its table. Also the textbook count: every bucket
     gathered twice and reduced once (in fp32: 3 x padded parameter bytes x (N-1)/N)."""
     share = (world - 1) / world
@@ -126,7 +126,7 @@ def zero3_wire_bytes(model, world: int) -> dict:
 def _lookup_bytes(lookup, share: float) -> float:
     """Sent per rank by one lookup from the shards and its backward: its plan to every
     peer, then (N-1)/N of its collectives' payloads
-    (sharded_lookup.py)."""
+    (flatshard/runtime/sharded_lookup.py)."""
     counts = lookup.last_counts
     gathered, rows = lookup_payloads(
         len(counts),

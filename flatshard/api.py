@@ -45,7 +45,7 @@ def fully_shard(
     mp_policy: mixed precision, as in FSDP2 (param_dtype, reduce_dtype, output_dtype).
     On a model root (a module some of whose children are already units), each run of
     consecutive children holding no unit, e.g. [embedding] and [norm, output head], gets a
-    unit of its own with the same settings, gathered on first use (`first_use.py`).
+    unit of its own with the same settings, gathered on first use (`runtime/first_use.py`).
     Returns `module`, whose class now also derives from `FlatShardModule`.
     """
     if isinstance(module, FlatShardModule):

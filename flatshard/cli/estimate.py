@@ -1,7 +1,9 @@
 """Per-rank memory and per-step communication of a model under flatshard, from the layout.
 
 Every size comes from `plan_unit_layout` (the layout `fully_shard` uses) at the
-data-parallel shard size; the rest follows what the runtime allocates:
+data-parallel shard size, the degrees from `ParallelDims` (the mesh's own validation), and
+what is gathered when and what a lookup costs from the runtime's own policy
+(runtime/gather_policy.py); the rest follows what the runtime allocates:
 
 - persistent: the fp32 main-weight shards and the optimizer state (AdamW: two fp32 states
   per trainable element); ZeRO-1 also keeps every unit's unsharded parameters and gradients.
@@ -13,9 +15,9 @@ data-parallel shard size; the rest follows what the runtime allocates:
   a block's backward overlaps the next block's prefetch and the previous block's
   reduce-scatter. ZeRO-2 keeps every unit gathered from its forward to its backward.
 - a unit over one embedding (ZeRO-2/3) is looked up from its shards while the ranks' tokens
-  are fewer than its rows (sharded_lookup.py): never gathered, it moves token ids, rows
-  and output gradients instead, and holds the gathered output gradients at the end of
-  backward.
+  are fewer than its rows (runtime/sharded_lookup.py): never gathered, it moves token
+  ids, rows and output gradients instead, and holds the gathered output gradients at the
+  end of backward.
 - on gloo (CPU) a reduce-scatter receives every rank's copy of this rank's shard into a
   buffer as large as the gradient bucket (an all-to-all, see comm.py); NCCL needs none.
 

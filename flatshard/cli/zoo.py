@@ -27,7 +27,7 @@ FP32 = 4  # bytes of an fp32 element; main weights are kept in fp32
 @dataclass(frozen=True)
 class UnitSpec:
     """`count` identical `fully_shard` units: transformer blocks of one shape, or a part of
-    the model root (`is_root`: the root or one of its first-use groups, see first_use.py;
+    the model root (`is_root`: the root or one of its first-use groups, see runtime/first_use.py;
     these stay gathered from forward to backward)."""
 
     name: str

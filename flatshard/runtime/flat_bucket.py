@@ -1,7 +1,7 @@
 """Storage of one bucket: sharded main weights, the unsharded compute copy, gradients.
 
-Every offset comes from the bucket's `BucketLayout`; this file only allocates, views and
-moves whole flat buffers.
+Every offset comes from the layout (the bucket's `BucketLayout` and its parameters'
+`ShardSpec`s); this file only allocates, views and moves whole flat buffers.
 """
 
 from __future__ import annotations
