@@ -77,13 +77,16 @@ class FlatBucket:
             source = self.main.to(self.param_dtype)
         self._gather_input = source  # alive until the collective is waited on
         self._version = self.unsharded._version
+        # The copy reflects the weights as of now: a write before the wait (an optimizer
+        # step, a load, a user edit) makes it stale, or torn where NCCL reads `main` late.
+        self._gathering_version = self.main._version
         return comm.all_gather(
             self.unsharded, source, self.group, self.layout.shard_views(self.unsharded)
         )
 
     def finish_all_gather(self, work) -> None:
         work.wait()
-        self._main_version = self.main._version
+        self._main_version = self._gathering_version
         # Views of this buffer saved for backward must not see a version bump from a
         # re-gather of the same values; gloo bumps it when the collective completes.
         torch._C._autograd._unsafe_set_version_counter((self.unsharded,), (self._version,))

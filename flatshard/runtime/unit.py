@@ -100,12 +100,15 @@ class Unit:
         """Start gathering the parameters (no-op while a gathered copy is up to date)."""
         state = self.sharded_state
         if state is ShardedState.SHARDED or (state is ShardedState.UNSHARDED and self._stale()):
-            pool = self.pool()
-            self._gather_works = [bucket.start_all_gather(pool) for bucket in self.buckets]
-            self._move_sharded(ShardedState.GATHERING)
-            self._forced_stale = False
+            self._start_gather()
         if not async_op:
             self.wait_unshard()
+
+    def _start_gather(self) -> None:
+        pool = self.pool()
+        self._gather_works = [bucket.start_all_gather(pool) for bucket in self.buckets]
+        self._move_sharded(ShardedState.GATHERING)
+        self._forced_stale = False
 
     def _stale(self) -> bool:
         # Any write to the sharded weights (optimizer step, checkpoint load, a user's
@@ -115,10 +118,13 @@ class Unit:
     def wait_unshard(self) -> None:
         if self.sharded_state is not ShardedState.GATHERING:
             return
-        for work, bucket in zip(self._gather_works, self.buckets):
-            bucket.finish_all_gather(work)
-        self._gather_works = None
-        self._move_sharded(ShardedState.UNSHARDED)
+        while self.sharded_state is ShardedState.GATHERING:
+            for work, bucket in zip(self._gather_works, self.buckets):
+                bucket.finish_all_gather(work)
+            self._gather_works = None
+            self._move_sharded(ShardedState.UNSHARDED)
+            if self._stale():  # written while the gather was in flight: gather again
+                self._start_gather()
         self.make_unsharded_params()
 
     def make_unsharded_params(self) -> None:
