@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from flatshard import comm
+from flatshard import comm, load_hooks
 from flatshard.dtensor import patches
 from flatshard.dtensor.row_shard import make_row_sharded_dtensor
 from flatshard.errors import WrappingError
@@ -130,6 +130,7 @@ def _shard(members, mesh, stage, policy, root_part: bool) -> Unit:
         module._flatshard_unit = unit
         module.__class__ = wrapped_class(type(module))
         attach(unit, module)
+        load_hooks.install(unit, module)
     return unit
 
 

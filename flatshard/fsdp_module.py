@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
 from flatshard.errors import WrappingError
@@ -59,7 +60,9 @@ class FlatShardModule(nn.Module):
 
     def _apply(self, fn, recurse=True):
         # `to_empty()`, `.to()` etc. must not replace the sharded parameters: they are views
-        # of flat buffers. Hide them while the conversion runs over everything else.
+        # of flat buffers. Hide them while the conversion runs over everything else, and
+        # refuse a conversion that would change their dtype or device.
+        _refuse_conversion(self._flatshard_unit, fn)
         below = set(self.modules())
         hidden = []
         for param in self._flatshard_unit.params:
@@ -71,6 +74,21 @@ class FlatShardModule(nn.Module):
         finally:
             for module, name, value in reversed(hidden):
                 module._parameters[name] = value
+
+
+def _refuse_conversion(unit: Unit, fn) -> None:
+    for bucket in unit.buckets:
+        probe = bucket.main.new_empty(0)
+        converted = fn(probe)
+        if isinstance(converted, torch.Tensor) and (
+            converted.dtype != probe.dtype or converted.device != probe.device
+        ):
+            raise WrappingError(
+                f"converting a fully_shard-ed module to {converted.dtype} on "
+                f"{converted.device} would leave its sharded parameters ({probe.dtype} on "
+                f"{probe.device}) as they are. Convert the model before fully_shard (for the "
+                "compute dtype use mp_policy=MixedPrecisionPolicy(param_dtype=...))."
+            )
 
 
 def weights_changed(model: nn.Module) -> None:

@@ -105,6 +105,8 @@ class RowShard(torch.Tensor):
         if op.collective:
             # A collective on row shards means DTensor took its chunk-based path.
             raise UnevenShardError(_unsupported(f"the collective {func}"))
+        if func is torch.ops.aten.copy_.default:
+            _check_copy_source(*args[:2])
         like = _first_row_shard(args)
         out = func(*_unwrap_args(args), **(_unwrap_kwargs(kwargs) if kwargs else {}))
         for position, name in op.written:
@@ -220,6 +222,25 @@ def _bump_versions(written) -> None:
     bases = [t.version_base for t in items if type(t) is RowShard and t.version_base is not None]
     if bases:
         torch.autograd.graph.increment_version(bases)
+
+
+def _check_copy_source(destination, source) -> None:
+    """A copy into a row shard from a piece of another layout (DTensor's `copy_` between a
+    flatshard parameter and a `torch.chunk`-sharded DTensor lands here with the chunk's
+    local tensor) would broadcast or fail deep inside torch: say what to do instead."""
+    if (
+        isinstance(destination, RowShard)
+        and not isinstance(source, RowShard)
+        and source.dim() == destination.dim()
+        and source.shape != destination.shape
+    ):
+        raise UnevenShardError(
+            f"copying a tensor of shape {tuple(source.shape)} into this rank's rows (shape "
+            f"{tuple(destination.shape)}) of a flatshard parameter: the source is sharded by "
+            "another layout. Load values with `module.load_state_dict` (any layout), or "
+            "copy this rank's rows of the full tensor into `param.to_local()` (the rows "
+            "`flatshard.row_range(param)`)."
+        )
 
 
 def _unsupported(what: str) -> str:
