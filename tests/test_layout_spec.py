@@ -103,6 +103,21 @@ def _check_tiling(info: ParamInfo, specs) -> None:
                global_shape=(6, 4, 2), global_offset=(3, 0, 0))],
     4,
 )  # fmt: skip
+@example(  # zero-numel params: no rows, no columns (with components), 1-D empty
+    [ParamInfo("empty_rows", (0, 4), "f"),
+     ParamInfo("w", (1, 3), "f"),
+     ParamInfo("empty_cols", (3, 0), "f",
+               components=(Component("a", 0, 0, 1), Component("b", 0, 1, 3))),
+     ParamInfo("empty", (0,), "f"),
+     ParamInfo("v", (4, 2), "f", components=(Component("x", 1, 0, 1), Component("y", 1, 1, 2)))],
+    4,
+)  # fmt: skip
+@example(  # grouped experts: 8 experts over 64 ranks, gate/up along dim 1, next to a norm
+    [ParamInfo("experts", (8, 6, 4), "f",
+               components=(Component("gate", 1, 0, 3), Component("up", 1, 3, 6))),
+     ParamInfo("norm", (4,), "f")],
+    64,
+)  # fmt: skip
 def test_spec_pieces_tile_global_tensor_and_components(params, world_size):
     layout = plan_unit_layout(params, world_size)
     for index, info in enumerate(layout.params):
