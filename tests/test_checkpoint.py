@@ -277,9 +277,12 @@ def test_corruption_truncation_retention(tmp_path):
 
 # --- SIGKILL during saves: `latest` always names a complete checkpoint ----------------------
 KILL_SCRIPT = textwrap.dedent("""
-    import os, sys, torch, torch.distributed as dist
+    import os, socket, sys, torch, torch.distributed as dist
     sys.path[:0] = [{repo!r}]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1")
+    with socket.socket() as probe:  # a free port, never a fixed one: runs may overlap
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo")
     import flatshard
     from flatshard import checkpoint
@@ -311,7 +314,7 @@ def test_sigkill_during_save_keeps_latest_loadable(tmp_path):
     for trial in range(4):
         root = str(tmp_path / f"run{trial}")
         process = subprocess.Popen(
-            [sys.executable, str(script), root, str(29700 + trial)],
+            [sys.executable, str(script), root],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,

@@ -107,15 +107,27 @@ def test_global_state_is_reset_between_tasks():
         torch.testing.assert_close(sample, expected)
 
 
+def _seconds(fn, *args):
+    start = time.perf_counter()
+    result = fn(*args)
+    return time.perf_counter() - start, result
+
+
 def test_pool_is_reused_and_fast():
     first = run_distributed(_pid, 2)
-    start = time.perf_counter()
-    second = run_distributed(_pid, 2)
-    elapsed = time.perf_counter() - start
-    print(f"second call on a warm 2-rank pool: {elapsed * 1000:.1f} ms")
-    assert second == first  # same processes, in the same rank order
+    warm = []
+    for _ in range(3):
+        elapsed, again = _seconds(run_distributed, _pid, 2)
+        assert again == first  # same processes, in the same rank order
+        warm.append(elapsed)
     assert len(set(first)) == 2 and os.getpid() not in first
-    assert elapsed < 2.0
+    # No absolute bound (a loaded machine slows everything): a warm call, a message over a
+    # pipe, must be far cheaper than starting 2 ranks (spawn, import torch, join gloo),
+    # measured here on the same machine under the same load. Typically ~1000x.
+    cold, fresh = _seconds(spawn_fresh, _pid, 2)
+    assert not set(fresh) & set(first)
+    print(f"2-rank pool: warm call {min(warm) * 1000:.1f} ms, cold start {cold * 1000:.0f} ms")
+    assert min(warm) * 20 < cold, (warm, cold)
 
 
 def test_exception_on_one_rank_reports_its_traceback():
@@ -134,14 +146,17 @@ def test_exception_on_one_rank_reports_its_traceback():
 
 def test_hang_times_out_with_every_rank_stack_then_pool_is_replaced():
     before = run_distributed(_pid, 2)
+    timeout = 5
     start = time.perf_counter()
     with pytest.raises(DistributedTimeout) as info:
-        run_distributed(_hang_on_rank0, 2, timeout=5)
+        run_distributed(_hang_on_rank0, 2, timeout=timeout)
     elapsed = time.perf_counter() - start
-    assert elapsed < 15
+    # Not before the timeout, and bounded by it rather than by the 120 s default (the stack
+    # dump and the kill add well under a second on an idle machine; 10x leaves room for load).
+    assert timeout <= elapsed < 10 * timeout, elapsed
     message = str(info.value)
     print(message)
-    assert "timed out after 5 s" in message
+    assert f"timed out after {timeout} s" in message
     sections = _sections(message)
     assert sorted(sections) == [0, 1]
     for rank in (0, 1):
@@ -155,11 +170,15 @@ def test_hang_times_out_with_every_rank_stack_then_pool_is_replaced():
 
 
 def test_dead_worker_fails_fast_with_exit_code():
+    timeout = 60
     start = time.perf_counter()
     with pytest.raises(DistributedError) as info:
-        run_distributed(_exit_on_rank1, 3, timeout=60)  # W=3: reuses an existing pool
+        run_distributed(_exit_on_rank1, 3, timeout=timeout)  # W=3: reuses an existing pool
     elapsed = time.perf_counter() - start
-    assert elapsed < 15  # noticed through the process sentinel, not the 60 s timeout
+    # Noticed through the process sentinel, not by running out the timeout: reported as a
+    # failure, not a timeout, well before the deadline (typically within GRACE_S, 3 s).
+    assert not isinstance(info.value, DistributedTimeout)
+    assert elapsed < timeout / 2, elapsed
     sections = _sections(str(info.value))
     assert "died with exit code 3" in sections[1]
     assert "finished normally" not in sections[0]  # rank 0 was stuck waiting for rank 1
