@@ -5,8 +5,8 @@ constant scale) and pooled norms dilute errors in small tensors. Here, after the
 backward and before any optimizer, each parameter's full gradient is compared with the
 single-process gradient of the same global batch, relative per tensor, for every world
 size, ZeRO stage, accumulation setting, tied and frozen weights, the embedding lookup from
-the shards and the root's first-use groups; then two SGD steps without momentum, where a
-gradient scale error shows in the weights.
+the shards, the root's first-use groups and a custom divide factor; then two SGD steps
+without momentum, where a gradient scale error shows in the weights.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ VARIANTS = {
     "tied": {"tie_embeddings": True},
     "frozen": {},  # the embedding frozen before fully_shard
     "lookup": {"vocab_size": 509},  # ranks x tokens < rows: looked up from the shards
+    "divide": {},  # set_gradient_divide_factor(3): gradients world/3 x the mean's
 }
+DIVIDE_FACTOR = 3.0
 ACCUMULATION = [(1, False), (3, False), (3, True)]  # micro-batches, sync on the last only
 STAGES = (1, 2, 3)
 CASES = list(itertools.product(VARIANTS, STAGES, ACCUMULATION))
@@ -43,6 +45,13 @@ def _model(variant: str):
     model = build_model(config(**VARIANTS[variant]))
     if variant == "frozen":
         model.embed_tokens.weight.requires_grad_(False)
+    return model
+
+
+def _sharded_model(variant: str, stage: int):
+    model = shard(_model(variant), zero_stage=stage)
+    if variant == "divide":
+        model.set_gradient_divide_factor(DIVIDE_FACTOR)
     return model
 
 
@@ -71,10 +80,13 @@ def _full_weights(model) -> dict[str, torch.Tensor]:
     }
 
 
-def _sgd_steps(model, data, microbatches, sync_last_only, rank=0, world=1):
+def _sgd_steps(model, data, microbatches, sync_last_only, rank=0, world=1, scale=1.0):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     for tokens in data:
         _backward(model, tokens, microbatches, sync_last_only, rank, world)
+        for param in model.parameters():
+            if param.grad is not None and scale != 1.0:
+                param.grad.mul_(scale)  # the reference's stand-in for a divide factor
         optimizer.step()
         optimizer.zero_grad()
     return _full_weights(model)
@@ -84,12 +96,12 @@ def _sharded_run(cases):
     rank, world = dist.get_rank(), dist.get_world_size()
     out = []
     for variant, stage, (microbatches, sync_last_only) in cases:
-        model = shard(_model(variant), zero_stage=stage)
+        model = _sharded_model(variant, stage)
         _backward(model, _data(variant)[0], microbatches, sync_last_only, rank, world)
         grads = _full_grads(model)
         unit = getattr(model.embed_tokens, "_flatshard_unit", None)
         looked_up = unit is not None and unit.looked_up_from_shards()
-        model = shard(_model(variant), zero_stage=stage)
+        model = _sharded_model(variant, stage)
         weights = _sgd_steps(model, _data(variant, 2), microbatches, sync_last_only, rank, world)
         out.append((grads, looked_up, weights) if rank == 0 else None)
     return out
@@ -108,11 +120,15 @@ def _per_tensor_errors(ours: dict, reference: dict) -> dict[str, float]:
 
 
 @functools.cache
-def _reference(variant: str, microbatches: int):
-    """One process, the whole global batch: first gradients, weights after two SGD steps."""
+def _reference(variant: str, microbatches: int, world: int):
+    """One process, the whole global batch: first gradients, weights after two SGD steps
+    (a divide factor f scales the mean's gradients by world / f)."""
+    scale = world / DIVIDE_FACTOR if variant == "divide" else 1.0
     model = _model(variant)
     _backward(model, _data(variant)[0], microbatches, False)
-    return _full_grads(model), _sgd_steps(_model(variant), _data(variant, 2), microbatches, False)
+    grads = {n: None if g is None else g * scale for n, g in _full_grads(model).items()}
+    data = _data(variant, 2)
+    return grads, _sgd_steps(_model(variant), data, microbatches, False, scale=scale)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -121,7 +137,7 @@ def test_gradients_and_sgd_weights_equal_one_process_per_tensor(world_size):
     failures = []
     for (variant, stage, (micro, last_only)), (grads, looked_up, weights) in zip(CASES, results):
         case = f"{variant} ZeRO-{stage} micro={micro} sync_last_only={last_only}"
-        ref_grads, ref_weights = _reference(variant, micro)
+        ref_grads, ref_weights = _reference(variant, micro, world_size)
         for name, error in _per_tensor_errors(grads, ref_grads).items():
             if error > TOLERANCE:
                 failures.append(f"{case}: grad {name} rel {error:.2e}")
