@@ -1,0 +1,208 @@
+"""Mutation smoke test: plant small, named bugs one at a time and see which test kills each.
+
+Each mutant is one textual change to the library (the kind of slip a real change makes: a
+dropped alignment, a missing divide factor, a wrong chunk offset, ...). For every mutant
+this copies the checkout's tracked files to a scratch directory, applies the change there,
+runs the tests that should catch it, and reports the first failing test (killed) or
+SURVIVED. The checkout itself is never touched. Not part of CI (it runs the suite's most
+telling tests once per mutant: a few minutes in all):
+
+    python scripts/mutants.py              # every mutant
+    python scripts/mutants.py crc lookup   # the named ones
+    python scripts/mutants.py --full      # each against the whole suite (slow)
+
+Exit status: 0 when every mutant was killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    what: str
+    file: str
+    old: str
+    new: str
+    tests: tuple[str, ...]  # the suite's tests expected to kill it
+
+
+MUTANTS = (
+    Mutant(
+        "alignment",
+        "the layout no longer moves a parameter so that shard cuts fall on row edges",
+        "flatshard/layout/planner.py",
+        "        if info.numel > 0 and _crosses_cut(cursor, info.numel, shard_size, world_size):",
+        "        if False:",
+        ("tests/test_layout.py", "tests/test_layout_padding.py"),
+    ),
+    Mutant(
+        "divide-factor",
+        "the gloo reduce-scatter sums where it should average (gradients x world)",
+        "flatshard/comm.py",
+        "            self.output.div_(self.world)",
+        "            pass",
+        ("tests/test_gradients.py",),
+    ),
+    Mutant(
+        "chunk-offsets",
+        "DCP chunks of a rank's rows are written at offset 0",
+        "flatshard/dtensor/row_shard.py",
+        "offsets=torch.Size(box.offset)",
+        "offsets=torch.Size((0,) * len(box.offset))",
+        ("tests/test_checkpoint.py",),
+    ),
+    Mutant(
+        "crc",
+        "the checkpoint CRC is not chained across read blocks",
+        "flatshard/checkpoint/manifest.py",
+        "            crc = zlib.crc32(block, crc)",
+        "            crc = zlib.crc32(block)",
+        ("tests/test_checkpoint_integrity.py",),
+    ),
+    Mutant(
+        "component-split",
+        "the fused gate/up weight declares its components in the wrong order",
+        "flatshard/models/llama.py",
+        '(("gate_proj.weight", cfg.ffn_dim), ("up_proj.weight", cfg.ffn_dim))',
+        '(("up_proj.weight", cfg.ffn_dim), ("gate_proj.weight", cfg.ffn_dim))',
+        ("tests/test_hf.py",),
+    ),
+    Mutant(
+        "lookup-backward",
+        "the embedding lookup's backward adds other ranks' rows' gradients into its row 0",
+        "flatshard/runtime/sharded_lookup.py",
+        "grads.masked_fill_(~held.unsqueeze(1), 0).to(flat.dtype)",
+        "grads.to(flat.dtype)",
+        ("tests/test_gradients.py",),
+    ),
+    Mutant(
+        "lookup-divide",
+        "the embedding lookup's backward forgets the gradient divide factor",
+        "flatshard/runtime/sharded_lookup.py",
+        "            rows.div_(self.grads.divide_factor)",
+        "            pass",
+        ("tests/test_gradients.py",),
+    ),
+    Mutant(
+        "data-position",
+        "the trainer reads each rank's micro-batch one sequence late",
+        "flatshard/cli/train.py",
+        "ranks.rank * train.micro_batch\n",
+        "ranks.rank * train.micro_batch + 1\n",
+        ("tests/test_cli_reference.py",),
+    ),
+    Mutant(
+        "accumulation",
+        "held (unsynced) low-precision gradients drop every micro-batch after the first",
+        "flatshard/runtime/flat_bucket.py",
+        "            self._unsynced.add_(self.unsharded_grad)",
+        "            pass",
+        ("tests/test_mixed_precision.py",),
+    ),
+    Mutant(
+        "inflight-write",
+        "a write to the weights during their all-gather is not gathered again",
+        "flatshard/runtime/unit.py",
+        "            if self._stale():  # written while the gather was in flight: gather again",
+        "            if False:",
+        ("tests/test_inflight_write.py",),
+    ),
+    Mutant(
+        "gather-version",
+        "a gathered copy is stamped with the weights' version after its wait, not at its start",
+        "flatshard/runtime/flat_bucket.py",
+        "        self._main_version = self._gathering_version",
+        "        self._main_version = self.main._version",
+        ("tests/test_inflight_write.py",),
+    ),
+    Mutant(
+        "load-layout",
+        "load_state_dict takes a torch.chunk DTensor's local piece as this rank's rows",
+        "flatshard/load_hooks.py",
+        "    return spec.piece_of(value.full_tensor())",
+        "    return local",
+        ("tests/test_load_state_dict.py",),
+    ),
+)
+
+
+def scratch_copy() -> str:
+    """The checkout's tracked files (as they are now) in a new temporary directory."""
+    files = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True
+    ).stdout.split(b"\0")
+    root = tempfile.mkdtemp(prefix="flatshard-mutants-")
+    for name in (f.decode() for f in files if f):
+        target = os.path.join(root, name)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        shutil.copy2(os.path.join(REPO, name), target)
+    return root
+
+
+def run_mutant(root: str, mutant: Mutant, full: bool) -> tuple[str, float]:
+    """('killed by TEST' | 'SURVIVED' | 'NOT APPLIED: ...', seconds)."""
+    path = os.path.join(root, mutant.file)
+    with open(path) as handle:
+        original = handle.read()
+    if original.count(mutant.old) != 1:
+        return f"NOT APPLIED: the text to change occurs {original.count(mutant.old)} times", 0.0
+    with open(path, "w") as handle:
+        handle.write(original.replace(mutant.old, mutant.new))
+    started = time.perf_counter()
+    try:
+        tests = ["tests"] if full else list(mutant.tests)
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+            cwd=root, capture_output=True, text=True, timeout=3600,
+            env={**os.environ, "PYTHONPATH": root},
+        )  # fmt: skip
+    finally:
+        with open(path, "w") as handle:
+            handle.write(original)
+    seconds = time.perf_counter() - started
+    failed = re.search(r"^FAILED (\S+)", result.stdout, re.MULTILINE)
+    if result.returncode == 0:
+        return "SURVIVED", seconds
+    if failed:
+        return f"killed by {failed.group(1)}", seconds
+    return f"killed (pytest exit {result.returncode})", seconds
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    parser.add_argument("--full", action="store_true", help="run the whole suite per mutant")
+    args = parser.parse_args(argv)
+    known = {m.name: m for m in MUTANTS}
+    unknown = sorted(set(args.names) - set(known))
+    if unknown:
+        parser.error(f"unknown mutant(s) {unknown}; known: {', '.join(known)}")
+    chosen = [known[n] for n in args.names] if args.names else list(MUTANTS)
+    root = scratch_copy()
+    survived = 0
+    try:
+        for mutant in chosen:
+            verdict, seconds = run_mutant(root, mutant, args.full)
+            survived += not verdict.startswith("killed")
+            print(f"{mutant.name:<16} {verdict}  ({seconds:.0f} s)\n{'':<16} {mutant.what}")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"\n{len(chosen) - survived} of {len(chosen)} mutants killed")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
