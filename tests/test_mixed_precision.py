@@ -39,7 +39,7 @@ LOOKUP_VOCAB = 509  # ranks x tokens < rows: the embedding is looked up from its
 CASES = [
     (reduce, micro, last_only, factor, output, 61)
     for reduce, micro, last_only, factor, output in itertools.product(
-        ("fp32", "bf16"), (1, 2, 3, 5), (False, True), (None, 3.0), (None, "fp32")
+        ("fp32", "bf16"), (1, 2, 3, 5), (False, True), (None, 3.0), (None, "fp32", "no-cast")
     )
     if not (micro == 1 and last_only) and (factor is None or output is None)
 ] + [
@@ -50,8 +50,12 @@ DTYPES = {"fp32": torch.float32, "bf16": BF16, None: None}
 
 
 def _policy(reduce, output):
+    """output: None, "fp32" (output_dtype), or "no-cast" (cast_forward_inputs=False)."""
     return flatshard.MixedPrecisionPolicy(
-        param_dtype=BF16, reduce_dtype=DTYPES[reduce], output_dtype=DTYPES[output]
+        param_dtype=BF16,
+        reduce_dtype=DTYPES[reduce],
+        output_dtype=DTYPES.get(output),
+        cast_forward_inputs=output != "no-cast",
     )
 
 
