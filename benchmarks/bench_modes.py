@@ -70,6 +70,8 @@ PRESETS = {
 }
 
 MODES = ["single", "ddp", "fsdp2", "zero3", "zero2", "zero1"]
+# HSDP (2 replicas x world/2 shards), run when asked for with --modes
+HSDP_MODES = ["fsdp2-hsdp", "hsdp3"]
 MODE_NAMES = {
     "single": "single process",
     "ddp": "DDP",
@@ -77,8 +79,22 @@ MODE_NAMES = {
     "zero3": "flatshard ZeRO-3",
     "zero2": "flatshard ZeRO-2",
     "zero1": "flatshard ZeRO-1",
+    "fsdp2-hsdp": "FSDP2 HSDP",
+    "hsdp3": "flatshard HSDP ZeRO-3",
 }
-FLATSHARD_STAGES = {"zero3": 3, "zero2": 2, "zero1": 1}
+FLATSHARD_STAGES = {"zero3": 3, "zero2": 2, "zero1": 1, "hsdp3": 3}
+HSDP_REPLICAS = 2
+
+
+def hsdp_mesh():
+    """(2 replicas, world / 2 shards), for the HSDP modes."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shards = dist.get_world_size() // HSDP_REPLICAS
+    return init_device_mesh("cpu", (HSDP_REPLICAS, shards), mesh_dim_names=("rep", "shard"))
+
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MODEL_SEED, DATA_SEED = 0, 1
 LR, WEIGHT_DECAY = 1e-3, 0.1
@@ -157,19 +173,22 @@ def build_mode(mode: str, cfg: LlamaConfig, param_dtype: torch.dtype):
                     return lm_loss(model, tokens)
 
             return model, autocast_loss, (lambda loss: loss.backward())
-    elif mode == "fsdp2":
+    elif mode in ("fsdp2", "fsdp2-hsdp"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        policy = policy if low else MixedPrecisionPolicy()
+        mesh = hsdp_mesh() if mode == "fsdp2-hsdp" else None
         for layer in model.layers:
-            fully_shard(layer, mp_policy=policy if low else MixedPrecisionPolicy())
-        fully_shard(model, mp_policy=policy if low else MixedPrecisionPolicy())
+            fully_shard(layer, mp_policy=policy, mesh=mesh)
+        fully_shard(model, mp_policy=policy, mesh=mesh)
     else:
         stage = FLATSHARD_STAGES[mode]
         policy = flatshard.MixedPrecisionPolicy(
             param_dtype=param_dtype if low else None, reduce_dtype=torch.float32 if low else None
         )
+        mesh = hsdp_mesh() if mode == "hsdp3" else None
         for layer in model.layers:
-            flatshard.fully_shard(layer, zero_stage=stage, mp_policy=policy)
-        flatshard.fully_shard(model, zero_stage=stage, mp_policy=policy)
+            flatshard.fully_shard(layer, zero_stage=stage, mp_policy=policy, mesh=mesh)
+        flatshard.fully_shard(model, zero_stage=stage, mp_policy=policy, mesh=mesh)
     return model, (lambda tokens: lm_loss(model, tokens)), (lambda loss: loss.backward())

@@ -9,7 +9,15 @@ import statistics
 import subprocess
 
 import torch
-from bench_modes import FLATSHARD_STAGES, LR, MODE_NAMES, PRESETS, WEIGHT_DECAY, make_config
+from bench_modes import (
+    FLATSHARD_STAGES,
+    HSDP_REPLICAS,
+    LR,
+    MODE_NAMES,
+    PRESETS,
+    WEIGHT_DECAY,
+    make_config,
+)
 from comm_counter import COMM_KINDS, COUNTED_NAME, gathered_bytes, reduced_bytes, wire_bytes
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -357,6 +365,14 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
         if m != "single"
     )
     explain.append(f"\nPython-level collective calls per step: {calls}.")
+    if "hsdp3" in summary and "fsdp2-hsdp" in summary:
+        wall = _paired_ratio(summary, "hsdp3", "fsdp2-hsdp")
+        cpu = _paired_ratio(summary, "hsdp3", "fsdp2-hsdp", "cpu_times")
+        explain.append(
+            f"\nHSDP ({HSDP_REPLICAS} replicas x {world // HSDP_REPLICAS} shards): flatshard "
+            f"HSDP ZeRO-3 step x FSDP2 HSDP {_fmt_ratio(wall)} (CPU {_fmt_ratio(cpu)}), "
+            "step-paired medians as above."
+        )
     zero3 = summary.get("zero3")
     if zero3 and zero3["zero3_wire"]:
         expected = zero3["zero3_wire"]

@@ -46,6 +46,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from bench_modes import (
     DTYPES,
+    HSDP_MODES,
     MODE_NAMES,
     MODES,
     PRESETS,
@@ -174,10 +175,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.steps is None:
         args.steps = PRESETS[args.preset]["steps"]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = sorted(set(modes) - set(MODES))
+    known = MODES + HSDP_MODES
+    unknown = sorted(set(modes) - set(known))
     if unknown or not modes:
-        parser.error(f"unknown modes {unknown}; choose from {MODES}")
-    args.modes = [m for m in MODES if m in modes]
+        parser.error(f"unknown modes {unknown}; choose from {known}")
+    if set(modes) & set(HSDP_MODES) and args.world % 2:
+        parser.error("the HSDP modes need an even --world (2 replicas)")
+    args.modes = [m for m in known if m in modes]
     if args.world < 1 or args.steps < 1 or args.rounds < 1 or args.warmup < 0:
         parser.error("--world, --steps and --rounds must be >= 1, --warmup >= 0")
     args.rounds = min(args.rounds, args.steps)

@@ -67,7 +67,9 @@ def _shard(members, mesh, stage, policy, root_part: bool) -> Unit:
     """One unit over the parameters below `members` [(fqn prefix, module)] that no inner
     unit manages; its hooks go on every member."""
     found = _collect_params(members)
-    comm.agree(_check_params(found), mesh.shard_group, WrappingError)
+    problem = _check_params(found)
+    comm.agree(problem, mesh.shard_group, WrappingError)
+    comm.agree(problem, mesh.replicate_group, WrappingError)
 
     rank, world_size = mesh.shard_rank, mesh.shard_size
     infos = [
@@ -113,7 +115,7 @@ def _shard(members, mesh, stage, policy, root_part: bool) -> Unit:
             with torch.no_grad():
                 rows.copy_(spec.rows_of(original.detach()))
         sharded = nn.Parameter(
-            make_row_sharded_dtensor(rows, mesh.device_mesh, spec, bucket.main),
+            make_row_sharded_dtensor(rows, mesh, spec, bucket.main),
             requires_grad=original.requires_grad,
         )
         managed.append(ManagedParam(fqn, occurrences, bucket_index, index, sharded))

@@ -124,11 +124,12 @@ class Traffic:
     def __init__(self):
         self.all_gather = 0
         self.reduce_scatter = 0
+        self.all_reduce = 0
 
-    def take(self) -> tuple[int, int]:
-        """(all-gather, reduce-scatter) bytes since the last call."""
-        counts = (self.all_gather, self.reduce_scatter)
-        self.all_gather = self.reduce_scatter = 0
+    def take(self) -> tuple[int, int, int]:
+        """(all-gather, reduce-scatter, all-reduce) bytes since the last call."""
+        counts = (self.all_gather, self.reduce_scatter, self.all_reduce)
+        self.all_gather = self.reduce_scatter = self.all_reduce = 0
         return counts
 
 
@@ -217,6 +218,12 @@ class _AllToAllReduceScatter:
             self.pool.give_back(self.received)
         self.received = None
         return True
+
+
+def all_reduce(tensor: torch.Tensor, group) -> None:
+    """Sum `tensor` in place over `group` (HSDP's replicas) and wait for it."""
+    traffic.all_reduce += tensor.numel() * tensor.element_size()
+    dist.all_reduce(tensor, group=group)
 
 
 def all_gather_ints(values: torch.Tensor, group) -> list[list[int]]:

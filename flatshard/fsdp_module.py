@@ -31,6 +31,12 @@ class FlatShardModule(nn.Module):
         for unit in self._units(recurse):
             unit.grads.requires_sync = requires_gradient_sync
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True):
+        """HSDP: False keeps reduce-scattered gradients on this replica (accumulation
+        without the replica all-reduce); the next sync with True sums them over replicas."""
+        for unit in self._units(recurse):
+            unit.grads.requires_all_reduce = requires_all_reduce
+
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):
         for unit in self._units(recurse):
             unit.resharding.after_backward = reshard_after_backward

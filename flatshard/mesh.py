@@ -5,10 +5,11 @@
 from `dp_shard x tp` (the experts' own data-parallel degree is `efsdp = dp_shard * tp /
 ep`, as in torchtitan). `ShardMesh` is a `DeviceMesh` as `fully_shard` uses it: it
 validates the mesh once and answers which group a unit shards over, this rank's index in
-it, its size and the device buffers live on. Nothing else takes a mesh apart.
+it, its size, the replica group of HSDP, the DTensor placements of a sharded parameter and
+the device buffers live on. Nothing else takes a mesh apart.
 
-Today the runtime shards over a 1-D data-parallel mesh; the other degrees are planned on
-paper and refused at `fully_shard` with a message that says so.
+As FSDP2's, `fully_shard`'s mesh is 1-D (shard) or 2-D (dim 0 replicate, dim 1 shard:
+HSDP); tensor and expert parallelism are planned on paper and not run yet.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
 
 from flatshard import comm
 from flatshard.errors import MeshError
@@ -92,12 +94,12 @@ class ShardMesh:
     index in it and its size, the device of the buffers, and the mesh DTensors live on."""
 
     def __init__(self, device_mesh: DeviceMesh):
-        if device_mesh.ndim != 1:
+        if device_mesh.ndim not in (1, 2):
             names = device_mesh.mesh_dim_names or ""
             raise MeshError(
-                f"fully_shard takes a 1-D data-parallel mesh for now; got a "
-                f"{device_mesh.ndim}-D mesh {names}. Pass the data-parallel dimension, e.g. "
-                "mesh['dp']."
+                f"fully_shard takes a 1-D (shard) or 2-D (replicate, shard) data-parallel "
+                f"mesh; got a {device_mesh.ndim}-D mesh {names}. Pass its data-parallel "
+                "dimensions, e.g. mesh['dp_replicate', 'dp_shard']."
             )
         if device_mesh.get_coordinate() is None:
             # no member of the mesh waits for this rank: raising alone cannot hang anyone
@@ -106,11 +108,24 @@ class ShardMesh:
                 "mesh's ranks may call fully_shard with it"
             )
         self.device_mesh = device_mesh
-        self.dims = ParallelDims(device_mesh.size(), dp_shard=device_mesh.size())
-        self.shard_group = device_mesh.get_group()
-        self.shard_rank = device_mesh.get_local_rank()
-        self.shard_size = device_mesh.size()
+        shard_dim = device_mesh.ndim - 1
+        self.shard_group = device_mesh.get_group(shard_dim)
+        self.shard_rank = device_mesh.get_local_rank(shard_dim)
+        self.shard_size = device_mesh.size(shard_dim)
+        hsdp = device_mesh.ndim == 2
+        self.replicate_group = device_mesh.get_group(0) if hsdp else None
+        self.replicate_size = device_mesh.size(0) if hsdp else 1
+        self.dims = ParallelDims(
+            device_mesh.size(), dp_replicate=self.replicate_size, dp_shard=self.shard_size
+        )
+        # a sharded parameter: rows over the shard dim, the same rows on every replica
+        self.placements = (Replicate(), Shard(0)) if hsdp else (Shard(0),)
         self.device = comm.compute_device(device_mesh.device_type)
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks a gradient is averaged over."""
+        return self.replicate_size * self.shard_size
 
     @classmethod
     def resolve(cls, device_mesh: DeviceMesh | ShardMesh | None) -> ShardMesh:
@@ -129,7 +144,8 @@ class ShardMesh:
         return cls(device_mesh)
 
     def __repr__(self) -> str:
-        return f"ShardMesh({self.shard_size} ranks on {self.device})"
+        replicas = f"{self.replicate_size} x " if self.replicate_size > 1 else ""
+        return f"ShardMesh({replicas}{self.shard_size} ranks on {self.device})"
 
 
 def default_device() -> torch.device:

@@ -78,11 +78,20 @@ def mean_over_ranks(value: float, world: int) -> float:
     return (tensor / world).item()
 
 
-def shard(model, zero_stage: int = 3, mp_policy=None):
+def shard(model, zero_stage: int = 3, mp_policy=None, mesh=None):
     for layer in model.layers:
-        flatshard.fully_shard(layer, zero_stage=zero_stage, mp_policy=mp_policy)
-    flatshard.fully_shard(model, zero_stage=zero_stage, mp_policy=mp_policy)
+        flatshard.fully_shard(layer, zero_stage=zero_stage, mp_policy=mp_policy, mesh=mesh)
+    flatshard.fully_shard(model, zero_stage=zero_stage, mp_policy=mp_policy, mesh=mesh)
     return model
+
+
+def hsdp_mesh(replicas: int):
+    """(dp_replicate, dp_shard) over every rank: HSDP's 2-D mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    names = ("dp_replicate", "dp_shard")
+    return init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=names)
 
 
 def full_state(model) -> dict[str, torch.Tensor]:

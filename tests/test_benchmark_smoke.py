@@ -128,3 +128,15 @@ def test_gloo_collectives_script():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     timed = [line for line in proc.stdout.splitlines() if line.startswith("world 2")]
     assert len(timed) == 5 and all(" ms" in line for line in timed), proc.stdout
+
+
+def test_compare_hsdp_modes(tmp_path):
+    """World 4, 2 replicas x 2 shards: flatshard's HSDP trains as FSDP2's HSDP does, moves
+    the same all-reduce bytes, and the report gives its step-paired ratio to FSDP2 HSDP."""
+    text = _run_compare(
+        tmp_path, "--world", "4", "--modes", "single,fsdp2-hsdp,hsdp3", "--interleave", "steps"
+    )
+    ours, peer = _row(text, "flatshard HSDP ZeRO-3"), _row(text, "FSDP2 HSDP")
+    assert float(ours["loss Δ vs single"]) <= 1e-6
+    assert ours["all-reduce /step"] == peer["all-reduce /step"] != "0 B"
+    assert re.search(r"flatshard HSDP ZeRO-3 step x FSDP2 HSDP [0-9.]+ \(CPU [0-9.]+\)", text)

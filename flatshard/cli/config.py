@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from flatshard.cli.errors import ConfigError
+from flatshard.mesh import ParallelDims
 
 try:
     import tomllib
@@ -85,6 +86,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("train.beta2", 0.95, "AdamW beta2", check=_fraction),
     Option("train.grad_clip", 1.0, "clip the global gradient norm (0: off)", check=_non_negative),
     Option("train.zero_stage", 3, "ZeRO stage", choices=(1, 2, 3)),
+    Option("train.dp_replicate", 1, "HSDP: replicas of the sharded model (processes are "
+           "dp_replicate x dp_shard)", check=_positive),
     Option("train.precision", "fp32", "compute dtype; weights and optimizer stay fp32",
            choices=("fp32", "bf16")),
     Option("train.seed", 0, "seed of the initial weights and the data order",
@@ -323,6 +326,8 @@ def check(config: RunConfig, world_size: int | None = None) -> None:
             f"train.global_batch ({train.global_batch}) must be a multiple of train.micro_batch "
             f"({train.micro_batch})"
         )
+    if world_size is not None:
+        ParallelDims(world_size, dp_replicate=train.dp_replicate)  # a MeshError says what
     if world_size is not None and train.global_batch % (train.micro_batch * world_size):
         raise ConfigError(
             f"train.global_batch ({train.global_batch}) must be a multiple of train.micro_batch "

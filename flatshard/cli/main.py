@@ -26,6 +26,7 @@ TRAIN_FLAGS = {
     "global_batch": ("train.global_batch", "N", "sequences per optimizer step"),
     "lr": ("train.lr", "LR", "peak learning rate"),
     "zero_stage": ("train.zero_stage", "N", "ZeRO stage 1, 2 or 3"),
+    "dp_replicate": ("train.dp_replicate", "N", "HSDP: replicas of the sharded model"),
     "precision": ("train.precision", "P", "fp32 or bf16 compute"),
     "seed": ("train.seed", "N", "seed of the weights and the data order"),
     "checkpoint_interval": ("checkpoint.interval", "N", "save every N steps (0: only at the end)"),

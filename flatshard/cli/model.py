@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 import flatshard
 from flatshard.checkpoint import manifest
@@ -48,16 +50,28 @@ def mixed_precision(precision: str) -> flatshard.MixedPrecisionPolicy | None:
 
 
 def build_sharded(
-    cfg: LlamaConfig, *, zero_stage: int, precision: str, seed: int, device: torch.device
+    cfg: LlamaConfig,
+    *,
+    zero_stage: int,
+    precision: str,
+    seed: int,
+    device: torch.device,
+    dp_replicate: int = 1,
 ) -> Llama:
-    """Every block, then the root, `fully_shard`-ed; weights equal `Llama(cfg)` built eagerly
-    after `torch.manual_seed(seed)`, at any world size, and no rank ever holds them all."""
+    """Every block, then the root, `fully_shard`-ed (HSDP over `dp_replicate` replicas);
+    weights equal `Llama(cfg)` built eagerly after `torch.manual_seed(seed)`, at any world
+    size, and no rank ever holds them all."""
     with torch.device("meta"):
         model = Llama(cfg)
     policy = mixed_precision(precision)
+    mesh = None
+    if dp_replicate > 1:
+        shards = dist.get_world_size() // dp_replicate
+        names = ("dp_replicate", "dp_shard")
+        mesh = init_device_mesh(device.type, (dp_replicate, shards), mesh_dim_names=names)
     for block in model.layers:
-        flatshard.fully_shard(block, zero_stage=zero_stage, mp_policy=policy)
-    flatshard.fully_shard(model, zero_stage=zero_stage, mp_policy=policy)
+        flatshard.fully_shard(block, zero_stage=zero_stage, mp_policy=policy, mesh=mesh)
+    flatshard.fully_shard(model, zero_stage=zero_stage, mp_policy=policy, mesh=mesh)
     torch.manual_seed(seed)
     flatshard.materialize(model, device)
     return model

@@ -11,6 +11,7 @@ import json
 from flatshard.cli import config as run_config
 from flatshard.cli import zoo
 from flatshard.cli.estimate import Plan, Setup, plan
+from flatshard.mesh import ParallelDims
 
 GIB = 1 << 30
 
@@ -96,6 +97,7 @@ def _model_and_defaults(args):
     train = config.train
     defaults.update(
         world_size=world,
+        dp_shard=ParallelDims(world, dp_replicate=train.dp_replicate).dp_shard,
         zero_stage=train.zero_stage,
         param_dtype=train.precision,
         micro_batch=train.micro_batch,

@@ -74,6 +74,7 @@ class Trainer:
             precision=train.precision,
             seed=train.seed,
             device=ranks.device,
+            dp_replicate=train.dp_replicate,
         )
         self.optimizer = torch.optim.AdamW(
             _parameter_groups(self.model, train.weight_decay),
@@ -195,7 +196,7 @@ class Trainer:
         self.step += 1
         self.position += train.global_batch
         elapsed = time.perf_counter() - step_started
-        all_gather, reduce_scatter = comm.traffic.take()
+        all_gather, reduce_scatter, all_reduce = comm.traffic.take()
         tokens = train.global_batch * config.data.seq_len
         return {
             "step": self.step,
@@ -210,7 +211,8 @@ class Trainer:
             "peak_rss_bytes": self.memory.peak_resident(),
             "all_gather_bytes": all_gather,
             "reduce_scatter_bytes": reduce_scatter,
-            "comm_bytes": all_gather + reduce_scatter,
+            "replica_all_reduce_bytes": all_reduce,
+            "comm_bytes": all_gather + reduce_scatter + all_reduce,
             "stop": stop,
         }
 

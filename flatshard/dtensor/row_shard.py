@@ -271,12 +271,14 @@ def gather_rows(shard: RowShard, group: dist.ProcessGroup) -> torch.Tensor:
 
 def redistribute_rows(local_tensor: RowShard, current_spec, target_spec) -> torch.Tensor:
     """DTensor redistribution of a row shard (patches.py routes it here): `Shard(0) ->
-    Replicate` gathers by the true rows; anything else raises on every rank alike."""
+    Replicate` on the mesh dim that holds the rows (the others unchanged) gathers by the
+    true rows; anything else raises on every rank alike."""
     current, target = tuple(current_spec.placements), tuple(target_spec.placements)
     if current == target:
         return local_tensor
-    if current == (Shard(0),) and target == (Replicate(),):
-        return gather_rows(local_tensor, current_spec.mesh.get_group(0))
+    changed = [dim for dim, (a, b) in enumerate(zip(current, target)) if a != b]
+    if len(changed) == 1 and (current[changed[0]], target[changed[0]]) == (Shard(0), Replicate()):
+        return gather_rows(local_tensor, current_spec.mesh.get_group(changed[0]))
     raise UnevenShardError(_unsupported(f"redistributing {current} -> {target}"))
 
 
@@ -312,11 +314,12 @@ def local_data(dtensor: DTensor) -> torch.Tensor:
 def make_row_sharded_dtensor(
     local: torch.Tensor, mesh, spec: ShardSpec, version_base: torch.Tensor | None = None
 ) -> DTensor:
-    """A `Shard(0)` DTensor whose local tensor is `local` (a view of `version_base`)."""
+    """A DTensor on `mesh` (a ShardMesh: `Shard(0)` over its shard dim, replicated over
+    HSDP's replicas) whose local tensor is `local` (a view of `version_base`)."""
     return DTensor.from_local(
         RowShard(local, spec, version_base),
-        mesh,
-        [Shard(0)],
+        mesh.device_mesh,
+        list(mesh.placements),
         run_check=False,
         shape=torch.Size(spec.global_shape),
         stride=spec.global_strides,

@@ -41,6 +41,9 @@ class FlatBucket:
         self._version = 0
         self._main_version = -1
         self._unsynced: torch.Tensor | None = None
+        # HSDP: reduce-scattered gradient shards not yet summed over the replicas
+        # (`set_requires_all_reduce(False)`), in the reduce dtype
+        self.unreplicated: torch.Tensor | None = None
 
     # The flat gradient shard lives exactly as long as the parameters' `.grad` views of it
     # (a view keeps its base alive): `zero_grad()` frees it at once, as FSDP2's are freed.
@@ -127,21 +130,25 @@ class FlatBucket:
         self.unsharded_grad = None
         return True
 
-    def start_reduce_scatter(self, divide_factor: float, world_size: int, pool: comm.BufferPool):
-        """Reduce the unsharded gradient; returns (work, output, input, post-scale)."""
+    def start_reduce_scatter(
+        self, divide_factor: float, shard_size: int, replicate_size: int, pool: comm.BufferPool
+    ):
+        """Reduce the unsharded gradient over the shard group; returns (work, output, input,
+        post-scale). Divided by `divide_factor` once the replicas (HSDP) sum the output."""
         flat = self.unsharded_grad
         if self._unsynced is not None:
             flat, self._unsynced = self._unsynced.add_(flat), None
         elif flat.dtype != self.reduce_dtype:
             flat = pool.empty(flat.numel(), self.reduce_dtype, flat.device).copy_(flat)
         output = torch.empty(self.layout.shard_size, dtype=self.reduce_dtype, device=flat.device)
-        average = divide_factor == world_size
-        if not average and flat.dtype == torch.float32:
+        average = divide_factor == shard_size * replicate_size
+        if average:  # averaged over the shard group; each replica's share of their sum
+            post_scale = 1.0 / replicate_size if replicate_size > 1 else None
+        elif flat.dtype == torch.float32:
             post_scale = 1.0 / divide_factor
         else:
             post_scale = None
-            if not average:
-                # Low-precision sums can overflow: scale before reducing.
-                flat.mul_(1.0 / divide_factor)  # consumed by this reduce: scale in place
+            # Low-precision sums can overflow: scale before reducing.
+            flat.mul_(1.0 / divide_factor)  # consumed by this reduce: scale in place
         work = comm.reduce_scatter(output, flat, self.group, average=average, pool=pool)
         return work, output, flat, post_scale

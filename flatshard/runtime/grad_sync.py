@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flatshard import comm
 from flatshard.dtensor.row_shard import RowShard, local_data, make_row_sharded_dtensor
 from flatshard.errors import UnevenShardError
 from flatshard.runtime.flat_bucket import FlatBucket
@@ -48,7 +49,8 @@ class GradientSync:
     def __init__(self, unit):
         self.unit = unit
         self.requires_sync = True
-        self.divide_factor = float(unit.world_size)
+        self.requires_all_reduce = True  # HSDP: sum over the replicas on every sync
+        self.divide_factor = float(unit.mesh.dp_size)
         self._holds_unsynced = False
 
     def _trainable_in(self, bucket: FlatBucket):
@@ -85,7 +87,10 @@ class GradientSync:
         for bucket in unit.buckets:
             if bucket.layout.requires_grad:
                 work, output, keep_alive, post_scale = bucket.start_reduce_scatter(
-                    self.divide_factor, unit.world_size, unit.context.buffers
+                    self.divide_factor,
+                    unit.world_size,
+                    unit.mesh.replicate_size,
+                    unit.context.buffers,
                 )
                 queue.pending.append(
                     PendingReduce(self, bucket, work, output, keep_alive, post_scale)
@@ -103,12 +108,28 @@ class GradientSync:
         if pending.post_scale is not None:
             reduced.mul_(pending.post_scale)
         bucket = pending.bucket
-        self.add_reduced(bucket, reduced)
+        self.accumulate(bucket, reduced)
         pool = self.unit.context.buffers
         if pending.keep_alive is not bucket.unsharded_grad:
             pool.give_back(pending.keep_alive)  # a copy in the reduce dtype
         if not self.unit.resharding.keep_grad_buffers:
             bucket.release_unsharded_grad(pool)
+
+    def accumulate(self, bucket: FlatBucket, reduced: torch.Tensor) -> None:
+        """A bucket's gradient shard, summed over the shard group and divided: sum it over
+        the replicas (HSDP; held back while `requires_all_reduce` is off) and add it to the
+        parameters' gradients."""
+        mesh = self.unit.mesh
+        if mesh.replicate_group is not None:
+            held = bucket.unreplicated
+            if held is not None:
+                reduced = held.add_(reduced)
+            if not self.requires_all_reduce:
+                bucket.unreplicated = reduced
+                return
+            bucket.unreplicated = None
+            comm.all_reduce(reduced, mesh.replicate_group)
+        self.add_reduced(bucket, reduced)
 
     def add_reduced(self, bucket: FlatBucket, reduced: torch.Tensor) -> None:
         """Add a bucket's reduced gradient shard to its parameters' `.grad`s (set them
@@ -128,11 +149,10 @@ class GradientSync:
                 rows = bucket.grad_rows(fresh, param.index)
                 rows.add_(_own_rows(param, rows))
         bucket.sharded_grad = fresh
-        device_mesh = self.unit.mesh.device_mesh
         for param in params:
             local = bucket.grad_rows(fresh, param.index)
             spec = bucket.specs[param.index]
-            param.sharded.grad = make_row_sharded_dtensor(local, device_mesh, spec)
+            param.sharded.grad = make_row_sharded_dtensor(local, self.unit.mesh, spec)
 
 
 def _own_rows(param, rows: torch.Tensor) -> torch.Tensor:

@@ -129,7 +129,7 @@ class ShardedLookup:
             rows = bucket.grad_rows(flat, self.param.index)
             rows.index_add_(0, row, grads.masked_fill_(~held.unsqueeze(1), 0).to(flat.dtype))
             rows.div_(self.grads.divide_factor)
-        self.grads.add_reduced(bucket, flat)
+        self.grads.accumulate(bucket, flat)
 
 
 class _LookupFromShards(torch.autograd.Function):

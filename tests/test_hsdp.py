@@ -1,0 +1,150 @@
+"""HSDP: parameters sharded over `dp_shard`, replicated over `dp_replicate` (FSDP2's 2-D
+mesh). Gradients are reduce-scattered inside a replica and summed over the replicas; the
+result equals one process, tensor by tensor; checkpoints are written once per replica
+group and load at any other layout."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_distributed
+from reference import (
+    adamw,
+    batches,
+    build_model,
+    config,
+    full_state,
+    hsdp_mesh,
+    lm_loss,
+    rank_slice,
+    rel_diff,
+    rel_losses,
+    shard,
+    train,
+)
+from test_gradients import _backward, _data, _full_grads, _model, _per_tensor_errors
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+from flatshard import checkpoint
+
+TOLERANCE = 1e-6
+STEPS = 5
+
+
+def _train(zero_stage, microbatches, sync_last_only, tied, replicas):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = config(tie_embeddings=tied)
+    data = batches(cfg, STEPS, batch=12 * microbatches)
+    model = shard(build_model(cfg), zero_stage, mesh=hsdp_mesh(replicas))
+    losses = train(
+        model, data, rank=rank, world=world, microbatches=microbatches,
+        sync_last_only=sync_last_only,
+    )  # fmt: skip
+    return losses, full_state(model)
+
+
+CASES = [
+    # (ZeRO stage, micro-batches, sync on the last only, tied embeddings)
+    (3, 1, False, False),
+    (2, 1, False, False),
+    (3, 3, False, True),
+    (2, 3, True, False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "zero{}-micro{}-last{}-tied{}".format(*c))
+def test_hsdp_trains_like_one_process(case):
+    zero_stage, microbatches, sync_last_only, tied = case
+    cfg = config(tie_embeddings=tied)
+    reference = build_model(cfg)
+    data = batches(cfg, STEPS, batch=12 * microbatches)
+    ref_losses = train(reference, data, microbatches=microbatches)
+    for losses, weights in run_distributed(_train, 4, *case, 2):
+        assert rel_losses(losses, ref_losses) <= TOLERANCE
+        assert rel_diff(weights, reference.state_dict()) <= TOLERANCE
+
+
+def _gradients(variant, replicas, hold_all_reduce):
+    """First gradients, with micro-batches accumulated without the replica all-reduce
+    (set_requires_all_reduce(False)) until the last when `hold_all_reduce`."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = shard(_model(variant), 3, mesh=hsdp_mesh(replicas))
+    tokens = _data(variant)[0]
+    pieces = tokens.chunk(3)
+    for i, piece in enumerate(pieces):
+        if hold_all_reduce:
+            model.set_requires_all_reduce(i == len(pieces) - 1)
+        _backward(model, piece, 1, False, rank, world)
+    grads = _full_grads(model)
+    unit = model.embed_tokens._flatshard_unit
+    return grads, unit.looked_up_from_shards()
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_hsdp_gradients_per_tensor(replicas):
+    for variant in ("plain", "lookup"):
+        for hold in (False, True):
+            reference = _model(variant)
+            for piece in _data(variant)[0].chunk(3):
+                _backward(reference, piece, 1, False)
+            expected = _full_grads(reference)
+            grads, looked_up = run_distributed(_gradients, 4, variant, replicas, hold)[0]
+            errors = _per_tensor_errors(grads, expected)
+            assert max(errors.values()) <= 2e-6, (variant, hold, errors)
+            if variant == "lookup":  # (the small plain batches may look up too)
+                assert looked_up == (4 // replicas > 1), (variant, replicas, looked_up)
+
+
+def _save_hsdp(path, replicas):
+    cfg = config()
+    model = shard(build_model(cfg), 3, mesh=hsdp_mesh(replicas) if replicas else None)
+    optimizer = adamw(model.parameters())
+    train_steps = batches(cfg, 2)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for tokens in train_steps:
+        lm_loss(model, rank_slice(tokens, rank, world)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    checkpoint.save(path, model=model, optimizer=optimizer, step=2)
+    return full_state(model), _optimizer_full(model, optimizer)
+
+
+def _optimizer_full(model, optimizer):
+    state = get_optimizer_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True)
+    )["state"]
+    return {f"{k}.{n}": v.clone() for k, s in state.items() for n, v in s.items() if v.dim()}
+
+
+def _load(path, replicas):
+    cfg = config()
+    mesh = hsdp_mesh(replicas) if replicas else None
+    model = shard(build_model(cfg, seed=3), 3, mesh=mesh)
+    optimizer = adamw(model.parameters())
+    checkpoint.load(path, model=model, optimizer=optimizer)
+    return full_state(model), _optimizer_full(model, optimizer)
+
+
+def _data_bytes(path) -> int:
+    step = os.path.join(path, "step-00000002")
+    return sum(
+        os.path.getsize(os.path.join(step, f)) for f in os.listdir(step) if f.endswith(".distcp")
+    )
+
+
+def test_hsdp_checkpoint_written_once_and_loads_anywhere(tmp_path):
+    hsdp, flat = str(tmp_path / "hsdp"), str(tmp_path / "flat")
+    saved = run_distributed(_save_hsdp, 4, hsdp, 2)[0]
+    run_distributed(_save_hsdp, 2, flat, 0)  # the same shards (2), no replicas
+    # the replicas hold the same rows: each is written once
+    assert _data_bytes(hsdp) == _data_bytes(flat)
+    for world, replicas in ((4, 0), (4, 4), (2, 0), (1, 0)):
+        weights, optim = run_distributed(_load, world, hsdp, replicas)[0]
+        assert rel_diff(weights, saved[0]) == 0.0, (world, replicas)
+        assert optim.keys() == saved[1].keys()
+        assert all(torch.equal(optim[k], saved[1][k]) for k in optim), (world, replicas)
+    weights, _ = run_distributed(_load, 4, flat, 2)[0]  # a 1-D checkpoint into HSDP
+    assert rel_diff(weights, run_distributed(_load, 1, flat, 0)[0][0]) == 0.0
