@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from flatshard import nccl_shim
 from flatshard.errors import FlatShardError
 
 
@@ -41,6 +42,33 @@ def group_device(group) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def thread_device_setter():
+    """A function that makes another thread use this thread's CUDA device (a no-op without
+    CUDA). A thread starts on device 0: an async checkpoint writer would open a context
+    there from every rank (memory on GPU 0) when DCP syncs its streams."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        device = torch.cuda.current_device()
+        return lambda: torch.cuda.set_device(device)
+    return lambda: None
+
+
+def to_host(tensor: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+    """A host copy of `tensor` (into `into` when given), without waiting for a device copy:
+    from CUDA it lands in pinned memory, asynchronously; `host_copies_done()` returns what
+    to wait on before reading it. On the CPU an ordinary copy."""
+    if into is not None:
+        return into.copy_(tensor, non_blocking=True)
+    return tensor.detach().to("cpu", copy=True, non_blocking=True)
+
+
+def host_copies_done():
+    """An event after every `to_host` copy issued so far on this stream (None on the CPU,
+    where they are done already); `.synchronize()` it before reading the copies."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.current_stream().record_event()
+    return None
 
 
 def free_storage(tensor: torch.Tensor, pool: BufferPool | None = None) -> None:
@@ -80,7 +108,8 @@ class BufferPool:
 
     @staticmethod
     def keeps(storage: torch.UntypedStorage) -> bool:
-        return storage.device.type == "cpu" and hasattr(storage, "_swap_data_ptr_")
+        cpu = storage.device.type == "cpu" and not nccl_shim.active()  # NCCL path: none
+        return cpu and hasattr(storage, "_swap_data_ptr_")
 
     def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialised flat buffer, from the pool when one of its size is free."""
@@ -144,6 +173,11 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group, pieces=None):
     Returns an object whose `wait()` leaves the result in `output`.
     """
     traffic.all_gather += output.numel() * output.element_size()
+    if dist.get_world_size(group) == 1:
+        return _Done(output.copy_(shard))
+    if nccl_shim.active():
+        run = lambda out, inp: dist.all_gather_single(out, inp, group=group)
+        return nccl_shim.NcclLikeWork("all-gather", output, [shard], run)
     if shard.device.type == "cpu" and dist.get_backend(group) == "gloo":
         pieces = output.chunk(dist.get_world_size(group)) if pieces is None else pieces
         return _PointToPointAllGather(pieces, shard, group)
@@ -186,10 +220,27 @@ def reduce_scatter(
     Returns an object whose `wait()` leaves the result in `output`.
     """
     traffic.reduce_scatter += flat.numel() * flat.element_size()
+    if dist.get_world_size(group) == 1:
+        # one rank: its gradient is the sum and the average (NCCL has corrupted a one-rank
+        # AVG; a copy cannot)
+        return _Done(output.copy_(flat))
+    op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+    if nccl_shim.active():
+        run = lambda out, inp: dist.reduce_scatter_single(out, inp, op=op, group=group)
+        return nccl_shim.NcclLikeWork("reduce-scatter", output, [flat], run)
     if flat.device.type == "cpu" and dist.get_backend(group) == "gloo":
         return _AllToAllReduceScatter(output, flat, group, average, pool)
-    op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
     return dist.reduce_scatter_single(output, flat, op=op, group=group, async_op=True)
+
+
+class _Done:
+    """A collective that was a local copy: nothing to wait for."""
+
+    def __init__(self, output: torch.Tensor):
+        self.output = output
+
+    def wait(self) -> bool:
+        return True
 
 
 class _AllToAllReduceScatter:
@@ -223,7 +274,8 @@ class _AllToAllReduceScatter:
 def all_reduce(tensor: torch.Tensor, group) -> None:
     """Sum `tensor` in place over `group` (HSDP's replicas) and wait for it."""
     traffic.all_reduce += tensor.numel() * tensor.element_size()
-    dist.all_reduce(tensor, group=group)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, group=group)
 
 
 def all_gather_ints(values: torch.Tensor, group) -> list[list[int]]:

@@ -129,6 +129,23 @@ MUTANTS = (
         ("tests/test_inflight_write.py",),
     ),
     Mutant(
+        "write-after-issue",
+        "a gradient buffer is written while its reduce-scatter is in flight (a race on NCCL)",
+        "flatshard/runtime/grad_sync.py",
+        "                started += 1\n",
+        "                started += 1\n                keep_alive.mul_(1.0)\n",
+        ("tests/test_nccl_shim.py",),
+    ),
+    Mutant(
+        "use-before-wait",
+        "forward runs on parameters whose all-gather it did not wait for",
+        "flatshard/runtime/hooks.py",
+        '    unit.unshard()\n    unit.register("unsharded")\n    if not context.in_backward:',
+        "    unit.unshard(async_op=True)\n    unit.make_unsharded_params()\n"
+        '    unit.register("unsharded")\n    if not context.in_backward:',
+        ("tests/test_nccl_shim.py",),
+    ),
+    Mutant(
         "load-layout",
         "load_state_dict takes a torch.chunk DTensor's local piece as this rank's rows",
         "flatshard/load_hooks.py",
@@ -153,7 +170,8 @@ def scratch_copy() -> str:
 
 
 def run_mutant(root: str, mutant: Mutant, full: bool) -> tuple[str, float]:
-    """('killed by TEST' | 'SURVIVED' | 'NOT APPLIED: ...', seconds)."""
+    """('killed by TEST' | 'SURVIVED' | 'NOT APPLIED: ...' | 'ERROR: ...', seconds). Only
+    a failing test kills: a mutant that breaks the import or collection is an error."""
     path = os.path.join(root, mutant.file)
     with open(path) as handle:
         original = handle.read()
@@ -176,9 +194,10 @@ def run_mutant(root: str, mutant: Mutant, full: bool) -> tuple[str, float]:
     failed = re.search(r"^FAILED (\S+)", result.stdout, re.MULTILINE)
     if result.returncode == 0:
         return "SURVIVED", seconds
-    if failed:
+    if result.returncode == 1 and failed:  # tests ran and one failed
         return f"killed by {failed.group(1)}", seconds
-    return f"killed (pytest exit {result.returncode})", seconds
+    tail = (result.stdout + result.stderr).strip().splitlines()[-1:]
+    return f"ERROR: pytest exit {result.returncode} {tail}", seconds
 
 
 def main(argv=None) -> int:

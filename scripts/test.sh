@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The test command: sets up .venv (torch 2.13.0 CPU from the local wheel, never a CUDA
-# download), installs flatshard with its dev extras, lints, and runs the whole suite.
+# download), installs flatshard with its dev extras, lints, and runs the whole suite; with
+# no arguments, then the training-parity tests again under the NCCL hazard shim
+# (flatshard/nccl_shim.py: collectives behave like asynchronous NCCL on CPU tensors).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
@@ -13,3 +15,9 @@ python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[dev]"
 ruff check .
 python -m pytest "$@"
+if [ $# -eq 0 ]; then
+  FLATSHARD_NCCL_SHIM=1 python -m pytest -q -p no:cacheprovider \
+    tests/test_training.py tests/test_gradients.py tests/test_mixed_precision.py \
+    tests/test_hsdp.py tests/test_sharded_lookup.py tests/test_inflight_write.py \
+    tests/test_load_state_dict.py tests/test_checkpoint.py
+fi

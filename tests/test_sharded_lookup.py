@@ -84,6 +84,20 @@ def test_uneven_token_counts_and_padding_idx(world_size, embedding_alone):
         assert torch.equal(pad_grad, torch.zeros(DIM))  # padding_idx gets no gradient
 
 
+def _deterministic():
+    torch.use_deterministic_algorithms(True)
+    try:
+        return _uneven_tokens_with_padding(False)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_deterministic_algorithms_sum_rows_with_index_put():
+    for looked_up, _, errors, pad_grad in run_distributed(_deterministic, 2):
+        assert looked_up and max(errors.values()) <= 1e-6, errors
+        assert torch.equal(pad_grad, torch.zeros(DIM))
+
+
 def _bf16_against_gathered():
     """bf16 compute: the lookup's output equals the gathered table's bit for bit, and the
     gradients agree with the gathered path's to bf16 rounding."""

@@ -85,14 +85,20 @@ def save(
 
     started = time.perf_counter()
     state = app_state(model, optimizer, extra)
+    copied = None
     if async_save:
         global _staged
         state = _staged = stage(state, _staged)
+        copied = comm.host_copies_done()
+    enter_device = comm.thread_device_setter()
     torch.save(rng_state(), os.path.join(partial, "rng", f"rank{rank}.pt"))
     config = manifest.model_config(model)
 
     def write_and_commit(result: dict) -> None:
         try:
+            enter_device()  # a new thread starts on GPU 0: use this rank's device
+            if copied is not None:
+                copied.synchronize()  # the staged host copies have landed
             writer = dcp.FileSystemWriter(partial, sync_files=True)
             dcp.save(state, storage_writer=writer, process_group=group)
             mine = {

@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from flatshard import comm
 from flatshard.dtensor.row_shard import local_data
 
 _group = None
@@ -96,10 +97,10 @@ def stage(state, reuse=None):
         return [stage(value, old) for value, old in zip(state, reuse)]
     if isinstance(state, (torch.Tensor, DTensor)):
         if _same_layout(state, reuse):
-            _plain_local(reuse).copy_(_plain_local(state))
+            comm.to_host(_plain_local(state), into=_plain_local(reuse))
             return reuse
         # to host memory: an async save must not double GPU memory (DTensors keep their rows)
-        return state.detach().to("cpu", copy=True)
+        return comm.to_host(state)
     return copy.deepcopy(state)
 
 
@@ -118,14 +119,17 @@ def _same_layout(tensor, old) -> bool:
 
 
 def rng_state() -> dict:
+    """This rank's generators: Python's, the CPU's and its own CUDA device's (not every
+    visible GPU's: other ranks own those)."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if isinstance(cuda, torch.Tensor) and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda)

@@ -60,7 +60,13 @@ def init_distributed(device_choice: str = "auto", threads: int = 0) -> Ranks:
     if use_cuda and not torch.cuda.is_available():
         raise RunError("run.device=cuda but no CUDA device is available; use run.device=cpu")
     if use_cuda:
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        if local_world > torch.cuda.device_count():  # the same answer on every local rank
+            raise RunError(
+                f"{local_world} processes on this node but only {torch.cuda.device_count()} "
+                "GPU(s) visible: two ranks would share a GPU. Start at most one process per "
+                "GPU (torchrun --nproc-per-node) or set CUDA_VISIBLE_DEVICES"
+            )
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")

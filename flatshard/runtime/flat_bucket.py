@@ -141,7 +141,9 @@ class FlatBucket:
         elif flat.dtype != self.reduce_dtype:
             flat = pool.empty(flat.numel(), self.reduce_dtype, flat.device).copy_(flat)
         output = torch.empty(self.layout.shard_size, dtype=self.reduce_dtype, device=flat.device)
-        average = divide_factor == shard_size * replicate_size
+        # fp16 averaged by the collective can underflow (and overflow before its divide):
+        # scaled first and summed instead, like a custom divide factor
+        average = divide_factor == shard_size * replicate_size and flat.dtype != torch.float16
         if average:  # averaged over the shard group; each replica's share of their sum
             post_scale = 1.0 / replicate_size if replicate_size > 1 else None
         elif flat.dtype == torch.float32:

@@ -83,6 +83,7 @@ class GradientSync:
             self._holds_unsynced = True
             return
         queue = unit.context.reduces
+        keeps_buffers = unit.resharding.keep_grad_buffers
         started = 0
         for bucket in unit.buckets:
             if bucket.layout.requires_grad:
@@ -96,6 +97,10 @@ class GradientSync:
                     PendingReduce(self, bucket, work, output, keep_alive, post_scale)
                 )
                 started += 1
+                if keep_alive is not bucket.unsharded_grad and not keeps_buffers:
+                    # the reduce-scatter reads a copy in the reduce dtype: the param-dtype
+                    # buffer is free now, not when the reduce-scatter ends
+                    bucket.release_unsharded_grad(unit.context.buffers)
         self._holds_unsynced = False
         for param in unit.trainable:
             param.unsharded.grad = None

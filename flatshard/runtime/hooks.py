@@ -51,6 +51,9 @@ def pre_forward(unit, args, kwargs):
     if not context.in_backward:
         if unit is context.root:
             context.start_forward()
+            # as FSDP2's root: inputs go where the parameters are (CPU token ids reach a
+            # CUDA model, and NCCL collectives only ever see device tensors)
+            args, kwargs = _to_device((args, kwargs), unit.mesh.device)
         context.ran_pre_forward(unit)
     unit.unshard()
     unit.register("unsharded")
@@ -169,6 +172,12 @@ def _cast_output(unit, output):
     if unit.mp_policy.output_dtype is not None:
         return _cast_floats(output, unit.mp_policy.output_dtype)
     return output
+
+
+def _to_device(tree, device: torch.device):
+    return tree_map_only(
+        torch.Tensor, lambda t: t if t.device == device else t.to(device, non_blocking=True), tree
+    )
 
 
 def _cast_floats(tree, dtype: torch.dtype):

@@ -16,8 +16,14 @@ Every forward call first all-gathers each rank's token count and whether its ids
 table (one tiny collective and, on CUDA, one host sync), so all ranks decide alike and an
 out-of-range id raises on every rank. The gradient is summed over ranks in every backward,
 also under `set_requires_gradient_sync(False)`; every rank's backward must reach the lookup
-(as every rank's loss does when it depends on the embedding). On CUDA `index_add_` sums a
-row's gradients in a nondeterministic order unless deterministic algorithms are on.
+(as every rank's loss does when it depends on the embedding). The gradient rows are summed
+with `index_add_`, or, when deterministic algorithms are on, `index_put_(accumulate=True)`
+(CUDA's `index_add_` adds in any order).
+
+The plan costs one host sync per forward on CUDA: the counts decide the split sizes of the
+exchange and whether to raise, and both must be known on the host before any rank posts a
+collective (a rank cannot learn the others' counts without communicating, and guessing
+equal counts would hang or abort gloo/NCCL on an uneven last batch).
 """
 
 from __future__ import annotations
@@ -127,7 +133,12 @@ class ShardedLookup:
             if self.module.padding_idx is not None:
                 held &= all_ids != self.module.padding_idx
             rows = bucket.grad_rows(flat, self.param.index)
-            rows.index_add_(0, row, grads.masked_fill_(~held.unsqueeze(1), 0).to(flat.dtype))
+            values = grads.masked_fill_(~held.unsqueeze(1), 0).to(flat.dtype)
+            if torch.are_deterministic_algorithms_enabled():
+                # CUDA's index_add_ sums a row's gradients in any order
+                rows.index_put_((row,), values, accumulate=True)
+            else:
+                rows.index_add_(0, row, values)
             rows.div_(self.grads.divide_factor)
         self.grads.accumulate(bucket, flat)
 
