@@ -12,7 +12,7 @@ from flatshard.errors import (
     UnevenShardError,
     WrappingError,
 )
-from flatshard.fsdp_module import FlatShardModule, weights_changed
+from flatshard.fsdp_module import FlatShardModule, register_fsdp_forward_method, weights_changed
 from flatshard.materialize import materialize
 from flatshard.policy import MixedPrecisionPolicy
 
@@ -30,6 +30,7 @@ __all__ = [
     "fully_shard",
     "hf",
     "materialize",
+    "register_fsdp_forward_method",
     "row_range",
     "weights_changed",
 ]

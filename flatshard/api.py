@@ -13,6 +13,7 @@ import warnings
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 
 from flatshard import comm, load_hooks
 from flatshard.dtensor import patches
@@ -30,43 +31,99 @@ from flatshard.runtime.unit import ManagedParam, Unit
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | None = None,
+    shard_placement_fn=None,
     mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy=None,
+    ignored_params: set[nn.Parameter] | None = None,
     zero_stage: int | None = None,
-) -> nn.Module:
+):
     """Shard `module`'s parameters (those not already managed by an inner `fully_shard`).
 
+    module: a module, or a list of modules that become one unit (gathered and reduced
+        together, e.g. torchtitan's `[tok_embeddings, norm, output]`).
     reshard_after_forward: True (default) is ZeRO-3, False is ZeRO-2.
     zero_stage: 1, 2 or 3, the same choice by name; 1 also keeps gradients unsharded
         between optimizer steps (only the optimizer state and main weights are sharded).
     mp_policy: mixed precision, as in FSDP2 (param_dtype, reduce_dtype, output_dtype).
+    shard_placement_fn: as FSDP2's; each parameter's placement must be `Shard(0)` or None.
+    offload_policy: FSDP2's `OffloadPolicy()` (no offload) is accepted.
+    ignored_params: parameters left alone: not sharded, not reduced.
     On a model root (a module some of whose children are already units), each run of
     consecutive children holding no unit, e.g. [embedding] and [norm, output head], gets a
     unit of its own with the same settings, gathered on first use (`runtime/first_use.py`).
-    Returns `module`, whose class now also derives from `FlatShardModule`.
+    Returns `module` (the list for a list), whose class now also derives from
+    `FlatShardModule`.
     """
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    for each in modules:
+        _check_module(each)
+    stage = resolve_zero_stage(zero_stage, reshard_after_forward)
+    policy = as_mixed_precision(mp_policy)
+    _check_offload(offload_policy)
+    mesh = ShardMesh.resolve(mesh)
+    patches.install()
+    ignored = {id(p) for p in ignored_params or ()}
+    if len(modules) == 1:
+        for members in first_use_groups(module):
+            _shard(members, mesh, stage, policy, True, ignored, shard_placement_fn)
+    members = [("", modules[0])] if len(modules) == 1 else [
+        (f"[{i}].", each) for i, each in enumerate(modules)
+    ]  # fmt: skip
+    _shard(members, mesh, stage, policy, False, ignored, shard_placement_fn)
+    return module
+
+
+def _check_module(module) -> None:
+    if not isinstance(module, nn.Module):
+        raise WrappingError(f"fully_shard takes a module or a list of modules, got {module!r}")
     if isinstance(module, FlatShardModule):
         raise WrappingError(
             f"{type(module).__name__} is already fully_shard-ed; call fully_shard once per "
             "module (inner blocks first, then the root)"
         )
-    stage = resolve_zero_stage(zero_stage, reshard_after_forward)
-    policy = as_mixed_precision(mp_policy)
-    mesh = ShardMesh.resolve(mesh)
-    patches.install()
-    for members in first_use_groups(module):
-        _shard(members, mesh, stage, policy, root_part=True)
-    _shard([("", module)], mesh, stage, policy, root_part=False)
-    return module
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and (
+        type(module).forward is nn.Module.forward
+    ):
+        raise WrappingError(
+            f"fully_shard needs a module whose forward runs its parameters; a "
+            f"{type(module).__name__} has no forward. Shard each of its modules, or pass "
+            "them as a list: fully_shard(list(container))"
+        )
 
 
-def _shard(members, mesh, stage, policy, root_part: bool) -> Unit:
+def _check_offload(offload_policy) -> None:
+    """FSDP2's plain `OffloadPolicy()` means no offload; anything that offloads is refused
+    until flatshard's optimizer offload lands."""
+    if offload_policy is None or type(offload_policy).__name__ == "OffloadPolicy":
+        return
+    raise NotImplementedError(
+        f"offload_policy={type(offload_policy).__name__}: flatshard does not offload "
+        "parameters or optimizer state to the host yet; leave offload_policy unset"
+    )
+
+
+def _check_placements(shard_placement_fn, found) -> None:
+    """Rows (`Shard(0)`, or None for the default) are the only placement for now."""
+    if shard_placement_fn is None:
+        return None
+    for fqn, param, _ in found:
+        placement = shard_placement_fn(param)
+        if placement is not None and placement != Shard(0):
+            raise NotImplementedError(
+                f"shard_placement_fn gave {placement} for {fqn!r}: flatshard shards parameters "
+                "by rows (Shard(0)); return Shard(0) or None"
+            )
+
+
+def _shard(members, mesh, stage, policy, root_part, ignored, shard_placement_fn) -> Unit:
     """One unit over the parameters below `members` [(fqn prefix, module)] that no inner
     unit manages; its hooks go on every member."""
-    found = _collect_params(members)
+    found = [entry for entry in _collect_params(members) if id(entry[1]) not in ignored]
+    _check_placements(shard_placement_fn, found)
     problem = _check_params(found)
     comm.agree(problem, mesh.shard_group, WrappingError)
     comm.agree(problem, mesh.replicate_group, WrappingError)

@@ -71,6 +71,12 @@ def host_copies_done():
     return None
 
 
+def wait_event(event) -> None:
+    """Make the current stream wait for `event` (a CUDA event; None or the CPU: nothing)."""
+    if event is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.current_stream().wait_event(event)
+
+
 def free_storage(tensor: torch.Tensor, pool: BufferPool | None = None) -> None:
     """Release a buffer's memory while views of it (saved for backward) stay valid objects."""
     storage = tensor.untyped_storage()

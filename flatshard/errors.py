@@ -5,19 +5,19 @@ class FlatShardError(Exception):
     """Base class of every error flatshard raises for bad input."""
 
 
-class WrappingError(FlatShardError):
+class WrappingError(FlatShardError, ValueError):
     """`fully_shard` was called on a module it cannot wrap as asked."""
 
 
-class MeshError(FlatShardError):
+class MeshError(FlatShardError, ValueError):
     """The device mesh does not fit this process or this use."""
 
 
-class LayoutError(FlatShardError):
+class LayoutError(FlatShardError, ValueError):
     """The parameters cannot be laid out in row-aligned, equal shards as asked."""
 
 
-class UnevenShardError(FlatShardError):
+class UnevenShardError(FlatShardError, NotImplementedError):
     """A DTensor operation that cannot be made correct on flatshard's uneven row shards."""
 
 

@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 
 from flatshard.errors import WrappingError
+from flatshard.runtime import hooks
 from flatshard.runtime.sharded_lookup import embedding_forward
 from flatshard.runtime.unit import Unit
 
@@ -51,6 +54,27 @@ class FlatShardModule(nn.Module):
     def set_modules_to_backward_prefetch(self, modules: list[FlatShardModule]) -> None:
         self._flatshard_unit.backward_prefetch = [_require_unit(m) for m in modules]
 
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False: backward does not gather this unit's parameters (its backward does not
+        read them, e.g. an embedding's); gradients are still reduced."""
+        self._flatshard_unit.unshard_in_backward = unshard_in_backward
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Reduce gradients with SUM and divide afterwards, never the collective's AVG."""
+        for unit in self._units(recurse=True):
+            unit.grads.force_sum = enable
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for FSDP2 scripts (pipeline schedules). flatshard finishes every
+        reduction at the end of each backward anyway: False costs overlap, never results."""
+        for unit in self._units(recurse=True):
+            unit.is_last_backward = is_last_backward
+
+    def set_post_optim_event(self, event) -> None:
+        """The next forward's all-gathers wait for `event` (a CUDA event recorded after the
+        optimizer step); nothing to wait for on the CPU."""
+        self._flatshard_unit.post_optim_event = event
+
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide summed gradients by `factor` instead of the data-parallel world size."""
         if factor <= 0:
@@ -63,6 +87,13 @@ class FlatShardModule(nn.Module):
             return [self._flatshard_unit]
         units = [m._flatshard_unit for m in self.modules() if isinstance(m, FlatShardModule)]
         return list(dict.fromkeys(units))  # a unit over several modules once
+
+    def __deepcopy__(self, memo):
+        raise WrappingError(
+            f"deepcopy of a fully_shard-ed {type(self).__name__} is not supported (its "
+            "parameters are views of shared flat buffers and hooks): copy the model before "
+            "fully_shard, or save it and load the copy (flatshard.checkpoint)"
+        )
 
     def _apply(self, fn, recurse=True):
         # `to_empty()`, `.to()` etc. must not replace the sharded parameters: they are views
@@ -95,6 +126,23 @@ def _refuse_conversion(unit: Unit, fn) -> None:
                 f"{probe.device}) as they are. Convert the model before fully_shard (for the "
                 "compute dtype use mp_policy=MixedPrecisionPolicy(param_dtype=...))."
             )
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make `module.<method_name>` (e.g. `generate`) gather and release parameters like
+    `forward` does, as FSDP2's function of the same name; a no-op on a module that is not
+    fully_shard-ed."""
+    if not isinstance(module, FlatShardModule):
+        return
+    unit = module._flatshard_unit
+    method = getattr(module, method_name)
+
+    @functools.wraps(method)
+    def with_hooks(*args, **kwargs):
+        args, kwargs = hooks.pre_forward(unit, args, kwargs)
+        return hooks.post_forward(unit, method(*args, **kwargs))
+
+    setattr(module, method_name, with_hooks)
 
 
 def weights_changed(model: nn.Module) -> None:

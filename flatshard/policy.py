@@ -50,6 +50,12 @@ def as_mixed_precision(policy) -> MixedPrecisionPolicy:
 def resolve_zero_stage(zero_stage: int | None, reshard_after_forward: bool | None) -> int:
     """ZeRO-3 reshards parameters after forward, ZeRO-2 keeps them until backward ends,
     ZeRO-1 keeps parameters and gradients unsharded between optimizer steps."""
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(
+            f"reshard_after_forward={reshard_after_forward}: resharding to a smaller group "
+            "after forward (ZeRO++ hpZ) is not implemented yet; pass True (ZeRO-3) or False "
+            "(ZeRO-2)"
+        )
     if reshard_after_forward not in (None, True, False):
         raise WrappingError(
             "reshard_after_forward must be True (ZeRO-3) or False (ZeRO-2); "

@@ -107,6 +107,9 @@ class RowShard(torch.Tensor):
             raise UnevenShardError(_unsupported(f"the collective {func}"))
         if func is torch.ops.aten.copy_.default:
             _check_copy_source(*args[:2])
+        if func is torch.ops.aten._foreach_norm.Scalar and _is_max_norm(args, kwargs):
+            # a rank may hold no rows: the max of nothing is 0 here, not an error
+            return [_max_abs(t.data_ if type(t) is RowShard else t) for t in args[0]]
         like = _first_row_shard(args)
         out = func(*_unwrap_args(args), **(_unwrap_kwargs(kwargs) if kwargs else {}))
         for position, name in op.written:
@@ -222,6 +225,15 @@ def _bump_versions(written) -> None:
     bases = [t.version_base for t in items if type(t) is RowShard and t.version_base is not None]
     if bases:
         torch.autograd.graph.increment_version(bases)
+
+
+def _is_max_norm(args, kwargs) -> bool:
+    ord_ = args[1] if len(args) > 1 else (kwargs or {}).get("ord", 2)
+    return ord_ in (float("inf"), -float("inf")) and ord_ > 0
+
+
+def _max_abs(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.abs().amax() if tensor.numel() else tensor.new_zeros(())
 
 
 def _check_copy_source(destination, source) -> None:

@@ -130,8 +130,17 @@ class FlatBucket:
         self.unsharded_grad = None
         return True
 
+    @property
+    def holds_unsynced(self) -> bool:
+        return self._unsynced is not None
+
     def start_reduce_scatter(
-        self, divide_factor: float, shard_size: int, replicate_size: int, pool: comm.BufferPool
+        self,
+        divide_factor: float,
+        shard_size: int,
+        replicate_size: int,
+        pool: comm.BufferPool,
+        force_sum: bool = False,
     ):
         """Reduce the unsharded gradient over the shard group; returns (work, output, input,
         post-scale). Divided by `divide_factor` once the replicas (HSDP) sum the output."""
@@ -143,7 +152,11 @@ class FlatBucket:
         output = torch.empty(self.layout.shard_size, dtype=self.reduce_dtype, device=flat.device)
         # fp16 averaged by the collective can underflow (and overflow before its divide):
         # scaled first and summed instead, like a custom divide factor
-        average = divide_factor == shard_size * replicate_size and flat.dtype != torch.float16
+        average = (
+            divide_factor == shard_size * replicate_size
+            and flat.dtype != torch.float16
+            and not force_sum
+        )
         if average:  # averaged over the shard group; each replica's share of their sum
             post_scale = 1.0 / replicate_size if replicate_size > 1 else None
         elif flat.dtype == torch.float32:

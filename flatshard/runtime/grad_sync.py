@@ -50,20 +50,25 @@ class GradientSync:
         self.unit = unit
         self.requires_sync = True
         self.requires_all_reduce = True  # HSDP: sum over the replicas on every sync
+        self.force_sum = False  # SUM then divide, never the collective's AVG
         self.divide_factor = float(unit.mesh.dp_size)
         self._holds_unsynced = False
 
     def _trainable_in(self, bucket: FlatBucket):
         return [p for p in self.unit.trainable if self.unit.buckets[p.bucket] is bucket]
 
+    def _trained_buckets(self) -> list[FlatBucket]:
+        """Buckets holding a parameter that requires gradients now."""
+        trained = {id(self.unit.buckets[p.bucket]) for p in self.unit.trainable}
+        return [b for b in self.unit.buckets if id(b) in trained]
+
     def prepare(self) -> None:
         """Zeroed flat gradient buffers that the unsharded parameters' `.grad` views;
         autograd then adds each gradient in place. Unsynced gradients are kept."""
         unit = self.unit
         unit.make_unsharded_params()
-        for bucket in unit.buckets:
-            if bucket.layout.requires_grad:
-                bucket.prepare_unsharded_grad(self._holds_unsynced, unit.context.buffers)
+        for bucket in self._trained_buckets():
+            bucket.prepare_unsharded_grad(self._holds_unsynced, unit.context.buffers)
         for param in unit.trainable:
             bucket = unit.buckets[param.bucket]
             view = bucket.unsharded_view(bucket.unsharded_grad, param.index)
@@ -76,8 +81,8 @@ class GradientSync:
         """The unit's backward is done: reduce-scatter its gradients (or hold them)."""
         unit = self.unit
         if not self.requires_sync:
-            for bucket in unit.buckets:
-                if bucket.layout.requires_grad and bucket.hold_unsynced_grad():
+            for bucket in self._trained_buckets():
+                if bucket.hold_unsynced_grad():
                     for param in self._trainable_in(bucket):
                         param.unsharded.grad = None
             self._holds_unsynced = True
@@ -85,13 +90,14 @@ class GradientSync:
         queue = unit.context.reduces
         keeps_buffers = unit.resharding.keep_grad_buffers
         started = 0
-        for bucket in unit.buckets:
-            if bucket.layout.requires_grad:
+        for bucket in self._trained_buckets():  # an entirely frozen bucket moves nothing
+            if bucket.unsharded_grad is not None or bucket.holds_unsynced:
                 work, output, keep_alive, post_scale = bucket.start_reduce_scatter(
                     self.divide_factor,
                     unit.world_size,
                     unit.mesh.replicate_size,
                     unit.context.buffers,
+                    self.force_sum,
                 )
                 queue.pending.append(
                     PendingReduce(self, bucket, work, output, keep_alive, post_scale)

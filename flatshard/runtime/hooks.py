@@ -38,7 +38,7 @@ def attach(unit, module) -> None:
 def pre_forward(unit, args, kwargs):
     context = context_of(unit)
     if not context.in_backward:  # not an activation-checkpointing recompute
-        unit.check_requires_grad()
+        unit.follow_requires_grad()
         unit.move_to(TrainingState.FORWARD)
     lookup = unit.lookup
     if lookup is not None:
@@ -102,7 +102,7 @@ class _MarkBackwardEnd(torch.autograd.Function):
     def backward(ctx, *grads):
         unit = ctx.unit
         unit.input_gradients_seen += 1
-        if unit.input_gradients_seen == unit.forward_calls:
+        if unit.input_gradients_seen == unit.forward_calls and not unit.post_backward_at_end:
             post_backward(unit)
         return (None, *grads)
 
@@ -113,6 +113,9 @@ def _mark_backward_end(unit, tree):
         i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad
     ]
     if not positions:
+        # no input gradient marks where this call's backward ends (token ids into an
+        # embedding): the unit's gradients are complete only at the end of backward
+        unit.post_backward_at_end = True
         return tree
     unit.forward_calls += 1
     marked = _MarkBackwardEnd.apply(unit, *(leaves[i] for i in positions))
@@ -129,7 +132,8 @@ def pre_backward(unit, grad):
         context.start_backward()
         Variable._execution_engine.queue_callback(lambda: end_backward(context))
     unit.move_to(TrainingState.PRE_BACKWARD)
-    unit.unshard()
+    if unit.unshard_in_backward:
+        unit.unshard()
     unit.register("unsharded")  # activation checkpointing recomputes with these
     unit.grads.prepare()
     for target in context.prefetch_targets(unit, forward=False):
@@ -161,6 +165,7 @@ def end_backward(context: RootContext) -> None:
     for unit in context.units:
         unit.move_to(TrainingState.IDLE)
         unit.forward_calls = unit.input_gradients_seen = 0
+        unit.post_backward_at_end = False
         unit.wait_unshard()  # a prefetch nobody used must not outlive the step
         unit.register("sharded")
         if unit.resharding.after_backward:

@@ -78,12 +78,10 @@ class RootContext:
         order recorded at run time (pre-forward order of the previous step for forward,
         reversed post-forward order of this step for backward)."""
         explicit = unit.forward_prefetch if forward else unit.backward_prefetch
-        if explicit is not None:
-            return explicit
-        order = self.previous_pre_forward_order if forward else self.post_forward_order[::-1]
-        if unit not in order:
-            return []
-        return order[order.index(unit) + 1 :][:1]
+        if explicit is None:
+            order = self.previous_pre_forward_order if forward else self.post_forward_order[::-1]
+            explicit = order[order.index(unit) + 1 :][:1] if unit in order else []
+        return [t for t in explicit if forward or t.unshard_in_backward]
 
     def stays_gathered(self, unit) -> bool:
         """Whether `unit` stays gathered from forward into backward (gather_policy.py), by

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from flatshard import comm
-from flatshard.errors import WrappingError
 from flatshard.layout import UnitLayout
 from flatshard.policy import MixedPrecisionPolicy
 from flatshard.runtime.flat_bucket import FlatBucket
@@ -63,7 +62,9 @@ class Unit:
         self.context = None  # the RootContext of its model, set on the first forward
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
-        self.trainable = [p for p in params if p.sharded.requires_grad]
+        self.unshard_in_backward = True  # False: its backward does not read the parameters
+        self.is_last_backward = True  # accepted from FSDP2 scripts; reductions always finish
+        self.post_optim_event = None  # the next forward's gathers wait for it (CUDA)
         self.grads = GradientSync(self)
         self.lookup = None
         if lookup_capable(modules, params, resharding.stage, mesh.shard_size):
@@ -73,9 +74,9 @@ class Unit:
             )
         self._gather_works: list | None = None
         self._forced_stale = False
-        self._wrapped_requires_grad = [p.sharded.requires_grad for p in params]
         self.forward_calls = 0  # forward calls whose inputs' gradients end its backward
         self.input_gradients_seen = 0
+        self.post_backward_at_end = False  # a call had no such inputs (see hooks.py)
 
     @property
     def group(self):
@@ -105,6 +106,9 @@ class Unit:
             self.wait_unshard()
 
     def _start_gather(self) -> None:
+        if self.post_optim_event is not None:
+            comm.wait_event(self.post_optim_event)
+            self.post_optim_event = None
         pool = self.pool()
         self._gather_works = [bucket.start_all_gather(pool) for bucket in self.buckets]
         self._move_sharded(ShardedState.GATHERING)
@@ -157,16 +161,18 @@ class Unit:
         """Whether this unit's last forward looked its embedding up from the shards."""
         return self.lookup is not None and self.lookup.last_counts is not None
 
-    def check_requires_grad(self) -> None:
-        now = [p.sharded.requires_grad for p in self.params]
-        if now != self._wrapped_requires_grad:
-            changed = [
-                p.fqn for p, a, b in zip(self.params, now, self._wrapped_requires_grad) if a != b
-            ]
-            raise WrappingError(
-                f"requires_grad of {changed} changed after fully_shard; freeze or unfreeze "
-                "parameters before wrapping (the layout groups trainable and frozen ones apart)"
-            )
+    @property
+    def trainable(self) -> list[ManagedParam]:
+        """The parameters that require gradients now (freezing after fully_shard is fine)."""
+        return [p for p in self.params if p.sharded.requires_grad]
+
+    def follow_requires_grad(self) -> None:
+        """Give the unsharded parameters the sharded ones' requires_grad (a user may freeze or
+        unfreeze parameters between steps)."""
+        for param in self.params:
+            wanted = param.sharded.requires_grad
+            if param.unsharded is not None and param.unsharded.requires_grad != wanted:
+                param.unsharded.requires_grad_(wanted)
 
     def pool(self) -> comm.BufferPool | None:
         """Buffers freed in a forward or backward pass are kept for the next unit; outside
