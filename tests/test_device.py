@@ -34,3 +34,16 @@ def _shard_with_cuda_visible():
 def test_gloo_stays_on_cpu_when_cuda_is_visible():
     for devices, buffers, materialized in run_distributed(_shard_with_cuda_visible, 2):
         assert devices == buffers == materialized == {"cpu"}
+
+
+def test_root_moves_forward_inputs_to_the_parameters_device():
+    """The root's pre-forward moves every tensor input (token ids included) to the mesh's
+    device, leaving other values alone; `meta` stands in for a GPU here."""
+    from flatshard.runtime.hooks import _to_device
+
+    args = (torch.arange(4), {"mask": torch.ones(2, dtype=torch.bool), "n": 3})
+    moved_args, moved_kwargs = _to_device((args, {"x": torch.zeros(1)}), torch.device("meta"))
+    assert moved_args[0].device.type == "meta" and moved_args[1]["mask"].device.type == "meta"
+    assert moved_args[1]["n"] == 3 and moved_kwargs["x"].device.type == "meta"
+    same = torch.zeros(2)
+    assert _to_device(same, torch.device("cpu")) is same  # already there: no copy
