@@ -70,8 +70,9 @@ PRESETS = {
 }
 
 MODES = ["single", "ddp", "fsdp2", "zero3", "zero2", "zero1"]
-# HSDP (2 replicas x world/2 shards), run when asked for with --modes
-HSDP_MODES = ["fsdp2-hsdp", "hsdp3"]
+# HSDP (2 replicas x world/2 shards) and hpZ (reshard_after_forward=2: backward gathers
+# inside pairs of ranks), run when asked for with --modes
+HSDP_MODES = ["fsdp2-hsdp", "hsdp3", "fsdp2-hpz", "hpz3"]
 MODE_NAMES = {
     "single": "single process",
     "ddp": "DDP",
@@ -81,8 +82,11 @@ MODE_NAMES = {
     "zero1": "flatshard ZeRO-1",
     "fsdp2-hsdp": "FSDP2 HSDP",
     "hsdp3": "flatshard HSDP ZeRO-3",
+    "fsdp2-hpz": "FSDP2 hpZ",
+    "hpz3": "flatshard hpZ",
 }
-FLATSHARD_STAGES = {"zero3": 3, "zero2": 2, "zero1": 1, "hsdp3": 3}
+FLATSHARD_STAGES = {"zero3": 3, "zero2": 2, "zero1": 1, "hsdp3": 3, "hpz3": 3}
+HPZ_GROUP = 2
 HSDP_REPLICAS = 2
 
 
@@ -173,22 +177,24 @@ def build_mode(mode: str, cfg: LlamaConfig, param_dtype: torch.dtype):
                     return lm_loss(model, tokens)
 
             return model, autocast_loss, (lambda loss: loss.backward())
-    elif mode in ("fsdp2", "fsdp2-hsdp"):
+    elif mode in ("fsdp2", "fsdp2-hsdp", "fsdp2-hpz"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         policy = policy if low else MixedPrecisionPolicy()
         mesh = hsdp_mesh() if mode == "fsdp2-hsdp" else None
+        reshard = HPZ_GROUP if mode == "fsdp2-hpz" else True
         for layer in model.layers:
-            fully_shard(layer, mp_policy=policy, mesh=mesh)
-        fully_shard(model, mp_policy=policy, mesh=mesh)
+            fully_shard(layer, mp_policy=policy, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mp_policy=policy, mesh=mesh, reshard_after_forward=reshard)
     else:
         stage = FLATSHARD_STAGES[mode]
         policy = flatshard.MixedPrecisionPolicy(
             param_dtype=param_dtype if low else None, reduce_dtype=torch.float32 if low else None
         )
         mesh = hsdp_mesh() if mode == "hsdp3" else None
+        extra = {"reshard_after_forward": HPZ_GROUP} if mode == "hpz3" else {"zero_stage": stage}
         for layer in model.layers:
-            flatshard.fully_shard(layer, zero_stage=stage, mp_policy=policy, mesh=mesh)
-        flatshard.fully_shard(model, zero_stage=stage, mp_policy=policy, mesh=mesh)
+            flatshard.fully_shard(layer, mp_policy=policy, mesh=mesh, **extra)
+        flatshard.fully_shard(model, mp_policy=policy, mesh=mesh, **extra)
     return model, (lambda tokens: lm_loss(model, tokens)), (lambda loss: loss.backward())

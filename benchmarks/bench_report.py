@@ -152,6 +152,7 @@ def summarize(gathered: list[dict], modes: list[str]) -> dict[str, dict]:
             kind: statistics.mean(c["calls"][kind] for c in comm_steps) if comm_steps else 0
             for kind in COMM_KINDS
         }
+        narrow = statistics.mean(c["narrow"] for c in comm_steps) if comm_steps else 0
         own_memory = lead[0]["peak_rss_kib"] is not None  # modes run one at a time
         summary = {
             "step": statistics.median(steps),
@@ -182,6 +183,7 @@ def summarize(gathered: list[dict], modes: list[str]) -> dict[str, dict]:
             "state": [per_rank[r][0]["state"] if r in active else None for r in range(world)],
             "comm": comm,
             "calls": calls,
+            "narrow": narrow,
             "padding": lead[0]["padding"],
             "zero3_wire": lead[0].get("zero3_wire"),
             "resident": [per_rank[r][0].get("resident") for r in active],
@@ -365,6 +367,17 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
         if m != "single"
     )
     explain.append(f"\nPython-level collective calls per step: {calls}.")
+    narrow = [m for m in opts["modes"] if summary[m].get("narrow")]
+    if narrow:
+        parts = ", ".join(
+            f"{MODE_NAMES[m]} {_fmt_bytes(summary[m]['narrow'])} of "
+            f"{_fmt_bytes(sum(summary[m]['comm'].values()))}"
+            for m in narrow
+        )
+        explain.append(
+            f"\nCounted bytes per step on groups smaller than all {world} ranks (hpZ's node "
+            f"groups, HSDP's replica and shard groups): {parts}."
+        )
     if "hsdp3" in summary and "fsdp2-hsdp" in summary:
         wall = _paired_ratio(summary, "hsdp3", "fsdp2-hsdp")
         cpu = _paired_ratio(summary, "hsdp3", "fsdp2-hsdp", "cpu_times")

@@ -74,6 +74,8 @@ class CommCounter:
     def reset(self) -> None:
         self.bytes = dict.fromkeys(COMM_KINDS, 0)
         self.calls = dict.fromkeys(COMM_KINDS, 0)
+        # counted bytes of collectives on groups smaller than the world (hpZ's, HSDP's)
+        self.narrow_bytes = 0
 
     def install(self) -> None:
         c10d = dist.distributed_c10d
@@ -93,6 +95,9 @@ class CommCounter:
                 tensor = args[position] if len(args) > position else kwargs.get(keyword)
                 if isinstance(tensor, torch.Tensor):
                     counter.bytes[kind] += nbytes(tensor)
+                    group = kwargs.get("group")
+                    if group is not None and dist.get_world_size(group) < dist.get_world_size():
+                        counter.narrow_bytes += nbytes(tensor)
                 counter.calls[kind] += 1
             counter._local.depth = depth + 1
             try:

@@ -180,7 +180,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown or not modes:
         parser.error(f"unknown modes {unknown}; choose from {known}")
     if set(modes) & set(HSDP_MODES) and args.world % 2:
-        parser.error("the HSDP modes need an even --world (2 replicas)")
+        parser.error("the HSDP and hpZ modes need an even --world (groups of 2)")
     args.modes = [m for m in known if m in modes]
     if args.world < 1 or args.steps < 1 or args.rounds < 1 or args.warmup < 0:
         parser.error("--world, --steps and --rounds must be >= 1, --warmup >= 0")

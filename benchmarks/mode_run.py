@@ -216,7 +216,9 @@ class ModeRun:
         if timed:
             self.phases.append((t1 - t0, t2 - t1, (t3 - t2) + (t5 - t4)))
             self.cpu_seconds.append(cpu)
-            self.comm.append(dict(COUNTER.bytes) | {"calls": dict(COUNTER.calls)})
+            self.comm.append(
+                dict(COUNTER.bytes) | {"calls": dict(COUNTER.calls), "narrow": COUNTER.narrow_bytes}
+            )
 
     def finish(self) -> dict:
         """Frees the model and returns what was measured (losses: the global mean). Every

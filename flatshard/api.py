@@ -22,7 +22,12 @@ from flatshard.errors import WrappingError
 from flatshard.fsdp_module import FlatShardModule, wrapped_class
 from flatshard.layout import ParamInfo, declared_components, plan_unit_layout
 from flatshard.mesh import ShardMesh
-from flatshard.policy import MixedPrecisionPolicy, as_mixed_precision, resolve_zero_stage
+from flatshard.policy import (
+    MixedPrecisionPolicy,
+    as_mixed_precision,
+    forward_group_size,
+    resolve_zero_stage,
+)
 from flatshard.runtime.first_use import first_use_groups
 from flatshard.runtime.flat_bucket import FlatBucket
 from flatshard.runtime.hooks import attach
@@ -45,7 +50,9 @@ def fully_shard(
 
     module: a module, or a list of modules that become one unit (gathered and reduced
         together, e.g. torchtitan's `[tok_embeddings, norm, output]`).
-    reshard_after_forward: True (default) is ZeRO-3, False is ZeRO-2.
+    reshard_after_forward: True (default) is ZeRO-3, False is ZeRO-2; an int n (hpZ, a
+        divisor of the shard group's size, e.g. the ranks of a node) stays sharded over n
+        consecutive ranks after forward, so that backward gathers inside that group.
     zero_stage: 1, 2 or 3, the same choice by name; 1 also keeps gradients unsharded
         between optimizer steps (only the optimizer state and main weights are sharded).
     mp_policy: mixed precision, as in FSDP2 (param_dtype, reduce_dtype, output_dtype).
@@ -61,19 +68,23 @@ def fully_shard(
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     for each in modules:
         _check_module(each)
+    mesh = ShardMesh.resolve(mesh)
+    group_size = forward_group_size(reshard_after_forward, mesh.shard_size)
+    if reshard_after_forward == 1 and not isinstance(reshard_after_forward, bool):
+        reshard_after_forward = False  # one rank keeps it all: no resharding
     stage = resolve_zero_stage(zero_stage, reshard_after_forward)
     policy = as_mixed_precision(mp_policy)
     _check_offload(offload_policy)
-    mesh = ShardMesh.resolve(mesh)
+    settings = (stage, policy, group_size if stage == 3 else None)
     patches.install()
     ignored = {id(p) for p in ignored_params or ()}
     if len(modules) == 1:
         for members in first_use_groups(module):
-            _shard(members, mesh, stage, policy, True, ignored, shard_placement_fn)
+            _shard(members, mesh, settings, True, ignored, shard_placement_fn)
     members = [("", modules[0])] if len(modules) == 1 else [
         (f"[{i}].", each) for i, each in enumerate(modules)
     ]  # fmt: skip
-    _shard(members, mesh, stage, policy, False, ignored, shard_placement_fn)
+    _shard(members, mesh, settings, False, ignored, shard_placement_fn)
     return module
 
 
@@ -119,9 +130,13 @@ def _check_placements(shard_placement_fn, found) -> None:
             )
 
 
-def _shard(members, mesh, stage, policy, root_part, ignored, shard_placement_fn) -> Unit:
+def _shard(members, mesh, settings, root_part, ignored, shard_placement_fn) -> Unit:
     """One unit over the parameters below `members` [(fqn prefix, module)] that no inner
-    unit manages; its hooks go on every member."""
+    unit manages; its hooks go on every member. settings: (ZeRO stage, mixed precision,
+    hpZ group size)."""
+    stage, policy, group_size = settings
+    if group_size is not None:
+        mesh.forward_group(group_size)  # every rank creates the groups here, together
     found = [entry for entry in _collect_params(members) if id(entry[1]) not in ignored]
     _check_placements(shard_placement_fn, found)
     problem = _check_params(found)
@@ -180,6 +195,7 @@ def _shard(members, mesh, stage, policy, root_part, ignored, shard_placement_fn)
 
     modules = [m for _, m in members]
     resharding = Resharding.for_stage(stage)
+    resharding.forward_group_size = group_size
     unit = Unit(modules, mesh, layout, buckets, managed, resharding, policy, root_part)
     for param in managed:
         param.sharded._flatshard_param = (unit, param)

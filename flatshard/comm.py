@@ -160,6 +160,7 @@ class Traffic:
         self.all_gather = 0
         self.reduce_scatter = 0
         self.all_reduce = 0
+        self.all_gather_by_group_size: dict[int, int] = {}  # e.g. hpZ's small groups
 
     def take(self) -> tuple[int, int, int]:
         """(all-gather, reduce-scatter, all-reduce) bytes since the last call."""
@@ -178,8 +179,11 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group, pieces=None):
 
     Returns an object whose `wait()` leaves the result in `output`.
     """
-    traffic.all_gather += output.numel() * output.element_size()
-    if dist.get_world_size(group) == 1:
+    nbytes, size = output.numel() * output.element_size(), dist.get_world_size(group)
+    traffic.all_gather += nbytes
+    by_size = traffic.all_gather_by_group_size
+    by_size[size] = by_size.get(size, 0) + nbytes
+    if size == 1:
         return _Done(output.copy_(shard))
     if nccl_shim.active():
         run = lambda out, inp: dist.all_gather_single(out, inp, group=group)

@@ -121,6 +121,25 @@ class ShardMesh:
         # a sharded parameter: rows over the shard dim, the same rows on every replica
         self.placements = (Replicate(), Shard(0)) if hsdp else (Shard(0),)
         self.device = comm.compute_device(device_mesh.device_type)
+        self._forward_groups: dict[int, object] = {}
+
+    def forward_group(self, size: int):
+        """The group of `size` consecutive shard ranks holding this rank (hpZ: where a unit
+        stays sharded after forward). Created once per size, by every rank together."""
+        if size not in self._forward_groups:
+            ranks = dist.get_process_group_ranks(self.shard_group)
+            if self.replicate_group is not None or len(ranks) != dist.get_world_size():
+                raise NotImplementedError(
+                    "reshard_after_forward=<int> needs a 1-D mesh over every rank for now"
+                )
+            if size < 1 or self.shard_size % size:
+                raise MeshError(
+                    f"reshard_after_forward={size} must divide the shard group's size "
+                    f"({self.shard_size}), e.g. the ranks of one node"
+                )
+            blocks = [ranks[i : i + size] for i in range(0, len(ranks), size)]
+            self._forward_groups[size], _ = dist.new_subgroups_by_enumeration(blocks)
+        return self._forward_groups[size]
 
     @property
     def dp_size(self) -> int:

@@ -47,15 +47,29 @@ def as_mixed_precision(policy) -> MixedPrecisionPolicy:
         ) from error
 
 
+def _is_group_size(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def forward_group_size(reshard_after_forward, shard_size: int) -> int | None:
+    """FSDP2's `reshard_after_forward=<int>` (hpZ): the ranks a unit stays sharded over
+    after forward, or None (all of them, or no resharding). 1 keeps everything, as False;
+    the shard group's size is plain ZeRO-3, as True."""
+    if not _is_group_size(reshard_after_forward):
+        return None
+    if reshard_after_forward < 1 or shard_size % reshard_after_forward:
+        raise WrappingError(
+            f"reshard_after_forward={reshard_after_forward} must divide the shard group's "
+            f"size ({shard_size}), e.g. the ranks of one node"
+        )
+    return reshard_after_forward if 1 < reshard_after_forward < shard_size else None
+
+
 def resolve_zero_stage(zero_stage: int | None, reshard_after_forward: bool | None) -> int:
     """ZeRO-3 reshards parameters after forward, ZeRO-2 keeps them until backward ends,
     ZeRO-1 keeps parameters and gradients unsharded between optimizer steps."""
-    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-        raise NotImplementedError(
-            f"reshard_after_forward={reshard_after_forward}: resharding to a smaller group "
-            "after forward (ZeRO++ hpZ) is not implemented yet; pass True (ZeRO-3) or False "
-            "(ZeRO-2)"
-        )
+    if _is_group_size(reshard_after_forward):
+        reshard_after_forward = True  # ZeRO-3 in forward; the group size: see forward_group_size
     if reshard_after_forward not in (None, True, False):
         raise WrappingError(
             "reshard_after_forward must be True (ZeRO-3) or False (ZeRO-2); "

@@ -130,12 +130,14 @@ def test_gloo_collectives_script():
     assert len(timed) == 5 and all(" ms" in line for line in timed), proc.stdout
 
 
-def test_compare_hsdp_modes(tmp_path):
+def test_compare_hsdp_and_hpz_modes(tmp_path):
     """World 4, 2 replicas x 2 shards: flatshard's HSDP trains as FSDP2's HSDP does, moves
-    the same all-reduce bytes, and the report gives its step-paired ratio to FSDP2 HSDP."""
-    text = _run_compare(
-        tmp_path, "--world", "4", "--modes", "single,fsdp2-hsdp,hsdp3", "--interleave", "steps"
-    )
+    the same all-reduce bytes, and the report gives its step-paired ratio to FSDP2 HSDP;
+    hpZ (reshard_after_forward=2) trains like one process and gathers some bytes on pairs."""
+    modes = "single,fsdp2-hsdp,hsdp3,fsdp2-hpz,hpz3"
+    text = _run_compare(tmp_path, "--world", "4", "--modes", modes, "--interleave", "steps")
+    assert float(_row(text, "flatshard hpZ")["loss Δ vs single"]) <= 1e-6
+    assert re.search(r"flatshard hpZ [0-9.]+ \S+ of", text), text
     ours, peer = _row(text, "flatshard HSDP ZeRO-3"), _row(text, "FSDP2 HSDP")
     assert float(ours["loss Δ vs single"]) <= 1e-6
     assert ours["all-reduce /step"] == peer["all-reduce /step"] != "0 B"

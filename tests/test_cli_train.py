@@ -171,3 +171,22 @@ def test_hsdp_run_bytes_match_the_plan(tmp_path):
     for record in metrics(run)[1:]:
         assert record["replica_all_reduce_bytes"] == plan["communication"]["replica_all_reduce"] > 0
         assert record["comm_bytes"] == plan["communication"]["total"]
+
+
+def test_hpz_run_bytes_match_the_plan(tmp_path):
+    """`--hpz-group 2` on 4 processes: every gathered byte, those inside the pairs included,
+    is what `flatshard plan` predicts, and the run trains as plain ZeRO-3 does."""
+    sizes = ["--set", "model.preset=tiny", "--set", "data.seq_len=32",
+             "--set", "train.micro_batch=2", "--set", "train.global_batch=8",
+             "--set", "run.nproc=4"]  # fmt: skip
+    hpz, plain = tmp_path / "hpz", tmp_path / "plain"
+    common = ["--steps", 3, "--set", "run.sample_tokens=0"]
+    check_ok(flatshard("train", *sizes, *common, "--out", hpz, "--set", "train.hpz_group=2"))
+    check_ok(flatshard("train", *sizes, *common, "--out", plain))
+    plan = json.loads(
+        check_ok(flatshard("plan", *sizes, "--set", "train.hpz_group=2", "--json")).stdout
+    )
+    assert plan["communication"]["all_gather_in_hpz_groups"] > 0
+    for record, baseline in zip(metrics(hpz)[1:], metrics(plain)[1:]):
+        assert record["all_gather_bytes"] == plan["communication"]["all_gather"]
+        assert abs(record["loss"] - baseline["loss"]) <= 1e-6 * baseline["loss"]

@@ -86,6 +86,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("train.beta2", 0.95, "AdamW beta2", check=_fraction),
     Option("train.grad_clip", 1.0, "clip the global gradient norm (0: off)", check=_non_negative),
     Option("train.zero_stage", 3, "ZeRO stage", choices=(1, 2, 3)),
+    Option("train.hpz_group", 0, "ZeRO-3: after forward, stay sharded over groups of this "
+           "many ranks so backward gathers inside them (hpZ; 0: all ranks)",
+           check=_non_negative),
     Option("train.dp_replicate", 1, "HSDP: replicas of the sharded model (processes are "
            "dp_replicate x dp_shard)", check=_positive),
     Option("train.precision", "fp32", "compute dtype; weights and optimizer stay fp32",
@@ -327,7 +330,14 @@ def check(config: RunConfig, world_size: int | None = None) -> None:
             f"({train.micro_batch})"
         )
     if world_size is not None:
-        ParallelDims(world_size, dp_replicate=train.dp_replicate)  # a MeshError says what
+        dims = ParallelDims(world_size, dp_replicate=train.dp_replicate)  # MeshError: what
+        if train.hpz_group and (
+            train.zero_stage != 3 or dims.dp_shard % train.hpz_group or train.dp_replicate > 1
+        ):
+            raise ConfigError(
+                f"train.hpz_group ({train.hpz_group}) needs train.zero_stage=3, no HSDP "
+                f"(train.dp_replicate=1) and must divide the processes ({dims.dp_shard})"
+            )
     if world_size is not None and train.global_batch % (train.micro_batch * world_size):
         raise ConfigError(
             f"train.global_batch ({train.global_batch}) must be a multiple of train.micro_batch "

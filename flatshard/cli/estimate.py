@@ -57,6 +57,7 @@ class Setup:
     grad_accum: int
     backend: str = "nccl"  # gloo needs a receive buffer per reduce-scatter
     optimizer_states: int = 2  # AdamW
+    hpz_group: int = 0  # ZeRO-3: ranks a block stays sharded over after forward (0: all)
 
     def __post_init__(self):
         for name in ("world_size", "dp_shard", "micro_batch", "seq_len", "grad_accum"):
@@ -65,6 +66,11 @@ class Setup:
         if self.zero_stage not in (1, 2, 3):
             raise ConfigError(f"--zero-stage must be 1, 2 or 3, got {self.zero_stage}")
         self.dims  # noqa: B018  (validates the degrees: a MeshError names what is wrong)
+        if self.hpz_group and (self.zero_stage != 3 or self.dp_shard % self.hpz_group):
+            raise ConfigError(
+                f"--hpz-group {self.hpz_group} needs ZeRO-3 and must divide --dp-shard "
+                f"({self.dp_shard})"
+            )
 
     @property
     def dims(self) -> ParallelDims:
@@ -182,6 +188,9 @@ def _memory(spec: ModelSpec, units: tuple[UnitFigures, ...], setup: Setup) -> di
         # the root stays gathered with its gradient buffer; a block and the prefetched next
         # one are gathered; this block's gradient buffer and the previous one's (reducing)
         start = end = root_params + root_grads + 2 * block_params + 2 * block_grads + in_flight
+        if setup.hpz_group:  # hpZ: every block but the last keeps 1/n of itself for backward
+            kept = sum(u.padded * u.count for u in gathered if not u.is_root) - block.padded
+            start += kept * pb // setup.hpz_group
     elif setup.zero_stage == 2:
         # every unit stays gathered from its forward to its backward
         every_unit = sum(u.padded * u.count for u in gathered) * pb
@@ -220,13 +229,15 @@ def _communication(units: tuple[UnitFigures, ...], setup: Setup) -> dict[str, in
     order = [u for u in gathered_units for _ in range(u.count)]
     root_parts = [u.is_root for u in order]
     in_model = sum(u.count for u in units)
+    stays = [stays_gathered(i, root_parts, in_model) for i in range(len(order))]
     all_gather = pb * sum(
-        u.padded
-        * all_gathers_per_step(
-            setup.zero_stage, stays_gathered(i, root_parts, in_model), accumulation
-        )
-        for i, u in enumerate(order)
+        u.padded * all_gathers_per_step(setup.zero_stage, kept, accumulation)
+        for u, kept in zip(order, stays)
     )
+    # hpZ: the backward gathers of the units that resharded after forward, inside groups
+    hpz = setup.hpz_group if setup.zero_stage == 3 else 0
+    in_groups = pb * accumulation * sum(u.padded for u, kept in zip(order, stays) if not kept)
+    in_groups = in_groups if hpz else 0
     reductions = reduce_scatters_per_step(setup.zero_stage, accumulation)
     reduce_scatter = reductions * sum(u.padded_trainable * u.count for u in gathered_units) * rb
     all_gather += accumulation * sum(gather for gather, _ in lookups)
@@ -235,10 +246,12 @@ def _communication(units: tuple[UnitFigures, ...], setup: Setup) -> dict[str, in
     all_reduce = reductions * sum(u.shard_trainable * u.count for u in units) * rb
     all_reduce = all_reduce if replicas > 1 else 0
     shards = setup.dp_shard
-    wire = (shards - 1) * (all_gather + reduce_scatter) // shards
+    wire = (shards - 1) * (all_gather - in_groups + reduce_scatter) // shards
+    wire += (hpz - 1) * in_groups // hpz if hpz else 0
     wire += 2 * (replicas - 1) * all_reduce // replicas
     return {
         "all_gather": all_gather,
+        "all_gather_in_hpz_groups": in_groups,
         "reduce_scatter": reduce_scatter,
         "replica_all_reduce": all_reduce,
         "total": all_gather + reduce_scatter + all_reduce,

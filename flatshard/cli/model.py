@@ -57,6 +57,7 @@ def build_sharded(
     seed: int,
     device: torch.device,
     dp_replicate: int = 1,
+    hpz_group: int = 0,
 ) -> Llama:
     """Every block, then the root, `fully_shard`-ed (HSDP over `dp_replicate` replicas);
     weights equal `Llama(cfg)` built eagerly after `torch.manual_seed(seed)`, at any world
@@ -69,9 +70,10 @@ def build_sharded(
         shards = dist.get_world_size() // dp_replicate
         names = ("dp_replicate", "dp_shard")
         mesh = init_device_mesh(device.type, (dp_replicate, shards), mesh_dim_names=names)
+    stage = {"reshard_after_forward": hpz_group} if hpz_group else {"zero_stage": zero_stage}
     for block in model.layers:
-        flatshard.fully_shard(block, zero_stage=zero_stage, mp_policy=policy, mesh=mesh)
-    flatshard.fully_shard(model, zero_stage=zero_stage, mp_policy=policy, mesh=mesh)
+        flatshard.fully_shard(block, mp_policy=policy, mesh=mesh, **stage)
+    flatshard.fully_shard(model, mp_policy=policy, mesh=mesh, **stage)
     torch.manual_seed(seed)
     flatshard.materialize(model, device)
     return model

@@ -41,6 +41,13 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument("--zero-stage", type=int, default=None, choices=(1, 2, 3))
     parser.add_argument(
+        "--hpz-group",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ZeRO-3: after forward, stay sharded over groups of N ranks (hpZ; 0: all)",
+    )
+    parser.add_argument(
         "--param-dtype",
         default=None,
         choices=("fp32", "bf16"),
@@ -88,7 +95,7 @@ def plan_command(args) -> int:
 def _model_and_defaults(args):
     defaults = dict(
         world_size=8, dp_shard=None, zero_stage=3, param_dtype="bf16", reduce_dtype="fp32",
-        micro_batch=1, seq_len=4096, grad_accum=1, backend="nccl",
+        micro_batch=1, seq_len=4096, grad_accum=1, backend="nccl", hpz_group=0,
     )  # fmt: skip
     if args.model is not None:
         return zoo.resolve(args.model), defaults
@@ -99,6 +106,7 @@ def _model_and_defaults(args):
         world_size=world,
         dp_shard=ParallelDims(world, dp_replicate=train.dp_replicate).dp_shard,
         zero_stage=train.zero_stage,
+        hpz_group=train.hpz_group,
         param_dtype=train.precision,
         micro_batch=train.micro_batch,
         seq_len=config.data.seq_len,
@@ -178,8 +186,11 @@ def format_plan(result: Plan) -> str:
         f"  padding: {100 * result.padding_fraction:.4f}% of parameter elements",
         "  communication per step, per rank (collective payload)",
         f"    all-gather                      {_gib(c['all_gather'])}",
-        f"    reduce-scatter                  {_gib(c['reduce_scatter'])}",
     ]
+    if c["all_gather_in_hpz_groups"]:
+        in_groups = _gib(c["all_gather_in_hpz_groups"])
+        lines.append(f"      of which in hpZ groups of {s.hpz_group:<4}{in_groups}")
+    lines.append(f"    reduce-scatter                  {_gib(c['reduce_scatter'])}")
     if c["replica_all_reduce"]:
         lines.append(f"    replica all-reduce (HSDP)       {_gib(c['replica_all_reduce'])}")
     lines.append(f"    on the wire (ring algorithms)   {_gib(c['wire_per_rank'])}")

@@ -75,6 +75,7 @@ class Trainer:
             seed=train.seed,
             device=ranks.device,
             dp_replicate=train.dp_replicate,
+            hpz_group=train.hpz_group,
         )
         self.optimizer = torch.optim.AdamW(
             _parameter_groups(self.model, train.weight_decay),

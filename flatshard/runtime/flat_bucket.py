@@ -41,6 +41,10 @@ class FlatBucket:
         self._version = 0
         self._main_version = -1
         self._unsynced: torch.Tensor | None = None
+        # hpZ: this rank's 1/n of the gathered bucket, kept from forward to backward, and
+        # the weights' version it reflects
+        self.secondary: torch.Tensor | None = None
+        self._secondary_version = -1
         # HSDP: reduce-scattered gradient shards not yet summed over the replicas
         # (`set_requires_all_reduce(False)`), in the reduce dtype
         self.unreplicated: torch.Tensor | None = None
@@ -86,6 +90,25 @@ class FlatBucket:
         return comm.all_gather(
             self.unsharded, source, self.group, self.layout.shard_views(self.unsharded)
         )
+
+    def keep_secondary(self, group_size: int, index: int) -> None:
+        """After forward (hpZ): keep piece `index` of `group_size` of the gathered bucket;
+        the group's ranks together hold all of it."""
+        piece = self.layout.padded_size // group_size
+        self.secondary = self.unsharded[index * piece : (index + 1) * piece].clone()
+        self._secondary_version = self._main_version
+
+    def secondary_fresh(self) -> bool:
+        """A kept piece that still reflects the sharded weights (no step since forward)."""
+        return self.secondary is not None and self.main._version == self._secondary_version
+
+    def start_secondary_gather(self, group, pool: comm.BufferPool | None = None):
+        """Gather the bucket from the group's kept pieces (hpZ's backward all-gather)."""
+        comm.alloc_storage(self.unsharded, pool)
+        self._gather_input, self.secondary = self.secondary, None
+        self._version = self.unsharded._version
+        self._gathering_version = self._secondary_version
+        return comm.all_gather(self.unsharded, self._gather_input, group)
 
     def finish_all_gather(self, work) -> None:
         work.wait()

@@ -80,7 +80,7 @@ def post_forward(unit, output):
         context.ran_post_forward(unit)
         unit.kept_for_backward = grad_enabled and context.stays_gathered(unit)
         if not grad_enabled or (unit.resharding.after_forward and not unit.kept_for_backward):
-            unit.reshard()
+            unit.reshard(keep_for_backward=grad_enabled)
         if unit is context.root:
             context.end_forward()
     if grad_enabled:

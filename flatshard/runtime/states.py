@@ -60,6 +60,9 @@ class Resharding:
     after_forward: bool
     after_backward: bool
     keep_grad_buffers: bool
+    # hpZ: after forward, stay sharded over this many consecutive ranks (each keeps 1/n of
+    # the gathered buckets), so backward gathers inside that small group; None: all ranks
+    forward_group_size: int | None = None
 
     @classmethod
     def for_stage(cls, stage: int) -> Resharding:

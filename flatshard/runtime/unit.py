@@ -110,9 +110,19 @@ class Unit:
             comm.wait_event(self.post_optim_event)
             self.post_optim_event = None
         pool = self.pool()
-        self._gather_works = [bucket.start_all_gather(pool) for bucket in self.buckets]
+        kept = self.sharded_state is ShardedState.SHARDED and self.buckets
+        if kept and not self._forced_stale and all(b.secondary_fresh() for b in self.buckets):
+            group = self.mesh.forward_group(self.resharding.forward_group_size)
+            self._gather_works = [b.start_secondary_gather(group, pool) for b in self.buckets]
+        else:
+            self._drop_secondaries()
+            self._gather_works = [bucket.start_all_gather(pool) for bucket in self.buckets]
         self._move_sharded(ShardedState.GATHERING)
         self._forced_stale = False
+
+    def _drop_secondaries(self) -> None:
+        for bucket in self.buckets:
+            bucket.secondary = None
 
     def _stale(self) -> bool:
         # Any write to the sharded weights (optimizer step, checkpoint load, a user's
@@ -139,12 +149,19 @@ class Unit:
             view = bucket.unsharded_view(bucket.unsharded, param.index)
             param.unsharded = nn.Parameter(view, requires_grad=param.sharded.requires_grad)
 
-    def reshard(self) -> None:
+    def reshard(self, keep_for_backward: bool = False) -> None:
+        """Free the unsharded buffers; with `keep_for_backward` (hpZ, after a forward with
+        gradients) keep this rank's piece of them for a gather inside its small group."""
         self.wait_unshard()
         if self.sharded_state is ShardedState.UNSHARDED:
+            size = self.resharding.forward_group_size
             for bucket in self.buckets:
+                if keep_for_backward and size is not None:
+                    bucket.keep_secondary(size, self.rank % size)
                 bucket.free_unsharded(self.pool())
             self._move_sharded(ShardedState.SHARDED)
+        if not keep_for_backward:
+            self._drop_secondaries()
 
     def mark_stale(self) -> None:
         """Force the next use to gather again."""
