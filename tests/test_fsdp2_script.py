@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_distributed
-from reference import adamw, batches, config, full_state, rank_slice, rel_diff
+from reference import adamw, batches, config, full_state, mean_over_ranks, rank_slice, rel_diff
 
 from flatshard.models import Llama
 
@@ -42,9 +42,7 @@ def _script(framework: str):
         dist.all_reduce(model.layers[0].attn_norm.weight.grad, op=dist.ReduceOp.AVG)
         optimizer.step()
         optimizer.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, op=dist.ReduceOp.AVG)
-        losses.append(mean.item())
+        losses.append(mean_over_ranks(loss.item(), world))
     weights = full_state(model)
     weights["layers.0.attn_norm.weight"] = model.layers[0].attn_norm.weight.detach().clone()
     return losses, weights

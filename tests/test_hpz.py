@@ -15,6 +15,7 @@ from reference import (
     config,
     full_state,
     lm_loss,
+    mean_over_ranks,
     rank_slice,
     rel_diff,
     train,
@@ -48,9 +49,7 @@ def _train(framework: str, reshard_after_forward):
         optimizer.step()
         optimizer.zero_grad()
         gathered.append(dict(comm.traffic.all_gather_by_group_size))
-        mean = step_loss
-        dist.all_reduce(mean, op=dist.ReduceOp.AVG)
-        losses.append(mean.item())
+        losses.append(mean_over_ranks(step_loss.item(), world))
     return losses, full_state(model), gathered
 
 
