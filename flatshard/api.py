@@ -17,7 +17,7 @@ from torch.distributed.tensor import Shard
 
 from flatshard import comm, load_hooks
 from flatshard.dtensor import patches
-from flatshard.dtensor.row_shard import make_row_sharded_dtensor
+from flatshard.dtensor.row_shard import RowShardedParameter, make_row_sharded_dtensor
 from flatshard.errors import WrappingError
 from flatshard.fsdp_module import FlatShardModule, wrapped_class
 from flatshard.layout import ParamInfo, declared_components, plan_unit_layout
@@ -190,6 +190,7 @@ def _shard(members, mesh, settings, root_part, ignored, shard_placement_fn) -> U
             make_row_sharded_dtensor(rows, mesh, spec, bucket.main),
             requires_grad=original.requires_grad,
         )
+        sharded.__class__ = RowShardedParameter  # `.data =` loads instead of being dropped
         managed.append(ManagedParam(fqn, occurrences, bucket_index, index, sharded))
         _retire(original, sharded)
 

@@ -14,9 +14,8 @@ out of the missing-keys report. Shape mismatches go to load_state_dict's own err
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
 
-from flatshard.dtensor.row_shard import RowShard
+from flatshard.dtensor.row_shard import rows_in_layout
 
 
 def install(unit, module) -> None:
@@ -59,19 +58,5 @@ def _load(unit, param, value) -> str | None:
         return f"expected a tensor, got {type(value).__name__}"
     if tuple(value.shape) != spec.global_shape:
         return f"the state dict holds shape {tuple(value.shape)}, the model {spec.global_shape}"
-    param.sharded.to_local().copy_(_rows(value, spec))
+    param.sharded.to_local().copy_(rows_in_layout(value, spec))
     return None
-
-
-def _rows(value: torch.Tensor, spec) -> torch.Tensor:
-    """This rank's rows of `value`, whatever layout it comes in."""
-    if not isinstance(value, DTensor):
-        return spec.piece_of(value.detach())
-    local = value._local_tensor
-    if isinstance(local, RowShard) and local.spec.global_box == spec.global_box:
-        return local.data_
-    if all(isinstance(p, Replicate) for p in value.placements):
-        return spec.piece_of(local)
-    # another layout (e.g. torch.chunk Shard(0)): every rank loads the same keys, so
-    # every rank joins this gather
-    return spec.piece_of(value.full_tensor())

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 DIM = 16
 
@@ -395,7 +396,8 @@ def parameters_are_row_dtensors(lib):
     model = shard_net(net(), lib)
     out = {}
     for name, p in model.named_parameters():
-        out[name] = (type(p).__name__, str(p.placements), tuple(p.shape))
+        dtensor = isinstance(p, DTensor) and isinstance(p, nn.Parameter)
+        out[name] = (dtensor, str(p.placements), tuple(p.shape))
     rows = [p.to_local().shape[0] for p in model.parameters()]
     tensor = torch.tensor(rows)
     dist.all_reduce(tensor)

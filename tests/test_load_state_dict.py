@@ -13,7 +13,10 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from flatshard.errors import UnevenShardError, WrappingError
 from flatshard.models import Llama
 
-FORMS = ["assign_chunk_dtensor", "assign_replicate", "copy_chunk_dtensor", "plain", "own"]
+FORMS = [
+    "assign_chunk_dtensor", "assign_replicate", "copy_chunk_dtensor", "plain", "own",
+    "data_full", "data_chunk_dtensor",
+]  # fmt: skip
 
 
 def _loaded_weights():
@@ -45,8 +48,17 @@ def _train_after_load(form, meta):
     else:
         model = build_model(config(), seed=1)  # other weights, which the load replaces
     shard(model)
-    state_dict = _state_dict_in(form, model, weights)
-    model.load_state_dict(state_dict, assign=form != "copy_chunk_dtensor")
+    if form.startswith("data_"):  # param.data = ..., per parameter
+        mesh = model.layers[0].mlp_norm.weight.device_mesh
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                value = weights[name]
+                if form == "data_chunk_dtensor":
+                    value = distribute_tensor(value, mesh, [Shard(0)])
+                param.data = value
+    else:
+        state_dict = _state_dict_in(form, model, weights)
+        model.load_state_dict(state_dict, assign=form != "copy_chunk_dtensor")
     loaded = rel_diff(full_state(model), weights)
     losses = train(model, batches(config(), 2), rank=torch.distributed.get_rank(), world=2)
     return loaded, losses, full_state(model)

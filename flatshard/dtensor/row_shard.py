@@ -294,6 +294,45 @@ def redistribute_rows(local_tensor: RowShard, current_spec, target_spec) -> torc
     raise UnevenShardError(_unsupported(f"redistributing {current} -> {target}"))
 
 
+def rows_in_layout(value: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """This rank's rows (by `spec`) of a tensor shaped like the global one, whatever layout
+    it comes in: a full tensor, flatshard's own rows, a Replicate DTensor, or another
+    sharding (gathered: every rank loading the same values joins that collective)."""
+    if not isinstance(value, DTensor):
+        return spec.piece_of(value.detach())
+    local = value._local_tensor
+    if isinstance(local, RowShard) and local.spec.global_box == spec.global_box:
+        return local.data_
+    if all(isinstance(p, Replicate) for p in value.placements):
+        return spec.piece_of(local)
+    return spec.piece_of(value.full_tensor())
+
+
+_TENSOR_DATA = torch._C.TensorBase.data
+
+
+class RowShardedParameter(DTensor):
+    """The class of flatshard's sharded parameters. A plain DTensor's `param.data = value`
+    swaps the wrapper and keeps its old local tensor: the assignment would be silently
+    dropped. Here it loads `value` into this rank's rows of the flat buffers instead."""
+
+    @property
+    def data(self):
+        return _TENSOR_DATA.__get__(self)
+
+    @data.setter
+    def data(self, value) -> None:
+        spec = shard_spec(self)
+        if tuple(value.shape) != spec.global_shape:
+            raise UnevenShardError(
+                f"param.data = a tensor of shape {tuple(value.shape)}: this parameter's shape is "
+                f"{spec.global_shape}; flatshard loads the values into its shards, it cannot "
+                "change the shape"
+            )
+        with torch.no_grad():
+            self.to_local().copy_(rows_in_layout(value, spec))
+
+
 def shard_spec(param: DTensor) -> ShardSpec:
     """The `ShardSpec` of this rank's piece of a flatshard DTensor (a parameter, its gradient
     or an optimizer state of it)."""
