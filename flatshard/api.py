@@ -17,7 +17,6 @@ from torch.distributed.tensor import Shard
 
 from flatshard import comm, load_hooks
 from flatshard.dtensor import patches
-from flatshard.dtensor.row_shard import RowShardedParameter, make_row_sharded_dtensor
 from flatshard.errors import WrappingError
 from flatshard.fsdp_module import FlatShardModule, wrapped_class
 from flatshard.layout import ParamInfo, declared_components, plan_unit_layout
@@ -32,7 +31,7 @@ from flatshard.runtime.first_use import first_use_groups
 from flatshard.runtime.flat_bucket import FlatBucket
 from flatshard.runtime.hooks import attach
 from flatshard.runtime.states import Resharding
-from flatshard.runtime.unit import ManagedParam, Unit
+from flatshard.runtime.unit import ManagedParam, Unit, sharded_parameter
 
 
 def fully_shard(
@@ -165,12 +164,14 @@ def _shard(members, mesh, settings, root_part, ignored, shard_placement_fn) -> U
             "or use fewer data-parallel ranks.",
             stacklevel=3,
         )
+    on_meta = bool(found) and all(param.is_meta for _, param, _ in found)
     buckets = [
         FlatBucket(
             bucket_layout,
             rank,
             mesh.shard_group,
-            mesh.device,
+            # a model built on meta stays there until to_empty / materialize, as FSDP2's
+            torch.device("meta") if on_meta else mesh.device,
             main_dtype=bucket_layout.dtype,
             param_dtype=policy.param_dtype or bucket_layout.dtype,
             reduce_dtype=policy.reduce_dtype or policy.param_dtype or bucket_layout.dtype,
@@ -182,15 +183,10 @@ def _shard(members, mesh, settings, root_part, ignored, shard_placement_fn) -> U
         bucket_index, slot = layout.locate(position)
         bucket = buckets[bucket_index]
         index = bucket.layout.slots.index(slot)
-        rows, spec = bucket.main_rows(index), bucket.specs[index]
         if not original.is_meta:
             with torch.no_grad():
-                rows.copy_(spec.rows_of(original.detach()))
-        sharded = nn.Parameter(
-            make_row_sharded_dtensor(rows, mesh, spec, bucket.main),
-            requires_grad=original.requires_grad,
-        )
-        sharded.__class__ = RowShardedParameter  # `.data =` loads instead of being dropped
+                bucket.main_rows(index).copy_(bucket.specs[index].rows_of(original.detach()))
+        sharded = sharded_parameter(bucket, index, mesh, original.requires_grad)
         managed.append(ManagedParam(fqn, occurrences, bucket_index, index, sharded))
         _retire(original, sharded)
 

@@ -114,9 +114,16 @@ class FlatShardModule(nn.Module):
 
 
 def _refuse_conversion(unit: Unit, fn) -> None:
+    """A conversion that would change the shards' dtype or device is refused (the shards are
+    views of flat buffers it would not reach); `to_empty` of a unit still on meta allocates
+    its shards on the mesh's device."""
     for bucket in unit.buckets:
         probe = bucket.main.new_empty(0)
         converted = fn(probe)
+        if bucket.on_meta and isinstance(converted, torch.Tensor):
+            if converted.dtype == probe.dtype and converted.device == unit.mesh.device:
+                unit.allocate(unit.mesh.device)  # to_empty of a model built on meta
+                return
         if isinstance(converted, torch.Tensor) and (
             converted.dtype != probe.dtype or converted.device != probe.device
         ):

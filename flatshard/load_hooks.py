@@ -31,6 +31,8 @@ def install(unit, module) -> None:
 
     def take(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
         taken.clear()
+        # FSDP2's flow after meta-device init: the loaded values are the first real ones
+        unit.allocate(unit.mesh.device)
         for param in unit.params:
             present = [key for key in keys_of(param, prefix) if key in state_dict]
             if not present:

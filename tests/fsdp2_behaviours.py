@@ -384,12 +384,14 @@ def load_sharded_state_dict(lib):
 def meta_init(lib):
     with torch.device("meta"):
         model = net()
-    shard_net(model, lib)  # (FSDP2 keeps the shards on meta until to_empty; flatshard has
-    model.to_empty(device="cpu")  # them allocated already: the same after to_empty)
+    shard_net(model, lib)
+    on_meta = all(p.is_meta for p in model.parameters())  # until to_empty
+    model.to_empty(device="cpu")
+    allocated = not any(p.is_meta for p in model.parameters())
     with torch.no_grad():  # an init that does not depend on the layout
         for p in model.parameters():
             p.fill_(0.01 if p.dim() == 1 else 0.02)
-    return train(model, plain_loss)
+    return {**train(model, plain_loss), "on_meta": on_meta, "allocated": allocated}
 
 
 def parameters_are_row_dtensors(lib):

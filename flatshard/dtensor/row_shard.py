@@ -329,8 +329,15 @@ class RowShardedParameter(DTensor):
                 f"{spec.global_shape}; flatshard loads the values into its shards, it cannot "
                 "change the shape"
             )
+        target = self
+        if self.is_meta and hasattr(self, "_flatshard_param"):
+            # still on meta (FSDP2's flow): the unit gets real shards, whose new parameter
+            # takes this one's place in the module and receives the values
+            unit, managed = self._flatshard_param
+            unit.allocate(unit.mesh.device)
+            target = managed.sharded
         with torch.no_grad():
-            self.to_local().copy_(rows_in_layout(value, spec))
+            target.to_local().copy_(rows_in_layout(value, spec))
 
 
 def shard_spec(param: DTensor) -> ShardSpec:

@@ -31,10 +31,7 @@ class FlatBucket:
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
         self.specs = [layout.spec(slot, rank) for slot in layout.slots]
-        # Padding stays zero: it is all-gathered but never read.
-        self.main = torch.zeros(layout.shard_size, dtype=main_dtype, device=device)
-        self.unsharded = torch.empty(layout.padded_size, dtype=param_dtype, device=device)
-        comm.free_storage(self.unsharded)
+        self.allocate(device, main_dtype)
         self.unsharded_grad: torch.Tensor | None = None
         self._sharded_grad: weakref.ref | None = None
         self._gather_input: torch.Tensor | None = None
@@ -48,6 +45,20 @@ class FlatBucket:
         # HSDP: reduce-scattered gradient shards not yet summed over the replicas
         # (`set_requires_all_reduce(False)`), in the reduce dtype
         self.unreplicated: torch.Tensor | None = None
+
+    def allocate(self, device: torch.device, main_dtype: torch.dtype | None = None) -> None:
+        """The sharded main weights (zeros: padding stays zero, it is all-gathered but never
+        read) and the unsharded buffer, freed; on `meta` for a model built there, until
+        `to_empty` / `materialize` allocates them on the real device."""
+        main_dtype = main_dtype or self.main.dtype
+        self.main = torch.zeros(self.layout.shard_size, dtype=main_dtype, device=device)
+        self.unsharded = torch.empty(self.layout.padded_size, dtype=self.param_dtype, device=device)
+        if device.type != "meta":
+            comm.free_storage(self.unsharded)
+
+    @property
+    def on_meta(self) -> bool:
+        return self.main.is_meta
 
     # The flat gradient shard lives exactly as long as the parameters' `.grad` views of it
     # (a view keeps its base alive): `zero_grad()` frees it at once, as FSDP2's are freed.

@@ -11,15 +11,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
 
 from flatshard import comm
+from flatshard.dtensor.row_shard import RowShardedParameter, make_row_sharded_dtensor
 from flatshard.layout import UnitLayout
 from flatshard.policy import MixedPrecisionPolicy
 from flatshard.runtime.flat_bucket import FlatBucket
 from flatshard.runtime.grad_sync import GradientSync
 from flatshard.runtime.sharded_lookup import ShardedLookup, lookup_capable
 from flatshard.runtime.states import Resharding, ShardedState, TrainingState, check_move
+
+
+def sharded_parameter(bucket: FlatBucket, index: int, mesh, requires_grad: bool) -> nn.Parameter:
+    """The sharded parameter of slot `index` of `bucket`: a `RowShardedParameter` (a DTensor)
+    whose local tensor is this rank's rows, a view of the bucket's main weights."""
+    rows, spec = bucket.main_rows(index), bucket.specs[index]
+    param = nn.Parameter(
+        make_row_sharded_dtensor(rows, mesh, spec, bucket.main), requires_grad=requires_grad
+    )
+    param.__class__ = RowShardedParameter  # `.data =` loads instead of being dropped
+    return param
 
 
 @dataclass
@@ -162,6 +175,23 @@ class Unit:
             self._move_sharded(ShardedState.SHARDED)
         if not keep_for_backward:
             self._drop_secondaries()
+
+    def allocate(self, device: torch.device) -> None:
+        """Give a unit built on the meta device real (zeroed) shards on `device`, as FSDP2's
+        `to_empty` does: new sharded parameters take the meta ones' places."""
+        if not any(b.on_meta for b in self.buckets):
+            return
+        for bucket in self.buckets:
+            bucket.allocate(device)
+        for param in self.params:
+            old = param.sharded
+            param.sharded = sharded_parameter(
+                self.buckets[param.bucket], param.index, self.mesh, old.requires_grad
+            )
+            param.sharded._flatshard_param = (self, param)
+            param.unsharded = None
+            for module, name in param.occurrences:
+                module._parameters[name] = param.sharded
 
     def mark_stale(self) -> None:
         """Force the next use to gather again."""
