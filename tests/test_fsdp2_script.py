@@ -1,7 +1,7 @@
 """One FSDP2 training script, run with PyTorch's FSDP2 and with flatshard by changing only
 where `fully_shard` and `register_fsdp_forward_method` come from: a list-of-modules unit
-(torchtitan's `[tok_embeddings, norm, output]`), `ignored_params`, and a forward method
-other than `forward`. Losses and weights must agree."""
+(torchtitan's `[tok_embeddings, norm, output]`), `ignored_params`, a forward method other
+than `forward` and `reshard_after_forward=2` at world 4. Losses and weights must agree."""
 
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ def _script(framework: str):
     model = Scored(config())
     ignored = {model.layers[0].attn_norm.weight}
     fully_shard([model.embed_tokens, model.norm, model.lm_head])
-    for block in model.layers:
-        fully_shard(block, ignored_params=ignored)
-    fully_shard(model)
+    for block in model.layers:  # hpZ: backward gathers inside pairs of ranks
+        fully_shard(block, ignored_params=ignored, reshard_after_forward=2)
+    fully_shard(model, reshard_after_forward=2)
     register_fsdp_forward_method(model, "score")
     optimizer = adamw(model.parameters())
     losses = []
