@@ -146,6 +146,14 @@ MUTANTS = (
         ("tests/test_nccl_shim.py",),
     ),
     Mutant(
+        "tp-fused-split",
+        "tensor parallelism splits the fused [gate; up] weight by plain row blocks",
+        "flatshard/parallel/tensor_parallel.py",
+        '"mlp.gate_up_proj": FusedColwiseParallel(components=2),',
+        '"mlp.gate_up_proj": ColwiseParallel(),',
+        ("tests/test_tensor_parallel.py",),
+    ),
+    Mutant(
         "load-layout",
         "load_state_dict takes a torch.chunk DTensor's local piece as this rank's rows",
         "flatshard/load_hooks.py",

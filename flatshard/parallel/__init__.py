@@ -1,0 +1,9 @@
+"""Parallelism applied from outside the model (layer 7): tensor-parallel plans for the
+reference models, built on `torch.distributed.tensor.parallel`.
+
+tensor_parallel.py  the Llama plan (attention and MLP split over a TP mesh) and its checks
+"""
+
+from flatshard.parallel.tensor_parallel import FusedColwiseParallel, check_tp, parallelize_llama
+
+__all__ = ["FusedColwiseParallel", "check_tp", "parallelize_llama"]
