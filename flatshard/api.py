@@ -139,8 +139,12 @@ def _shard(members, mesh, settings, root_part, ignored, shard_placement_fn) -> U
     found = [entry for entry in _collect_params(members) if id(entry[1]) not in ignored]
     _check_placements(shard_placement_fn, found)
     problem = _check_params(found)
-    comm.agree(problem, mesh.shard_group, WrappingError)
-    comm.agree(problem, mesh.replicate_group, WrappingError)
+    names = "+".join(type(m).__name__ for _, m in members)
+    # Ranks that build different models would crash (or hang) in the first collective:
+    # one tiny all-gather per group checks the problems above and the unit's layout.
+    described = (names, [_describe_param(fqn, p) for fqn, p, _ in found])
+    for group in (mesh.shard_group, mesh.replicate_group):
+        comm.agree_on(problem, described, group, WrappingError, _model_differences)
 
     rank, world_size = mesh.shard_rank, mesh.shard_size
     infos = [
@@ -154,7 +158,6 @@ def _shard(members, mesh, settings, root_part, ignored, shard_placement_fn) -> U
         for fqn, p, places in found
     ]
     layout = plan_unit_layout(infos, world_size)
-    names = "+".join(type(m).__name__ for _, m in members)
     if found and layout.empty_ranks():
         # Legal (e.g. 8 experts over 64 ranks) but wasteful: say so, with the fix.
         warnings.warn(
@@ -264,6 +267,47 @@ def _check_params(found) -> str | None:
                 "is not supported yet"
             )
     return None
+
+
+def _describe_param(fqn: str, param) -> tuple:
+    """What every rank must agree on about a parameter it shards."""
+    dtype = str(param.dtype).removeprefix("torch.")
+    return (fqn, tuple(param.shape), dtype, bool(param.requires_grad))
+
+
+def _model_differences(described: list) -> str:
+    """The first difference between rank 0's unit and another rank's, as a sentence."""
+
+    def say(param, with_name: bool) -> str:
+        if param is None:
+            return "missing"
+        fqn, shape, dtype, requires_grad = param
+        text = f"{shape} {dtype}" + ("" if requires_grad else " frozen")
+        return f"{fqn!r} {text}" if with_name else text
+
+    names0, params0 = described[0]
+    fix = (
+        ". Every rank must build the same model (names, shapes, dtypes) and call fully_shard "
+        "on the same modules in the same order"
+    )
+    for rank, (names, params) in enumerate(described[1:], start=1):
+        unit = f"fully_shard({names0})" if names == names0 else (
+            f"fully_shard({names0}) on rank 0, fully_shard({names}) on rank {rank}"
+        )  # fmt: skip
+        for index in range(max(len(params0), len(params))):
+            a = params0[index] if index < len(params0) else None
+            b = params[index] if index < len(params) else None
+            if a == b:
+                continue
+            if a is not None and b is not None and a[0] == b[0]:
+                what = f"parameter {a[0]!r} is {say(a, False)} on rank 0 but {say(b, False)}"
+            else:
+                what = f"parameter #{index} is {say(a, True)} on rank 0 but {say(b, True)}"
+            what += f" on rank {rank}"
+            return f"ranks disagree on the module being sharded ({unit}): {what}{fix}"
+        if names != names0:
+            return f"ranks disagree on the module being sharded ({unit}){fix}"
+    return "ranks disagree on the module being sharded" + fix
 
 
 def _retire(original: nn.Parameter, replacement: nn.Parameter) -> None:

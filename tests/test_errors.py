@@ -147,3 +147,23 @@ def test_parallel_dims_validate_once_with_clear_messages():
         ParallelDims(8, dp_replicate=2, dp_shard=2)
     with pytest.raises(MeshError, match="tp must be an int >= 1"):
         ParallelDims(8, tp=0)
+
+
+def _model_differs_on_rank_1():
+    # One parameter's shape, then one parameter's presence, differs on rank 1: without the
+    # check, the first collective would mix buffers of different sizes (a C++ abort).
+    rank = dist.get_rank()
+    shapes = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 5 if rank == 1 else 4))
+    names = nn.Linear(4, 4, bias=rank != 1)
+    return [_outcome(lambda m=m: flatshard.fully_shard(m)) for m in (shapes, names)]
+
+
+def test_ranks_that_build_different_models_raise_naming_the_parameter():
+    for shapes, names in run_distributed(_model_differs_on_rank_1, 2, timeout=60):
+        kind, message = shapes
+        assert kind == "WrappingError", shapes
+        assert "parameter '1.weight' is (4, 4) float32 on rank 0 but (5, 4) float32 on rank 1" in (
+            message
+        )
+        kind, message = names
+        assert kind == "WrappingError" and "'bias' (4,) float32 on rank 0 but missing" in message
