@@ -3,6 +3,7 @@ atomic commit under SIGKILL, constant collectives, strictness and integrity chec
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import signal
@@ -273,6 +274,48 @@ def test_corruption_truncation_retention(tmp_path):
     open(target, "wb").write(bytes(blob[:-10]))
     for message in run_distributed(_load_small, 2, root):
         assert "truncated" in message
+
+
+def _full_disk_on_rank_1(path):
+    """Rank 1's writer hits ENOSPC while saving step 2, synchronously and asynchronously."""
+    model = flatshard.fully_shard(Small())
+    checkpoint.save(path, model=model, step=1)
+    original = dcp.FileSystemWriter.write_data
+
+    def full_disk(self, plan, planner):
+        where = os.path.join(str(getattr(self, "path", path)), "__1_0.distcp")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), where)
+
+    outcomes = []
+    if dist.get_rank() == 1:
+        dcp.FileSystemWriter.write_data = full_disk
+    try:
+        for async_save in (False, True):
+            try:
+                checkpoint.save(path, model=model, step=2, async_save=async_save)
+                checkpoint.wait_for_pending_save()
+                outcomes.append("saved")
+            except CheckpointError as error:
+                outcomes.append(str(error))
+            outcomes.append(sorted(os.listdir(path)))
+    finally:
+        dcp.FileSystemWriter.write_data = original
+    checkpoint.save(path, model=model, step=2)  # with space again: nothing left in the way
+    outcomes.append(sorted(os.listdir(path)))
+    return outcomes
+
+
+def test_full_disk_during_save_is_one_error_and_leaves_no_partial(tmp_path):
+    for outcomes in run_distributed(_full_disk_on_rank_1, 2, str(tmp_path)):
+        sync_error, after_sync, async_error, after_async, recovered = outcomes
+        for error in (sync_error, async_error):
+            assert error.startswith(
+                "no space left on device while saving step 2; the last complete checkpoint "
+                "step-00000001 is intact"
+            ), error
+            assert "rank 1" in error and "__1_0.distcp" in error
+        assert after_sync == after_async == ["latest", "step-00000001"]
+        assert recovered == ["latest", "step-00000001", "step-00000002"]
 
 
 # --- SIGKILL during saves: `latest` always names a complete checkpoint ----------------------

@@ -4,6 +4,7 @@ reshards to this run's world size, ZeRO stage and bucket layout)."""
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -16,7 +17,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from flatshard import comm
 from flatshard.checkpoint import commit, manifest
 from flatshard.checkpoint.save import wait_for_pending_save
 from flatshard.checkpoint.state import (
@@ -62,11 +62,8 @@ def load(
     rank, world = rank_and_world(group)
     path = _resolve(directory, step)
     saved = manifest.read(path)
-    problems = []
     if verify:
-        names = sorted(saved["files"])
-        problems = manifest.verify_files(path, saved, names[rank::world])
-    comm.agree("; ".join(problems) or None, group, CheckpointError)
+        manifest.check_intact(path, saved, group)
     differences = manifest.config_differences(
         saved.get("model_config"), manifest.model_config(model)
     )
@@ -103,9 +100,13 @@ def load(
 
 def _resolve(directory: str, step: int | None) -> str:
     if step is None:
-        path = commit.latest_dir(directory)
+        path, warning = commit.resolve_latest(directory)
         if path is None:
-            raise CheckpointError(f"no committed checkpoint in {directory} (no 'latest' marker)")
+            raise CheckpointError(
+                f"no committed checkpoint in {directory} (no 'latest' marker, no complete step)"
+            )
+        if warning:
+            warnings.warn(warning, stacklevel=3)
         return path
     path = os.path.join(directory, commit.step_dir_name(step))
     if not os.path.isdir(path):

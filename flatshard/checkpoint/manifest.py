@@ -11,6 +11,9 @@ import json
 import os
 import zlib
 
+import torch.distributed as dist
+
+from flatshard import comm
 from flatshard.errors import CheckpointError
 
 MANIFEST = "flatshard.json"
@@ -84,6 +87,20 @@ def verify_files(directory: str, manifest: dict, names: list[str]) -> list[str]:
         elif checksum(path)["crc32"] != expected["crc32"]:
             problems.append(f"{name} fails its CRC-32 check (corrupted)")
     return problems
+
+
+def check_intact(directory: str, manifest: dict, group=None) -> None:
+    """Check every file the manifest lists (size, CRC-32) before anything else of the
+    checkpoint is read; the ranks of `group` (None: this process alone) each check a share
+    and all raise the same CheckpointError, naming each missing, truncated or corrupted file."""
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group else (0, 1)
+    problems = verify_files(directory, manifest, sorted(manifest["files"])[rank::world])
+    try:
+        comm.agree("; ".join(problems) or None, group, CheckpointError)
+    except CheckpointError as error:
+        raise CheckpointError(
+            f"checkpoint {directory} is corrupt: {error}. Load another step"
+        ) from None
 
 
 def config_differences(saved: dict | None, current: dict | None) -> list[str]:

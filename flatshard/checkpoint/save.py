@@ -3,12 +3,14 @@ directory that is committed atomically; optionally asynchronous."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import threading
 import time
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from flatshard import comm
@@ -65,6 +67,10 @@ def save(
         load_state_dict() restores them) or plain values (a data position, a config...).
     async_save: copy the state now and write it in the background; training may go on.
     keep_last: after committing, delete all but the newest `keep_last` checkpoints.
+
+    A failed write (a full disk: "no space left on device while saving step N") raises one
+    `CheckpointError` on every rank, removes the partial directory and leaves `latest` and
+    the checkpoint it names untouched.
     """
     wait_for_pending_save()
     group = checkpoint_group()
@@ -77,11 +83,15 @@ def save(
         CheckpointError,
     )
     partial = commit.partial_dir(directory, step)
+    failure = None
     if rank == 0:
-        if os.path.exists(partial):
-            shutil.rmtree(partial)  # left by an interrupted save of this step
-        os.makedirs(os.path.join(partial, "rng"))
-    barrier(group)
+        try:
+            if os.path.exists(partial):
+                shutil.rmtree(partial)  # left by an interrupted save of this step
+            os.makedirs(os.path.join(partial, "rng"))
+        except OSError as error:
+            failure = (_describe_failure(error, rank), error)
+    _agree_on_failure(failure, group, directory, step)  # also the barrier: the directory exists
 
     started = time.perf_counter()
     state = app_state(model, optimizer, extra)
@@ -91,7 +101,7 @@ def save(
         state = _staged = stage(state, _staged)
         copied = comm.host_copies_done()
     enter_device = comm.thread_device_setter()
-    torch.save(rng_state(), os.path.join(partial, "rng", f"rank{rank}.pt"))
+    rng = rng_state()  # taken now; written with the rest
     config = manifest.model_config(model)
 
     def write_and_commit(result: dict) -> None:
@@ -99,21 +109,35 @@ def save(
             enter_device()  # a new thread starts on GPU 0: use this rank's device
             if copied is not None:
                 copied.synchronize()  # the staged host copies have landed
-            writer = dcp.FileSystemWriter(partial, sync_files=True)
-            dcp.save(state, storage_writer=writer, process_group=group)
-            mine = {
-                name: manifest.checksum(os.path.join(partial, name))
-                for name in manifest.files_of_rank(partial, rank)
-            }
-            everyone = gather_to_rank0(mine, group)
-            if rank == 0:
-                files = {name: info for per_rank in everyone for name, info in per_rank.items()}
-                files[".metadata"] = manifest.checksum(os.path.join(partial, ".metadata"))
-                manifest.write(partial, step=step, world_size=world, files=files, config=config)
-                commit.commit(directory, step)
-                if keep_last:
-                    commit.prune(directory, keep_last)
-            barrier(group)
+            failure = None  # (kind, text) of what went wrong on this rank, and the error
+            try:
+                writer = dcp.FileSystemWriter(partial, sync_files=True)
+                dcp.save(state, storage_writer=writer, process_group=group)
+            except BaseException as error:  # DCP raises it on every rank
+                failure = (_describe_failure(error, rank), error)
+            if failure is None:
+                mine = None
+                try:
+                    torch.save(rng, os.path.join(partial, "rng", f"rank{rank}.pt"))
+                    mine = {
+                        name: manifest.checksum(os.path.join(partial, name))
+                        for name in manifest.files_of_rank(partial, rank)
+                    }
+                except Exception as error:
+                    failure = (_describe_failure(error, rank), error)
+                everyone = gather_to_rank0((mine, failure and failure[0]), group)
+                if rank == 0:
+                    failed = [described for _, described in everyone if described is not None]
+                    if failed:
+                        failure = (failed[0], failure and failure[1])
+                    else:
+                        try:
+                            _write_manifest_and_commit(
+                                directory, step, world, everyone, config, keep_last
+                            )
+                        except Exception as error:
+                            failure = (_describe_failure(error, rank), error)
+            _agree_on_failure(failure, group, directory, step)  # also the barrier
             result["path"] = os.path.join(directory, commit.step_dir_name(step))
         except BaseException as error:  # surfaced by SaveHandle.wait()
             result["error"] = error
@@ -129,6 +153,76 @@ def save(
     global _in_flight
     _in_flight = SaveHandle(time.perf_counter() - started, thread, result)
     return _in_flight
+
+
+def _write_manifest_and_commit(directory, step, world, everyone, config, keep_last) -> None:
+    """Rank 0: list every file's size and CRC, publish the step and move `latest`."""
+    partial = commit.partial_dir(directory, step)
+    files = {name: info for per_rank, _ in everyone for name, info in per_rank.items()}
+    files[".metadata"] = manifest.checksum(os.path.join(partial, ".metadata"))
+    manifest.write(partial, step=step, world_size=world, files=files, config=config)
+    commit.commit(directory, step)
+    if keep_last:
+        commit.prune(directory, keep_last)
+
+
+def _agree_on_failure(failure: tuple | None, group, directory: str, step: int) -> None:
+    """Every rank learns whether any rank failed to save `step` (one small all-reduce, which
+    is also a barrier). `failure`: this rank's ((kind, text), exception) or None. On a
+    failure, rank 0 removes what this save wrote and every rank raises the same error: a
+    `CheckpointError` for the file system's errors (a full disk, a read-only directory),
+    naming the checkpoint that stays intact; a RuntimeError for anything else."""
+    mine, cause = failure if failure is not None else (None, None)
+    everyone = [mine]
+    if group is not None:
+        flag = torch.tensor([0 if mine is None else 1], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if not flag.item():
+            return
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+    found = [described for described in everyone if described is not None]
+    if not found:
+        return
+    if rank_and_world(group)[0] == 0:
+        commit.discard(directory, step)
+    barrier(group)  # nobody looks at the directory before it is clean
+    latest = commit.latest_dir(directory)
+    kept = (
+        f"the last complete checkpoint {os.path.basename(latest)} is intact"
+        if latest
+        else "no earlier checkpoint was saved"
+    )
+    full = [text for kind, text in found if kind == "enospc"]
+    if full:
+        raise CheckpointError(
+            f"no space left on device while saving step {step}; {kept} ({full[0]}). Free "
+            "some space (or keep fewer checkpoints) and resume"
+        ) from cause
+    if all(kind == "os" for kind, _ in found):
+        raise CheckpointError(f"saving step {step} failed ({found[0][1]}); {kept}") from cause
+    texts = "; ".join(text for _, text in found)
+    raise RuntimeError(f"saving step {step} to {directory} failed: {texts}") from cause
+
+
+def _describe_failure(failure: BaseException, rank: int) -> tuple[str, str]:
+    """(kind, text): kind "enospc" for a full disk, "os" for another file-system error,
+    "other" otherwise; DCP wraps each rank's error in a CheckpointException."""
+    stack, seen = [(rank, failure)], set()
+    while stack:
+        where, error = stack.pop(0)
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        if isinstance(error, OSError):
+            kind = "enospc" if error.errno == errno.ENOSPC else "os"
+            return kind, f"rank {where}: {error}"
+        failures = getattr(error, "failures", None)  # DCP: {rank: (exception, traceback)}
+        if isinstance(failures, dict):
+            for other, wrapped in sorted(failures.items()):
+                stack.append((other, wrapped[0] if isinstance(wrapped, tuple) else wrapped))
+        stack += [(where, error.__cause__), (where, error.__context__)]
+    return "other", f"rank {rank}: {type(failure).__name__}: {failure}"
 
 
 def wait_for_pending_save() -> None:

@@ -49,13 +49,14 @@ def hf_to_checkpoint(args, sharded: bool) -> None:
 
 
 def checkpoint_to_hf(args, sharded: bool) -> None:
-    root, step, path, cfg = saved_model_config(args.source)
+    ranks = init_distributed() if sharded else None
+    group = torch.distributed.group.WORLD if sharded else None
+    root, step, path, cfg = saved_model_config(args.source, group)  # verified
     if sharded:
-        ranks = init_distributed()
         model = build_sharded(cfg, zero_stage=3, precision="fp32", seed=0, device=ranks.device)
     else:
         model = build_plain(cfg)
-    checkpoint.load(root, model=model, step=step)
+    checkpoint.load(root, model=model, step=step, verify=False)  # verified above
     dtype = HF_DTYPES[args.dtype] if args.dtype else None
     hf.save_pretrained(model, args.target, dtype=dtype, max_shard_size=args.max_shard_size)
     _say(sharded, f"wrote {args.target} from {path} ({cfg.num_params():,} parameters)")

@@ -1,6 +1,18 @@
-"""Errors a user of the command line can cause. `main` prints them as one line, no traceback."""
+"""Errors a user of the command line can cause. `main` prints them as one line, no traceback.
+Warnings are one line too: `flatshard: warning: ...`."""
+
+import os
+import sys
 
 from flatshard.errors import FlatShardError
+
+
+def warn(message: str, per_node: bool = False) -> None:
+    """Print `flatshard: warning: MESSAGE` once: on rank 0 (under torchrun every rank runs
+    the command), or once per node with `per_node` (what differs between nodes)."""
+    variable = "LOCAL_RANK" if per_node else "RANK"
+    if int(os.environ.get(variable, 0)) == 0:
+        print(f"flatshard: warning: {message}", file=sys.stderr, flush=True)
 
 
 class ConfigError(FlatShardError):

@@ -1,5 +1,6 @@
 """`flatshard inspect`: what a checkpoint holds, read from its manifest (flatshard.json) and
-DCP metadata only; no tensor data is loaded."""
+DCP metadata only; no tensor data is loaded. Every file's size and CRC-32 is checked first:
+a corrupt checkpoint is reported as such (naming the file), never half-described."""
 
 from __future__ import annotations
 
@@ -10,17 +11,17 @@ import textwrap
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from flatshard.checkpoint import commit, manifest
+from flatshard.checkpoint import commit
 from flatshard.cli import runs
 from flatshard.cli.config import toml_value
+from flatshard.cli.errors import warn
 
 SECTIONS = ("model", "optim", "extra")
 
 
 def describe(path_given: str) -> dict:
-    root, step = runs.resolve_checkpoint(path_given)
-    path = runs.step_dir(root, step)
-    saved = manifest.read(path)
+    root, step = runs.resolve_checkpoint(path_given, warn=warn)
+    path, saved = runs.verified_step_dir(root, step)  # a corrupt checkpoint is an error
     tensors, values = {}, []
     for key, info in sorted(runs.stored_keys(path).items()):
         if isinstance(info, TensorStorageMetadata):
@@ -44,7 +45,7 @@ def describe(path_given: str) -> dict:
         "step": saved["step"],
         "world_size": saved["world_size"],
         "committed_steps": commit.committed_steps(root),
-        "latest": os.path.basename(commit.latest_dir(root) or ""),
+        "latest": os.path.basename(commit.resolve_latest(root)[0] or ""),
         "size_bytes": sum(os.path.getsize(f) for f in files),
         "files": len(files),
         "model_config": saved.get("model_config"),

@@ -11,9 +11,10 @@ import os
 import sys
 import warnings
 
+from flatshard.checkpoint import commit
 from flatshard.cli import config as run_config
 from flatshard.cli import launch, runs
-from flatshard.cli.errors import RunError
+from flatshard.cli.errors import RunError, warn
 from flatshard.errors import FlatShardError
 
 # flag -> config key; each flag is shorthand for --set key=value
@@ -158,9 +159,9 @@ def _train(args) -> int:
         if getattr(args, flag) is not None
     ] + args.set
     config = run_config.build(args.config, overrides)
-    resume = args.resume is not None
-    if resume:
-        run_dir = _run_to_resume(args.resume, config.run.out_dir)
+    resume_step = None  # the step to continue from (None: a new run)
+    if args.resume is not None:
+        run_dir, resume_step = _resume_target(args.resume, config.run.out_dir)
         saved = os.path.join(run_dir, runs.CONFIG_TOML)
         base = run_config.read_file(saved) if os.path.exists(saved) else None
         config = run_config.build(args.config, overrides, base=base)
@@ -180,7 +181,7 @@ def _train(args) -> int:
             print(f"flatshard train: starting {world} local processes", flush=True)
     from flatshard.cli.train import train_worker
 
-    return launch.run(train_worker, (config.flat(), run_dir, resume), world)
+    return launch.run(train_worker, (config.flat(), run_dir, resume_step), world)
 
 
 def _check_data(config) -> None:
@@ -193,19 +194,38 @@ def _check_data(config) -> None:
     llama_config(config, data.vocab_size)
 
 
-def _run_to_resume(given: str, template: str) -> str:
+def _resume_target(given: str, template: str) -> tuple[str, int]:
+    """(run directory, step) that `--resume [GIVEN]` continues: a run directory (its
+    `latest` checkpoint, or the newest complete one if the marker is gone), its checkpoints/
+    directory, or one step-N directory in it; nothing given: the newest run."""
     if given:
-        run_dir = given
+        where = given
     elif "{time}" not in template:
-        run_dir = template
+        where = template
     else:
         root = runs.runs_root(template)
-        run_dir = runs.latest_run(root)
-        if run_dir is None:
+        where = runs.latest_run(root)
+        if where is None:
             raise RunError(f"nothing to resume: no run with a checkpoint under {root!r}")
-    if not runs.has_checkpoint(run_dir):
-        raise RunError(f"nothing to resume: {run_dir!r} holds no committed checkpoint")
-    return run_dir
+    if not os.path.exists(where):
+        raise RunError(f"nothing to resume: {where!r} does not exist")
+    try:
+        root, step = runs.resolve_checkpoint(where, warn=warn)
+    except RunError as error:
+        raise RunError(f"nothing to resume: {error}") from None
+    if os.path.basename(root) != runs.CHECKPOINTS:
+        raise RunError(
+            f"--resume {where!r}: {root!r} is not the {runs.CHECKPOINTS}/ directory of a run; "
+            "pass the run directory (or a step-N directory in its checkpoints/)"
+        )
+    newer = [n for n in commit.committed_steps(root) if n > step]
+    if newer:
+        raise RunError(
+            f"--resume {where!r}: {root} holds checkpoints newer than step {step} "
+            f"({', '.join(map(str, newer))}), which continuing from step {step} would write "
+            "over; move them out of the directory to go back, or resume from the newest"
+        )
+    return os.path.dirname(root) or ".", step
 
 
 def _sample(args) -> int:

@@ -8,10 +8,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import flatshard
-from flatshard.checkpoint import manifest
 from flatshard.cli import runs
 from flatshard.cli.config import RunConfig
-from flatshard.cli.errors import ConfigError, RunError
+from flatshard.cli.errors import ConfigError, RunError, warn
 from flatshard.models import Llama, LlamaConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -94,11 +93,11 @@ def config_from_dict(values: dict) -> LlamaConfig:
         raise ConfigError(f"the checkpoint's model config is not usable: {error}") from None
 
 
-def saved_model_config(checkpoint_arg: str) -> tuple[str, int, str, LlamaConfig]:
-    """(root, step, step directory, model config) of the checkpoint a command was given."""
-    root, step = runs.resolve_checkpoint(checkpoint_arg)
-    path = runs.step_dir(root, step)
-    saved = manifest.read(path)
+def saved_model_config(checkpoint_arg: str, group=None) -> tuple[str, int, str, LlamaConfig]:
+    """(root, step, step directory, model config) of the checkpoint a command was given,
+    after verifying every file of it (shared among the ranks of `group`, if given)."""
+    root, step = runs.resolve_checkpoint(checkpoint_arg, warn=warn)
+    path, saved = runs.verified_step_dir(root, step, group)
     if not saved.get("model_config"):
         raise RunError(f"{path} has no model config: it was not saved from a flatshard Llama")
     return root, step, path, config_from_dict(saved["model_config"])

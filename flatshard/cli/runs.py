@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 
 import torch.distributed.checkpoint as dcp
@@ -20,7 +19,6 @@ from flatshard.cli.errors import RunError
 CHECKPOINTS = "checkpoints"
 CONFIG_TOML, CONFIG_JSON = "config.toml", "config.json"
 METRICS, SAMPLE = "metrics.jsonl", "sample.txt"
-_STEP_DIR = re.compile(r"step-(\d{8})$")
 
 
 def new_run_dir(template: str) -> str:
@@ -46,42 +44,63 @@ def checkpoint_root(run_dir: str) -> str:
 
 
 def has_checkpoint(run_dir: str) -> bool:
-    return commit.latest_dir(checkpoint_root(run_dir)) is not None
+    """Whether the run holds a complete checkpoint (with or without a `latest` marker)."""
+    return commit.resolve_latest(checkpoint_root(run_dir))[0] is not None
 
 
 def latest_run(root: str) -> str | None:
-    """The most recently written run under `root` that has a committed checkpoint."""
+    """The most recently written run under `root` that has a complete checkpoint."""
     if not os.path.isdir(root):
         return None
-    runs = [os.path.join(root, name) for name in os.listdir(root)]
-    runs = [run for run in runs if os.path.isdir(run) and has_checkpoint(run)]
-    if not runs:
-        return None
-    return max(runs, key=lambda run: os.path.getmtime(os.path.join(checkpoint_root(run), "latest")))
+    newest: dict[str, float] = {}
+    for name in os.listdir(root):
+        run = os.path.join(root, name)
+        found = commit.resolve_latest(checkpoint_root(run))[0] if os.path.isdir(run) else None
+        if found is not None:
+            marker = os.path.join(checkpoint_root(run), commit.LATEST)
+            written = os.path.getmtime(marker if os.path.exists(marker) else found)
+            newest[run] = written
+    return max(newest, key=newest.get) if newest else None
 
 
-def resolve_checkpoint(path: str) -> tuple[str, int | None]:
-    """(checkpoint root, step or None for `latest`) from a run directory, a checkpoints
-    directory or one `step-N` directory."""
+def resolve_checkpoint(path: str, warn=None) -> tuple[str, int]:
+    """(checkpoint root, step) from a run directory, a checkpoints directory (their
+    `latest` step, or the newest complete one if the marker is gone: `warn` is told) or one
+    `step-N` directory."""
     path = os.path.normpath(path)
     if not os.path.exists(path):
         raise RunError(f"checkpoint {path!r} does not exist")
-    match = _STEP_DIR.search(os.path.basename(path))
-    if match and os.path.isfile(os.path.join(path, manifest.MANIFEST)):
-        return os.path.dirname(path), int(match.group(1))
+    step = commit.step_of(path)
+    if step is not None:
+        if not os.path.isfile(os.path.join(path, manifest.MANIFEST)):
+            raise RunError(
+                f"{path!r} is not a complete checkpoint (no {manifest.MANIFEST}: its save was "
+                "interrupted); use another step"
+            )
+        return os.path.dirname(path) or ".", step
     for root in (path, checkpoint_root(path)):
-        if commit.latest_dir(root) is not None:
-            return root, None
+        found, warning = commit.resolve_latest(root)
+        if found is not None:
+            if warning and warn is not None:
+                warn(warning)
+            return root, commit.step_of(found)
     raise RunError(
-        f"{path!r} holds no committed checkpoint (no 'latest' marker in it or in its "
-        f"{CHECKPOINTS}/ directory, and it is not a step-N directory)"
+        f"{path!r} holds no committed checkpoint (no 'latest' marker and no complete step-N "
+        f"directory in it or in its {CHECKPOINTS}/ directory, and it is not a step-N directory)"
     )
 
 
-def step_dir(root: str, step: int | None) -> str:
-    if step is None:
-        return commit.latest_dir(root)
+def step_dir(root: str, step: int) -> str:
     return os.path.join(root, commit.step_dir_name(step))
+
+
+def verified_step_dir(root: str, step: int, group=None) -> tuple[str, dict]:
+    """The step directory and its manifest, once every file it lists has its size and CRC
+    (the ranks of `group` check a share each). Read nothing else of a checkpoint before."""
+    path = step_dir(root, step)
+    saved = manifest.read(path)
+    manifest.check_intact(path, saved, group)
+    return path, saved
 
 
 def stored_keys(step_path: str) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.distributed as dist
 from torch.cuda import is_available as cuda_available
 
 from flatshard import checkpoint
@@ -29,7 +30,9 @@ class SampleRequest:
 
 
 def sample_worker(request: SampleRequest, sharded: bool) -> None:
-    root, step, path, cfg = saved_model_config(request.checkpoint)
+    ranks = init_distributed(request.device) if sharded else None
+    group = dist.group.WORLD if sharded else None
+    root, step, path, cfg = saved_model_config(request.checkpoint, group)  # verified
     tokenizer = tokenizer_for(runs.saved_extra(path, "tokenizer") or "none")
     if request.prompt_ids:
         prompt = list(request.prompt_ids)
@@ -42,14 +45,13 @@ def sample_worker(request: SampleRequest, sharded: bool) -> None:
     if max(prompt) >= cfg.vocab_size or min(prompt) < 0:
         raise RunError(f"prompt token ids must be in [0, {cfg.vocab_size}) for this model")
     if sharded:
-        ranks = init_distributed(request.device)
         device, is_main = ranks.device, ranks.is_main
         model = build_sharded(cfg, zero_stage=3, precision="fp32", seed=0, device=device)
     else:
         use_cuda = request.device == "cuda" or (request.device == "auto" and cuda_available())
         device, is_main = ("cuda" if use_cuda else "cpu"), True
         model = build_plain(cfg, device)
-    checkpoint.load(root, model=model, step=step)
+    checkpoint.load(root, model=model, step=step, verify=False)  # verified above
     new = generate(
         model,
         prompt,

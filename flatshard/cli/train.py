@@ -41,14 +41,15 @@ def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
 
 
-def train_worker(values: dict, run_dir: str, resume: bool) -> None:
-    """Entry point on every rank. `run_dir` may still hold `{time}` (rank 0 fills it in)."""
+def train_worker(values: dict, run_dir: str, resume_step: int | None) -> None:
+    """Entry point on every rank. `run_dir` may still hold `{time}` (rank 0 fills it in);
+    `resume_step`: the step of the run's checkpoint to continue from (None: a new run)."""
     stop = StopRequest().install()
     config = RunConfig(values)
     ranks = init_distributed(config.run.device, config.run.threads)
     check(config, ranks.world_size)
     run_dir = _agree_run_dir(run_dir, ranks)
-    Trainer(config, ranks, run_dir, resume, stop).run()
+    Trainer(config, ranks, run_dir, resume_step, stop).run()
 
 
 def _agree_run_dir(template: str, ranks: Ranks) -> str:
@@ -58,7 +59,7 @@ def _agree_run_dir(template: str, ranks: Ranks) -> str:
 
 
 class Trainer:
-    def __init__(self, config: RunConfig, ranks: Ranks, run_dir: str, resume: bool, stop):
+    def __init__(self, config: RunConfig, ranks: Ranks, run_dir: str, resume_step, stop):
         self.config, self.ranks, self.run_dir, self.stop = config, ranks, run_dir, stop
         train, data = config.train, config.data
         self.data = load_tokens(data.path, data.format, data.text_field, data.glob)
@@ -84,22 +85,31 @@ class Trainer:
         )
         self.checkpoints = runs.checkpoint_root(run_dir)
         self.step, self.position, self.last_saved = 0, 0, None
-        if resume:
-            self._resume()
+        self.resumed_from = None
+        if resume_step is not None:
+            self._resume(resume_step)
         if ranks.is_main:
             runs.write_config(run_dir, config)
-            self._print_header(resume)
+            self._print_header()
         self.progress = None
 
     # --- set-up ----------------------------------------------------------------------------
-    def _resume(self) -> None:
+    def _resume(self, step: int) -> None:
+        if self.ranks.is_main:  # no save runs yet: what an interrupted one left is garbage
+            for name in commit.remove_partials(self.checkpoints):
+                print(f"removed {name} (left by an interrupted or failed save)", flush=True)
         result = checkpoint.load(
-            self.checkpoints, model=self.model, optimizer=self.optimizer, data_position=None
+            self.checkpoints,
+            model=self.model,
+            optimizer=self.optimizer,
+            step=step,
+            data_position=None,
         )
         self.step = self.last_saved = result.step
+        self.resumed_from = result.path
         self.position = result.extra["data_position"]
 
-    def _print_header(self, resume: bool) -> None:
+    def _print_header(self) -> None:
         config, ranks, model = self.config, self.ranks, self.model_config
         backend = dist.get_backend()
         tokens_per_step = config.train.global_batch * config.data.seq_len
@@ -125,8 +135,8 @@ class Trainer:
             f"effective config (saved as {os.path.join(self.run_dir, runs.CONFIG_TOML)}):",
             effective.rstrip(),
         ]
-        if resume:
-            lines.append(f"resuming from step {self.step} ({commit.latest_dir(self.checkpoints)})")
+        if self.resumed_from is not None:
+            lines.append(f"resuming from step {self.step} ({self.resumed_from})")
         print("\n".join(lines), flush=True)
 
     # --- the loop ------------------------------------------------------------------------------

@@ -1,0 +1,92 @@
+"""What a new user broke (issue "Reliability"): partial checkpoints a failed save left,
+checkpoint commands that read a corrupt checkpoint before checking it, a lost `latest`
+marker. Each test is one of them, run as a user runs the command."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+from test_cli_helpers import TINY, check_ok, flatshard, metrics, one_line_error
+
+from flatshard.cli.launch import LAUNCHER_VARS
+from flatshard.cli.main import main
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A finished two-rank TINY run of 4 steps with checkpoints at steps 2 and 4."""
+    run = tmp_path_factory.mktemp("trained") / "run"
+    check_ok(
+        flatshard("train", *TINY, "--steps", 4, "--out", run, "--set", "checkpoint.interval=2")
+    )
+    return run
+
+
+@pytest.fixture
+def run(trained, tmp_path):
+    """A copy of the trained run to change."""
+    copy = tmp_path / "run"
+    shutil.copytree(trained, copy)
+    return copy
+
+
+def steps_of(run_dir) -> list[int]:
+    return sorted(n for n in os.listdir(run_dir / "checkpoints") if n.startswith("step-"))
+
+
+def test_resume_removes_partial_checkpoints_failed_saves_left(run):
+    partial = run / "checkpoints" / ".step-00000006.partial"
+    (partial / "rng").mkdir(parents=True)
+    (partial / "__0_0.distcp").write_bytes(b"\0" * 100)  # a save that ran out of space
+    resumed = check_ok(flatshard("train", "--resume", run, "--steps", 5))
+    assert "removed .step-00000006.partial" in resumed.stdout
+    assert sorted(os.listdir(run / "checkpoints")) == ["latest", *steps_of(run)]
+    assert steps_of(run) == ["step-00000002", "step-00000004", "step-00000005"]
+
+
+@pytest.mark.parametrize("damage", ["deleted rank file", "flipped byte in .metadata"])
+def test_checkpoint_commands_verify_before_reading(run, tmp_path, capsys, monkeypatch, damage):
+    for name in LAUNCHER_VARS:  # one plain process, as the user's would be
+        monkeypatch.delenv(name, raising=False)
+    step = run / "checkpoints" / "step-00000004"
+    if damage == "deleted rank file":
+        name, what = "__1_0.distcp", "__1_0.distcp is missing"
+        (step / name).unlink()
+    else:
+        name, what = ".metadata", ".metadata fails its CRC-32 check (corrupted)"
+        blob = bytearray((step / name).read_bytes())
+        blob[len(blob) // 2] ^= 0xFF
+        (step / name).write_bytes(bytes(blob))
+    commands = [
+        ["inspect", str(run)],
+        ["sample", "--checkpoint", str(run), "--tokens", "2"],
+        ["convert", "checkpoint-to-hf", str(run), str(tmp_path / "hf")],
+    ]
+    for command in commands:
+        capsys.readouterr()
+        assert main(command) == 2, command
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"flatshard: error: checkpoint {step}"), err
+        assert f"is corrupt: {what}" in err, err
+
+
+def test_resume_without_latest_marker_or_from_a_step_directory(run):
+    checkpoints = run / "checkpoints"
+    (checkpoints / "latest").unlink()
+    resumed = check_ok(flatshard("train", "--resume", run, "--steps", 5))
+    assert (
+        "flatshard: warning: " in resumed.stderr
+        and "no 'latest' marker; using the newest complete checkpoint step-00000004"
+        in resumed.stderr
+    ), resumed.stderr
+    assert "resuming from step 4" in resumed.stdout
+    # a step directory: the newest continues; an older one would write over the newer ones
+    line = one_line_error(flatshard("train", "--resume", checkpoints / "step-00000002"))
+    assert "newer than step 2 (4, 5)" in line, line
+    resumed = check_ok(flatshard("train", "--resume", checkpoints / "step-00000005", "--steps", 6))
+    assert "resuming from step 5" in resumed.stdout
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5, 6]
