@@ -1,6 +1,7 @@
-"""What a new user broke (issue "Reliability"): partial checkpoints a failed save left,
-checkpoint commands that read a corrupt checkpoint before checking it, a lost `latest`
-marker. Each test is one of them, run as a user runs the command."""
+"""What a new user broke (issue "Reliability"): a resume that silently changed the model, a
+torn metrics line, partial checkpoints a failed save left, checkpoint commands that read a
+corrupt checkpoint before checking it, a lost `latest` marker. Each test is one of them,
+run as a user runs the command."""
 
 from __future__ import annotations
 
@@ -36,6 +37,25 @@ def run(trained, tmp_path):
 
 def steps_of(run_dir) -> list[int]:
     return sorted(n for n in os.listdir(run_dir / "checkpoints") if n.startswith("step-"))
+
+
+def test_resume_with_another_model_is_refused(run):
+    # `--model small` used to train the run's own (tiny) sizes: its saved sizes won
+    line = one_line_error(flatshard("train", "--resume", run, "--model", "small"))
+    assert 'model.preset: run "tiny", given "small"' in line, line
+    assert "model.dim: run 64, given 384" in line and "model.n_layers: run 2, given 6" in line
+    line = one_line_error(
+        flatshard("train", "--resume", run, "--set", "model.n_heads=2", "--seed", "1")
+    )
+    assert "model.n_heads: run 4, given 2; train.seed: run 0, given 1" in line, line
+    assert "only train.* (except train.seed), checkpoint.* and run.* may change" in line
+    # what may change: the steps, the lr schedule, checkpointing; restating the model is fine
+    resumed = check_ok(
+        flatshard("train", "--resume", run, "--model", "tiny", "--steps", 5, "--lr", "1e-3",
+                  "--set", "train.warmup_steps=0", "--checkpoint-interval", 1)
+    )  # fmt: skip
+    assert "resuming from step 4" in resumed.stdout and "dim 64" in resumed.stdout
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5]
 
 
 def test_resume_removes_partial_checkpoints_failed_saves_left(run):

@@ -296,19 +296,28 @@ def _typed(option: Option, value, origin: str):
     return value
 
 
+def _given(sources: list[tuple[dict, str]]) -> dict[str, object]:
+    given: dict[str, object] = {}
+    for values, origin in sources:
+        for key, value in values.items():
+            given[key] = _typed(_option(key, origin), value, origin)
+    return given
+
+
+def _user_sources(files: Iterable[str], overrides: Iterable[str]) -> list[tuple[dict, str]]:
+    sources = [(read_file(path), path) for path in files]
+    sources.append((dict(parse_override(text) for text in overrides), "command line"))
+    return sources
+
+
 def build(
     files: Iterable[str] = (),
     overrides: Iterable[str] = (),
     base: dict[str, object] | None = None,
 ) -> RunConfig:
     """Defaults < preset < `base` (e.g. a resumed run's config) < files < overrides."""
-    given: dict[str, object] = {}
-    sources: list[tuple[dict, str]] = [(base or {}, "the resumed run's config")]
-    sources += [(read_file(path), path) for path in files]
-    sources.append((dict(parse_override(text) for text in overrides), "command line"))
-    for values, origin in sources:
-        for key, value in values.items():
-            given[key] = _typed(_option(key, origin), value, origin)
+    sources = [(base or {}, "the resumed run's config"), *_user_sources(files, overrides)]
+    given = _given(sources)
     values = {option.key: option.default for option in OPTIONS}
     preset = given.get("model.preset", values["model.preset"])
     for name, value in PRESETS[preset].items():
@@ -317,6 +326,41 @@ def build(
     config = RunConfig(values)
     check(config)
     return config
+
+
+# What a resumed run keeps from its own config: the model and the data (its order and the
+# position in it). Everything else (train.steps, the lr schedule, the batch split, ZeRO
+# stage, precision, checkpoint.*, run.*) may change on --resume.
+FIXED_ON_RESUME = ("model.", "data.", "train.seed")
+
+
+def resume_conflicts(
+    saved: dict[str, object], files: Iterable[str], overrides: Iterable[str]
+) -> list[str]:
+    """The keys the config files and overrides set to other values than the resumed run's
+    `saved` config holds, among those fixed for a run, as "key: run X, given Y". A preset
+    other than the run's counts with the sizes it implies (those not set explicitly)."""
+    run = _given([(saved, "the resumed run's config")])
+    given = _given(_user_sources(files, overrides))
+
+    def run_value(key):
+        return run.get(key, BY_KEY[key].default)
+
+    preset = given.get("model.preset")
+    if preset is not None and preset != run_value("model.preset"):
+        for name, value in PRESETS[preset].items():
+            given.setdefault(f"model.{name}", value)
+    conflicts = []
+    for option in OPTIONS:  # in the documented order
+        key = option.key
+        if key not in given or not key.startswith(FIXED_ON_RESUME):
+            continue
+        a, b = run_value(key), given[key]
+        if key == "data.path":
+            a, b = os.path.normpath(a) if a else a, os.path.normpath(b) if b else b
+        if a != b:
+            conflicts.append(f"{key}: run {toml_value(run_value(key))}, given {toml_value(b)}")
+    return conflicts
 
 
 def check(config: RunConfig, world_size: int | None = None) -> None:

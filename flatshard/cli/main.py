@@ -14,7 +14,7 @@ import warnings
 from flatshard.checkpoint import commit
 from flatshard.cli import config as run_config
 from flatshard.cli import launch, runs
-from flatshard.cli.errors import RunError, warn
+from flatshard.cli.errors import ConfigError, RunError, warn
 from flatshard.errors import FlatShardError
 
 # flag -> config key; each flag is shorthand for --set key=value
@@ -164,6 +164,14 @@ def _train(args) -> int:
         run_dir, resume_step = _resume_target(args.resume, config.run.out_dir)
         saved = os.path.join(run_dir, runs.CONFIG_TOML)
         base = run_config.read_file(saved) if os.path.exists(saved) else None
+        conflicts = run_config.resume_conflicts(base, args.config, overrides) if base else []
+        if conflicts:
+            raise ConfigError(
+                f"--resume {run_dir}: a run's model and data cannot change, but "
+                + "; ".join(conflicts)
+                + ". Drop these settings to continue the run, or start a new one (--out DIR); "
+                "on resume only train.* (except train.seed), checkpoint.* and run.* may change"
+            )
         config = run_config.build(args.config, overrides, base=base)
         config = config.replace(run__out_dir=run_dir)
     else:
