@@ -58,6 +58,14 @@ def test_resume_with_another_model_is_refused(run):
     assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5]
 
 
+def test_torn_last_metrics_line_is_dropped_on_resume(run):
+    with open(run / "metrics.jsonl", "ab") as handle:  # step 5's record, cut by a power loss
+        handle.write(b'{"step": 5, "loss": 2.71\0\0\0')
+    resumed = check_ok(flatshard("train", "--resume", run, "--steps", 5))
+    assert "dropped 1 torn line(s) at its end" in resumed.stderr
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5]
+
+
 def test_resume_removes_partial_checkpoints_failed_saves_left(run):
     partial = run / "checkpoints" / ".step-00000006.partial"
     (partial / "rng").mkdir(parents=True)

@@ -8,6 +8,8 @@ import os
 import sys
 import time
 
+from flatshard.cli.errors import RunError, warn
+
 
 def format_duration(seconds: float) -> str:
     seconds = int(max(0, seconds))
@@ -16,11 +18,28 @@ def format_duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
 
 
-def read_metrics(path: str) -> list[dict]:
+def read_metrics(path: str) -> tuple[list[dict], int]:
+    """The records of a metrics.jsonl and how many torn lines ended it. A power loss or a
+    full disk can cut the last lines short (or leave NUL bytes): those are dropped. A bad
+    line with good ones after it is no torn tail: a RunError names it."""
     if not os.path.exists(path):
-        return []
-    with open(path) as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+        return [], 0
+    with open(path, "rb") as handle:
+        lines = [line for line in handle.read().split(b"\n") if line.strip(b"\0 \t\r")]
+    records, bad = [], []
+    for number, line in enumerate(lines, start=1):
+        try:
+            record = json.loads(line)
+        except ValueError:  # JSONDecodeError and UnicodeDecodeError
+            bad.append(number)
+            continue
+        if bad:
+            raise RunError(
+                f"{path}: line {bad[0]} is not JSON but later lines are; fix or delete that "
+                "line and resume"
+            )
+        records.append(record)
+    return records, len(bad)
 
 
 class Progress:
@@ -51,8 +70,12 @@ class Progress:
 
     @staticmethod
     def _keep_metrics_until(path: str, step: int) -> None:
-        """A resumed run rewrites the steps after its checkpoint: drop their old lines."""
-        kept = [r for r in read_metrics(path) if r.get("step", 0) <= step]
+        """A resumed run rewrites the steps after its checkpoint: drop their old lines (and
+        a torn last line, which would otherwise stay in the middle of the file)."""
+        records, torn = read_metrics(path)
+        if torn:
+            warn(f"{path}: dropped {torn} torn line(s) at its end (an interrupted write)")
+        kept = [r for r in records if r.get("step", 0) <= step]
         with open(path, "w") as handle:
             handle.writelines(json.dumps(r) + "\n" for r in kept)
 
