@@ -1,15 +1,19 @@
 """What a new user broke (issue "Reliability"): a resume that silently changed the model, a
 torn metrics line, partial checkpoints a failed save left, checkpoint commands that read a
-corrupt checkpoint before checking it, a lost `latest` marker. Each test is one of them,
-run as a user runs the command."""
+corrupt checkpoint before checking it, a lost `latest` marker, a signal-stopped run that
+looked finished. Each test is one of them, run as a user runs the command."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
-from test_cli_helpers import TINY, check_ok, flatshard, metrics, one_line_error
+from test_cli_helpers import TINY, check_ok, cli_env, flatshard, metrics, one_line_error
 
 from flatshard.cli.launch import LAUNCHER_VARS
 from flatshard.cli.main import main
@@ -118,3 +122,23 @@ def test_resume_without_latest_marker_or_from_a_step_directory(run):
     resumed = check_ok(flatshard("train", "--resume", checkpoints / "step-00000005", "--steps", 6))
     assert "resuming from step 5" in resumed.stdout
     assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_sigterm_saves_and_exits_with_the_resumable_status(tmp_path):
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "flatshard", "train", *TINY, "--steps", 100000,
+               "--out", run]  # fmt: skip
+    proc = subprocess.Popen(
+        list(map(str, command)), env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (run / "metrics.jsonl").exists() or not metrics(run):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)  # what a scheduler sends at the end of a time slot
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err  # EXIT_STOPPED: resumable
+    assert "interrupted by SIGTERM" in out and "exit status 75" in out
+    last = metrics(run)[-1]["step"]
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{last:08d}"

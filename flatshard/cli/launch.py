@@ -30,7 +30,11 @@ from flatshard.errors import FlatShardError
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 FAILURE_GRACE_S = 10.0  # after one worker fails, how long the others get to finish
-EXIT_USER_ERROR, EXIT_INTERRUPTED = 2, 130
+# Exit statuses: 0 done, 1 a crash (traceback), EXIT_USER_ERROR a user error (one line),
+# EXIT_STOPPED stopped by SIGINT/SIGTERM after saving a checkpoint (resume it; 75 is
+# sysexits' EX_TEMPFAIL: "try again later"), EXIT_INTERRUPTED stopped without saving
+# (a second Ctrl-C), 128 + N a worker killed by signal N.
+EXIT_USER_ERROR, EXIT_STOPPED, EXIT_INTERRUPTED = 2, 75, 130
 
 
 def under_launcher() -> bool:
@@ -104,8 +108,8 @@ def _call(worker: Callable, args: tuple, error_dir: str | None) -> int:
     supervisor to print once), anything else a traceback."""
     rank = int(os.environ.get("RANK", 0))
     try:
-        worker(*args)
-        return 0
+        code = worker(*args)
+        return code if isinstance(code, int) else 0
     except FlatShardError as error:
         message = str(error).strip()
         if error_dir is not None:
@@ -176,14 +180,16 @@ def _wait_all(procs: list, signals: _Forwarder) -> int:
         for i, proc in enumerate(procs):
             if i not in codes and proc.exitcode is not None:
                 codes[i] = proc.exitcode
-                if proc.exitcode != 0 and deadline is None:
+                if proc.exitcode not in (0, EXIT_STOPPED) and deadline is None:
                     deadline = time.monotonic() + FAILURE_GRACE_S
         if deadline is not None and time.monotonic() >= deadline:
             break  # the others are stuck waiting for the failed rank: the finally kills them
-    failed = [code for code in codes.values() if code != 0]
+    failed = [code for code in codes.values() if code not in (0, EXIT_STOPPED)]
     if not failed and len(codes) < len(procs):
         return 1
-    return _exit_code(failed[0]) if failed else 0
+    if failed:
+        return _exit_code(failed[0])
+    return EXIT_STOPPED if EXIT_STOPPED in codes.values() else 0
 
 
 def _exit_code(code: int) -> int:

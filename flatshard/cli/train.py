@@ -27,7 +27,7 @@ from flatshard.cli.config import RunConfig, check, toml_value
 from flatshard.cli.data import SequenceOrder, load_tokens
 from flatshard.cli.errors import TrainingStopped
 from flatshard.cli.generate import generate
-from flatshard.cli.launch import Ranks, init_distributed
+from flatshard.cli.launch import EXIT_STOPPED, Ranks, init_distributed
 from flatshard.cli.meters import MemoryMeter, warm_up_runtime
 from flatshard.cli.model import build_sharded, llama_config
 from flatshard.cli.progress import Progress
@@ -41,15 +41,16 @@ def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
 
 
-def train_worker(values: dict, run_dir: str, resume_step: int | None) -> None:
+def train_worker(values: dict, run_dir: str, resume_step: int | None) -> int:
     """Entry point on every rank. `run_dir` may still hold `{time}` (rank 0 fills it in);
-    `resume_step`: the step of the run's checkpoint to continue from (None: a new run)."""
+    `resume_step`: the step of the run's checkpoint to continue from (None: a new run).
+    Returns the exit status: 0, or EXIT_STOPPED when a signal stopped the run."""
     stop = StopRequest().install()
     config = RunConfig(values)
     ranks = init_distributed(config.run.device, config.run.threads)
     check(config, ranks.world_size)
     run_dir = _agree_run_dir(run_dir, ranks)
-    Trainer(config, ranks, run_dir, resume_step, stop).run()
+    return Trainer(config, ranks, run_dir, resume_step, stop).run()
 
 
 def _agree_run_dir(template: str, ranks: Ranks) -> str:
@@ -140,7 +141,8 @@ class Trainer:
         print("\n".join(lines), flush=True)
 
     # --- the loop ------------------------------------------------------------------------------
-    def run(self) -> None:
+    def run(self) -> int:
+        """Train to the end (0), or until a signal: then save and return EXIT_STOPPED."""
         config = self.config
         if self.ranks.is_main:
             tensorboard = os.path.join(self.run_dir, "tensorboard")
@@ -159,6 +161,7 @@ class Trainer:
                 self.progress.close()
             self.stop.restore()
         self._finish(reason)
+        return EXIT_STOPPED if reason.startswith("interrupted") else 0
 
     def _loop(self) -> str:
         config, run = self.config, self.config.run
@@ -281,6 +284,8 @@ class Trainer:
         say = print if self.ranks.is_main else (lambda *a, **k: None)
         if reason != "done":
             say(f"{reason}; saved {latest}. Continue with: flatshard train --resume {self.run_dir}")
+            if reason.startswith("interrupted"):
+                say(f"exit status {EXIT_STOPPED}: stopped by a signal, resumable", flush=True)
             return
         saved = f"checkpoint: {latest}" if latest else "no checkpoint (checkpoint.at_end = false)"
         say(f"finished {self.step} steps; {saved}", flush=True)
