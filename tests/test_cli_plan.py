@@ -148,3 +148,32 @@ def test_embedding_looked_up_from_its_shards():
         gathered = estimate.plan(spec, replace(at_stage, seq_len=125)).communication
         saved = table - rows if stage == 2 else 0
         assert gathered["reduce_scatter"] - looked["reduce_scatter"] == saved
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--world-size", "100000000"], "--world-size 100000000: more ranks than any machine"),
+        (["--world-size", "0"], "--world-size 0: it must be >= 1"),
+        (["--dp-shard", "0"], "--dp-shard 0: it must be >= 1 (leave it out to shard over all"),
+        (["--world-size", "8", "--dp-shard", "3"], "dp_shard x tp (3 x 1) must divide"),
+        (["--hpz-group", "-2"], "--hpz-group -2: it must be >= 0"),
+    ],
+)
+def test_impossible_values_are_one_line_errors(capsys, args, expected):
+    assert main(["plan", "llama3-8b", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("flatshard: error: ") and expected in err, err
+
+
+def test_ranks_that_would_hold_nothing_are_warned_about(capsys):
+    # 64 ranks, the default training model: its embedding's 257 rows leave 12 ranks empty
+    result = plan(capsys, "--world-size", 64)
+    empty = {unit["name"]: unit["empty_ranks"] for unit in result["units"]}
+    assert empty == {"layers.0-5": 0, "embed_tokens": 12, "norm+lm_head": 12}, empty
+    assert main(["plan", "--world-size", "64"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("flatshard: warning: at dp_shard 64 some ranks would hold none")
+    assert "embed_tokens: 12 of 64 ranks, norm+lm_head: 12 of 64 ranks" in err, err
+    assert main(["plan", "--world-size", "2"]) == 0
+    assert capsys.readouterr().err == ""

@@ -43,6 +43,9 @@ from flatshard.runtime.gather_policy import (
 )
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# More ranks than any machine runs (2^20); larger world sizes are typos (and each rank's
+# row of padding would make the figures meaningless).
+MAX_WORLD_SIZE = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,16 @@ class Setup:
     def __post_init__(self):
         for name in ("world_size", "dp_shard", "micro_batch", "seq_len", "grad_accum"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+                flag = f"--{name.replace('_', '-')}"
+                hint = " (leave it out to shard over all ranks)" if name == "dp_shard" else ""
+                raise ConfigError(f"{flag} {getattr(self, name)}: it must be >= 1{hint}")
+        if self.world_size > MAX_WORLD_SIZE:
+            raise ConfigError(
+                f"--world-size {self.world_size}: more ranks than any machine runs; plans go "
+                f"up to {MAX_WORLD_SIZE:,} ranks"
+            )
+        if self.hpz_group < 0:
+            raise ConfigError(f"--hpz-group {self.hpz_group}: it must be >= 0 (0: all ranks)")
         if self.zero_stage not in (1, 2, 3):
             raise ConfigError(f"--zero-stage must be 1, 2 or 3, got {self.zero_stage}")
         self.dims  # noqa: B018  (validates the degrees: a MeshError names what is wrong)
@@ -97,6 +109,7 @@ class UnitFigures:
     buckets: int
     embedding: tuple[int, int] | None  # (rows, dim) of a unit over one plain embedding
     trainable: bool
+    empty_ranks: int = 0  # ranks whose shards hold none of its parameters (only padding)
 
     @property
     def padding(self) -> int:
@@ -141,6 +154,7 @@ def _unit_figures(unit, dp_shard: int) -> UnitFigures:
         buckets=len(layout.buckets),
         embedding=tuple(unit.params[0].shape) if unit.embedding else None,
         trainable=bool(trainable),
+        empty_ranks=layout.empty_rank_count() if layout.used_size else 0,
     )
 
 

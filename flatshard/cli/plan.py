@@ -10,6 +10,7 @@ import json
 
 from flatshard.cli import config as run_config
 from flatshard.cli import zoo
+from flatshard.cli.errors import warn
 from flatshard.cli.estimate import Plan, Setup, plan
 from flatshard.mesh import ParallelDims
 
@@ -86,9 +87,19 @@ def plan_command(args) -> int:
     spec, defaults = _model_and_defaults(args)
     chosen = {name: getattr(args, name) for name in defaults if getattr(args, name) is not None}
     values = {**defaults, **chosen}
-    values["dp_shard"] = values["dp_shard"] or values["world_size"]
+    if values["dp_shard"] is None:  # an explicit 0 is an error (Setup), not "all ranks"
+        values["dp_shard"] = values["world_size"]
     result = plan(spec, Setup(**values))
     print(json.dumps(result.to_dict(), indent=1) if args.json else format_plan(result))
+    empty = [unit for unit in result.units if unit.empty_ranks]
+    if empty:
+        shard = result.setup.dp_shard
+        units = ", ".join(f"{u.name}: {u.empty_ranks:,} of {shard:,} ranks" for u in empty)
+        warn(
+            f"at dp_shard {shard:,} some ranks would hold none of a unit's parameters, only "
+            f"padding ({units}). Use fewer ranks per shard group (HSDP: --dp-shard) or "
+            "larger units"
+        )
     return 0
 
 

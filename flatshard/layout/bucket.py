@@ -226,8 +226,7 @@ class UnitLayout:
         used = self.used_size
         return self.padding / used if used else 0.0
 
-    def empty_ranks(self) -> tuple[int, ...]:
-        """Ranks whose shards hold no parameter element in any bucket."""
+    def _busy_ranks(self) -> set[int]:
         busy: set[int] = set()
         for bucket in self.buckets:
             for slot in bucket.slots:
@@ -235,7 +234,16 @@ class UnitLayout:
                     first = slot.offset // bucket.shard_size
                     last = (slot.end - 1) // bucket.shard_size
                     busy.update(range(first, last + 1))
+        return busy
+
+    def empty_ranks(self) -> tuple[int, ...]:
+        """Ranks whose shards hold no parameter element in any bucket."""
+        busy = self._busy_ranks()
         return tuple(r for r in range(self.world_size) if r not in busy)
+
+    def empty_rank_count(self) -> int:
+        """How many ranks hold no parameter element (without listing them)."""
+        return self.world_size - len(self._busy_ranks())
 
     def report(self) -> str:
         lines = [f"layout for world_size {self.world_size}, {len(self.params)} params:"]
