@@ -47,9 +47,11 @@ def metrics(run_dir) -> list[dict]:
 
 
 def one_line_error(result: subprocess.CompletedProcess) -> str:
-    """The single `flatshard: error: ...` line of a failed command (no traceback)."""
+    """The single `flatshard: error: ...` line of a failed command (no traceback; one-line
+    `flatshard: warning: ...`s, e.g. more processes than cores, may come before it)."""
     assert result.returncode == 2, f"rc {result.returncode}\n{result.stdout}\n{result.stderr}"
     lines = [line for line in result.stderr.splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith("flatshard: warning: ")]
     assert len(lines) == 1 and lines[0].startswith("flatshard: error: "), result.stderr
     assert "Traceback" not in result.stderr
     return lines[0]

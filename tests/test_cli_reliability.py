@@ -1,7 +1,8 @@
 """What a new user broke (issue "Reliability"): a resume that silently changed the model, a
 torn metrics line, partial checkpoints a failed save left, checkpoint commands that read a
 corrupt checkpoint before checking it, a lost `latest` marker, a signal-stopped run that
-looked finished. Each test is one of them, run as a user runs the command."""
+looked finished, and more processes than cores. Each test is one of them, run as a user
+runs the command."""
 
 from __future__ import annotations
 
@@ -142,3 +143,17 @@ def test_sigterm_saves_and_exits_with_the_resumable_status(tmp_path):
     assert "interrupted by SIGTERM" in out and "exit status 75" in out
     last = metrics(run)[-1]["step"]
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{last:08d}"
+
+
+def test_more_processes_than_cores_warn(tmp_path):
+    core = min(os.sched_getaffinity(0))  # the command sees one core, whatever the machine
+    result = subprocess.run(
+        [sys.executable, "-m", "flatshard", "train", *map(str, TINY), "--steps", "1",
+         "--out", str(tmp_path / "run"), "--set", "checkpoint.at_end=false"],
+        env=cli_env(), capture_output=True, text=True, timeout=180,
+        preexec_fn=lambda: os.sched_setaffinity(0, {core}),
+    )  # fmt: skip
+    check_ok(result)
+    warning = "flatshard: warning: 2 processes on this node share 1 CPU core(s) with 1 thread(s)"
+    assert result.stderr.count(warning) == 1, result.stderr
+    assert "start at most 1 (--nproc" in result.stderr

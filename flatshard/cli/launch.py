@@ -25,7 +25,7 @@ from multiprocessing.connection import wait
 import torch
 import torch.distributed as dist
 
-from flatshard.cli.errors import RunError
+from flatshard.cli.errors import RunError, warn
 from flatshard.errors import FlatShardError
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -74,10 +74,33 @@ def init_distributed(device_choice: str = "auto", threads: int = 0) -> Ranks:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // local_world))
+        cores = available_cores()
+        per_rank = threads or max(1, cores // local_world)
+        torch.set_num_threads(per_rank)
+        if local_world * per_rank > cores:
+            fix = (
+                f"start at most {cores} (--nproc, or torchrun --nproc-per-node)"
+                if local_world > cores
+                else f"set run.threads to at most {max(1, cores // local_world)}"
+            )
+            warn(
+                f"{local_world} processes on this node share {cores} CPU core(s) with "
+                f"{per_rank} thread(s) per process: they compete for the cores and every "
+                f"step is slower than it would be with fewer; {fix}",
+                per_node=True,
+            )
     if not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", init_method="env://")
     return Ranks(rank, world, local_rank, local_world, device)
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity: a container's or taskset's
+    limit, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def run(worker: Callable, args: tuple, nproc: int) -> int:
