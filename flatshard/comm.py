@@ -343,7 +343,11 @@ def agree_on(
         if local_problem:
             raise error_type(local_problem)
         return
-    mine = torch.tensor([1 if local_problem else 0, fingerprint(description)], dtype=torch.int64)
+    mine = torch.tensor(
+        [1 if local_problem else 0, fingerprint(description)],
+        dtype=torch.int64,
+        device=group_device(group),
+    )
     everyone = all_gather_ints(mine, group)
     if not any(flag for flag, _ in everyone) and len({fp for _, fp in everyone}) == 1:
         return
