@@ -12,6 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from flatshard import comm
 from flatshard.checkpoint import commit, manifest
@@ -113,7 +114,7 @@ def save(
             try:
                 writer = dcp.FileSystemWriter(partial, sync_files=True)
                 dcp.save(state, storage_writer=writer, process_group=group)
-            except BaseException as error:  # DCP raises it on every rank
+            except (Exception, CheckpointException) as error:  # DCP raises on every rank
                 failure = (_describe_failure(error, rank), error)
             if failure is None:
                 mine = None
