@@ -67,7 +67,7 @@ def test_torn_last_metrics_line_is_dropped_on_resume(run):
     with open(run / "metrics.jsonl", "ab") as handle:  # step 5's record, cut by a power loss
         handle.write(b'{"step": 5, "loss": 2.71\0\0\0')
     resumed = check_ok(flatshard("train", "--resume", run, "--steps", 5))
-    assert "dropped 1 torn line(s) at its end" in resumed.stderr
+    assert "metrics.jsonl: dropped 1 torn line(s)" in resumed.stderr
     assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5]
 
 

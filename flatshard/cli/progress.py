@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from flatshard.cli.errors import RunError, warn
+from flatshard.cli.errors import warn
 
 
 def format_duration(seconds: float) -> str:
@@ -19,27 +19,23 @@ def format_duration(seconds: float) -> str:
 
 
 def read_metrics(path: str) -> tuple[list[dict], int]:
-    """The records of a metrics.jsonl and how many torn lines ended it. A power loss or a
-    full disk can cut the last lines short (or leave NUL bytes): those are dropped. A bad
-    line with good ones after it is no torn tail: a RunError names it."""
+    """The records of a metrics.jsonl and how many unreadable lines were left out. A power
+    loss or a full disk can cut the last line short (or leave NUL bytes); such lines are
+    dropped, never raised on (only rank 0 reads the file: an error there would leave the
+    other ranks waiting)."""
     if not os.path.exists(path):
         return [], 0
     with open(path, "rb") as handle:
         lines = [line for line in handle.read().split(b"\n") if line.strip(b"\0 \t\r")]
-    records, bad = [], []
-    for number, line in enumerate(lines, start=1):
+    records = []
+    for line in lines:
         try:
             record = json.loads(line)
         except ValueError:  # JSONDecodeError and UnicodeDecodeError
-            bad.append(number)
             continue
-        if bad:
-            raise RunError(
-                f"{path}: line {bad[0]} is not JSON but later lines are; fix or delete that "
-                "line and resume"
-            )
-        records.append(record)
-    return records, len(bad)
+        if isinstance(record, dict):
+            records.append(record)
+    return records, len(lines) - len(records)
 
 
 class Progress:
@@ -74,7 +70,7 @@ class Progress:
         a torn last line, which would otherwise stay in the middle of the file)."""
         records, torn = read_metrics(path)
         if torn:
-            warn(f"{path}: dropped {torn} torn line(s) at its end (an interrupted write)")
+            warn(f"{path}: dropped {torn} torn line(s) (cut short by an interrupted write)")
         kept = [r for r in records if r.get("step", 0) <= step]
         with open(path, "w") as handle:
             handle.writelines(json.dumps(r) + "\n" for r in kept)
