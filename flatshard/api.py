@@ -13,10 +13,11 @@ import warnings
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from flatshard import comm, load_hooks
 from flatshard.dtensor import patches
+from flatshard.dtensor.tp_params import tp_param_info, tp_placement
 from flatshard.errors import WrappingError
 from flatshard.fsdp_module import FlatShardModule, wrapped_class
 from flatshard.layout import ParamInfo, declared_components, plan_unit_layout
@@ -76,6 +77,7 @@ def fully_shard(
     _check_offload(offload_policy)
     settings = (stage, policy, group_size if stage == 3 else None)
     patches.install()
+    mesh = mesh.with_tp(_tp_mesh(modules))
     ignored = {id(p) for p in ignored_params or ()}
     if len(modules) == 1:
         for members in first_use_groups(module):
@@ -147,16 +149,7 @@ def _shard(members, mesh, settings, root_part, ignored, shard_placement_fn) -> U
         comm.agree_on(problem, described, group, WrappingError, _model_differences)
 
     rank, world_size = mesh.shard_rank, mesh.shard_size
-    infos = [
-        ParamInfo(
-            fqn,
-            tuple(p.shape),
-            p.dtype,
-            p.requires_grad,
-            declared_components(*places[0], tuple(p.shape)),
-        )
-        for fqn, p, places in found
-    ]
+    infos = [_param_info(fqn, p, places) for fqn, p, places in found]
     layout = plan_unit_layout(infos, world_size)
     if found and layout.empty_ranks():
         # Legal (e.g. 8 experts over 64 ranks) but wasteful: say so, with the fix.
@@ -187,10 +180,14 @@ def _shard(members, mesh, settings, root_part, ignored, shard_placement_fn) -> U
         bucket = buckets[bucket_index]
         index = bucket.layout.slots.index(slot)
         if not original.is_meta:
+            local = original._local_tensor if isinstance(original, DTensor) else original
             with torch.no_grad():
-                bucket.main_rows(index).copy_(bucket.specs[index].rows_of(original.detach()))
-        sharded = sharded_parameter(bucket, index, mesh, original.requires_grad)
-        managed.append(ManagedParam(fqn, occurrences, bucket_index, index, sharded))
+                bucket.main_rows(index).copy_(bucket.specs[index].rows_of(local.detach()))
+        placement = tp_placement(original)
+        sharded = sharded_parameter(bucket, index, mesh, original.requires_grad, placement)
+        managed.append(
+            ManagedParam(fqn, occurrences, bucket_index, index, sharded, tp_placement=placement)
+        )
         _retire(original, sharded)
 
     modules = [m for _, m in members]
@@ -207,6 +204,36 @@ def _shard(members, mesh, settings, root_part, ignored, shard_placement_fn) -> U
         attach(unit, module)
         load_hooks.install(unit, module)
     return unit
+
+
+def _param_info(fqn: str, param, places) -> ParamInfo:
+    """What the layout needs of a parameter: a TP DTensor's local piece, or the whole."""
+    components = declared_components(*places[0], tuple(param.shape))
+    if isinstance(param, DTensor):
+        return tp_param_info(fqn, param, components)
+    return ParamInfo(fqn, tuple(param.shape), param.dtype, param.requires_grad, components)
+
+
+def _tp_mesh(modules):
+    """The tensor-parallel mesh of the DTensor parameters below `modules` (made by
+    `parallelize_module`, or already sharded by an inner unit). A root's embedding and head,
+    which TP does not split, join it too (`Replicate` over TP): every parameter of a model
+    lives on one mesh, as one optimizer's foreach math and gradient clipping want."""
+    meshes = {}
+    for module in modules:
+        for sub in module.modules():
+            unit = getattr(sub, "_flatshard_unit", None)
+            if unit is not None and unit.mesh.tp_mesh is not None:
+                meshes[id(unit.mesh.tp_mesh)] = unit.mesh.tp_mesh
+            for param in sub._parameters.values():
+                if isinstance(param, DTensor) and not hasattr(param, "_flatshard_param"):
+                    meshes[id(param.device_mesh)] = param.device_mesh
+    if len(meshes) > 1:
+        raise WrappingError(
+            "the module's parameters are DTensors on different meshes; tensor-parallel "
+            "parameters must share one TP mesh (fully_shard composes with 1-D TP)"
+        )
+    return next(iter(meshes.values()), None)
 
 
 def _ranges(ranks) -> str:
@@ -261,11 +288,6 @@ def _check_params(found) -> str | None:
             )
         if param.dim() == 0:
             return f"parameter {fqn!r} is 0-dimensional; make it shape (1,) to shard it"
-        if isinstance(param, torch.distributed.tensor.DTensor):
-            return (
-                f"parameter {fqn!r} is already a DTensor; tensor parallel + fully_shard "
-                "is not supported yet"
-            )
     return None
 
 
@@ -313,5 +335,5 @@ def _model_differences(described: list) -> str:
 def _retire(original: nn.Parameter, replacement: nn.Parameter) -> None:
     """Free the unsharded original and mark it, so an optimizer built on it is caught."""
     original._flatshard_replaced_by = replacement
-    if not original.is_meta:
+    if not original.is_meta and not isinstance(original, DTensor):
         original.data = torch.empty(0, dtype=original.dtype, device=original.device)

@@ -9,7 +9,10 @@ it, its size, the replica group of HSDP, the DTensor placements of a sharded par
 the device buffers live on. Nothing else takes a mesh apart.
 
 As FSDP2's, `fully_shard`'s mesh is 1-D (shard) or 2-D (dim 0 replicate, dim 1 shard:
-HSDP); tensor and expert parallelism are planned on paper and not run yet.
+HSDP). Tensor parallelism joins from the parameters: a unit whose parameters are DTensors
+on a TP mesh (sliced from the same named mesh) gets a `ShardMesh` whose DTensors live on
+the (data-parallel..., tp) mesh, `Replicate` over TP for the parameters TP does not split.
+Expert parallelism is planned on paper and not run yet.
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ class ShardMesh:
     """A `DeviceMesh` as `fully_shard` uses it: the group a unit shards over, this rank's
     index in it and its size, the device of the buffers, and the mesh DTensors live on."""
 
-    def __init__(self, device_mesh: DeviceMesh):
+    def __init__(self, device_mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None):
         if device_mesh.ndim not in (1, 2):
             names = device_mesh.mesh_dim_names or ""
             raise MeshError(
@@ -115,13 +118,39 @@ class ShardMesh:
         hsdp = device_mesh.ndim == 2
         self.replicate_group = device_mesh.get_group(0) if hsdp else None
         self.replicate_size = device_mesh.size(0) if hsdp else 1
+        self.tp_mesh = tp_mesh
+        self.tp_size = 1 if tp_mesh is None else tp_mesh.size()
         self.dims = ParallelDims(
-            device_mesh.size(), dp_replicate=self.replicate_size, dp_shard=self.shard_size
+            device_mesh.size() * self.tp_size,
+            dp_replicate=self.replicate_size,
+            dp_shard=self.shard_size,
+            tp=self.tp_size,
         )
-        # a sharded parameter: rows over the shard dim, the same rows on every replica
+        # a sharded parameter: rows over the shard dim, the same rows on every replica;
+        # with TP, its TP placement on the last dim (placements_for)
         self.placements = (Replicate(), Shard(0)) if hsdp else (Shard(0),)
+        self.shard_mesh_dim = shard_dim
+        self.param_mesh = device_mesh if tp_mesh is None else _joined(device_mesh, tp_mesh)
         self.device = comm.compute_device(device_mesh.device_type)
         self._forward_groups: dict[int, object] = {}
+        self._with_tp: dict[int, ShardMesh] = {}
+
+    def with_tp(self, tp_mesh: DeviceMesh | None) -> ShardMesh:
+        """This data-parallel mesh joined with a tensor-parallel mesh (itself for None)."""
+        if tp_mesh is None or tp_mesh is self.tp_mesh:
+            return self
+        if self.tp_mesh is not None:
+            raise MeshError("a unit's parameters are DTensors on two different TP meshes")
+        if id(tp_mesh) not in self._with_tp:
+            self._with_tp[id(tp_mesh)] = ShardMesh(self.device_mesh, tp_mesh)
+        return self._with_tp[id(tp_mesh)]
+
+    def placements_for(self, tp_placement=None) -> tuple:
+        """A sharded parameter's placements on `param_mesh`: its rows over the shard dim
+        and, with TP, its TP placement (`Replicate` for a parameter TP does not split)."""
+        if self.tp_mesh is None:
+            return self.placements
+        return (*self.placements, tp_placement or Replicate())
 
     def forward_group(self, size: int):
         """The group of `size` consecutive shard ranks holding this rank (hpZ: where a unit
@@ -164,7 +193,40 @@ class ShardMesh:
 
     def __repr__(self) -> str:
         replicas = f"{self.replicate_size} x " if self.replicate_size > 1 else ""
-        return f"ShardMesh({replicas}{self.shard_size} ranks on {self.device})"
+        tp = f" x tp {self.tp_size}" if self.tp_mesh is not None else ""
+        return f"ShardMesh({replicas}{self.shard_size}{tp} ranks on {self.device})"
+
+
+def _joined(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
+    """The (data-parallel..., tp) mesh both were sliced from, as one DeviceMesh."""
+    root = dp_mesh._get_root_mesh()
+    dp_names, tp_names = dp_mesh.mesh_dim_names, tp_mesh.mesh_dim_names
+    how = (
+        "slice both from one named mesh, e.g. mesh = init_device_mesh(device, (dp, tp), "
+        "mesh_dim_names=('dp_shard', 'tp')); parallelize with mesh['tp'] and fully_shard "
+        "with mesh=mesh['dp_shard']"
+    )
+    if tp_mesh.ndim != 1:
+        raise MeshError(f"tensor parallelism over a {tp_mesh.ndim}-D mesh is not supported; {how}")
+    order = list(root.mesh_dim_names or ())
+    if not dp_names or not tp_names or root is dp_mesh or tp_names[0] not in order:
+        raise MeshError(
+            "the parameters are DTensors on a tensor-parallel mesh that is not a sibling of "
+            f"fully_shard's mesh: {how}"
+        )
+    if any(order.index(tp_names[0]) < order.index(name) for name in dp_names):
+        raise MeshError(
+            f"the tensor-parallel dim {tp_names[0]!r} must come after the data-parallel dims "
+            f"{dp_names} in the mesh ({tuple(order)}): TP is the innermost dimension"
+        )
+    joined = root[(*dp_names, *tp_names)]
+    # torch caches sub-meshes by their ranks: compare ranks, not mesh objects
+    if joined[tp_names[0]].mesh.tolist() != tp_mesh.mesh.tolist():
+        raise MeshError(
+            f"the TP mesh {tp_mesh} is not the {tp_names[0]!r} dim of fully_shard's mesh "
+            f"{root}: {how}"
+        )
+    return joined
 
 
 def default_device() -> torch.device:

@@ -59,9 +59,8 @@ def load_full(model: torch.nn.Module, path: str) -> None:
         for key, value in state.items():
             piece = source.get_slice(key)
             if isinstance(value, DTensor) and isinstance(value._local_tensor, RowShard):
-                box = shard_spec(value).global_box
-                if not box.empty:
-                    value.to_local().copy_(piece[box.slices])
+                for local, box in shard_spec(value).pieces:
+                    value.to_local()[local.slices].copy_(piece[box.slices])
             elif isinstance(value, DTensor):
                 raise CheckpointError(f"{key} is a DTensor flatshard did not shard; load it by DCP")
             else:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from flatshard.errors import UnevenShardError
@@ -32,6 +32,9 @@ class RowShard(torch.Tensor):
     # The flat buffer this piece is a view of. Ops run below autograd here, where views do
     # not share version counters: writes bump the base's counter explicitly.
     version_base: torch.Tensor | None
+    # The dim of the DTensor's mesh whose ranks split the rows (the others: HSDP replicas
+    # before it, tensor parallelism after it).
+    mesh_dim: int
 
     @staticmethod
     def __new__(
@@ -39,6 +42,7 @@ class RowShard(torch.Tensor):
         data: torch.Tensor,
         spec: ShardSpec,
         version_base: torch.Tensor | None = None,
+        mesh_dim: int = 0,
     ):
         if isinstance(data, RowShard):
             data = data.data_
@@ -55,22 +59,25 @@ class RowShard(torch.Tensor):
         wrapper.data_ = data
         wrapper.spec = spec
         wrapper.version_base = version_base
+        wrapper.mesh_dim = mesh_dim
         return wrapper
 
-    def __init__(self, data, spec, version_base=None):  # set in __new__
+    def __init__(self, data, spec, version_base=None, mesh_dim=0):  # set in __new__
         super().__init__()
 
     def __repr__(self):
         return f"RowShard(rows={self.spec.row_start}:{self.spec.row_end}, {self.data_!r})"
 
-    # --- DCP: this rank's chunk is known from the row bounds, with no communication --------
+    # --- DCP: this rank's chunks are known from its spec, with no communication ----------
     def __create_chunk_list__(self):
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-        box = self.spec.global_box
-        if box.empty:
-            return []  # an empty piece writes and reads nothing
-        return [ChunkStorageMetadata(offsets=torch.Size(box.offset), sizes=torch.Size(box.shape))]
+        # one per block of the global tensor (a fused parameter split over TP: one per
+        # component); an empty piece writes and reads nothing
+        return [
+            ChunkStorageMetadata(offsets=torch.Size(box.offset), sizes=torch.Size(box.shape))
+            for _, box in self.spec.pieces
+        ]
 
     def __create_write_items__(self, fqn: str, dtensor):
         from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
@@ -83,17 +90,23 @@ class RowShard(torch.Tensor):
                 tensor_data=TensorWriteData(
                     chunk=chunk,
                     properties=TensorProperties.create_from_tensor(self.data_),
-                    size=dtensor.size(),
+                    # the global size, also for a plain-tensor optimizer state (a RowShard
+                    # that is not inside a DTensor)
+                    size=torch.Size(self.spec.global_shape),
                 ),
             )
             for chunk in self.__create_chunk_list__()
         ]
 
     def __get_tensor_shard__(self, index):
-        return self.data_  # DCP reads from it on save and loads into it in place
+        # DCP reads from it on save and loads into it in place
+        for local, box in self.spec.pieces:
+            if index.offset is None or tuple(index.offset) == box.offset:
+                return self.data_[local.slices]
+        raise ValueError(f"no chunk at {index.offset} in {self!r}")
 
     def __tensor_flatten__(self):
-        return ["data_"], (self.spec,)
+        return ["data_"], (self.spec, None, self.mesh_dim)
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
@@ -193,7 +206,8 @@ def _rewrap(op: _OpInfo, out, like, args):
     if out.dim() == 0 or out.dim() != like.dim():
         return out
     if op.keeps_rows or (op.view and out.shape == like.shape):
-        return RowShard(out, like.spec, like.version_base if op.aliases else None)
+        base = like.version_base if op.aliases else None
+        return RowShard(out, like.spec, base, like.mesh_dim)
     return out
 
 
@@ -283,15 +297,31 @@ def gather_rows(shard: RowShard, group: dist.ProcessGroup) -> torch.Tensor:
 
 def redistribute_rows(local_tensor: RowShard, current_spec, target_spec) -> torch.Tensor:
     """DTensor redistribution of a row shard (patches.py routes it here): `Shard(0) ->
-    Replicate` on the mesh dim that holds the rows (the others unchanged) gathers by the
-    true rows; anything else raises on every rank alike."""
+    Replicate` on the mesh dim that holds the rows gathers by the true rows, then a TP
+    dim after it (if it changes too, to `Replicate`) gathers the TP pieces by their TP
+    placement; anything else raises on every rank alike."""
     current, target = tuple(current_spec.placements), tuple(target_spec.placements)
     if current == target:
         return local_tensor
+    mesh, rows_dim = current_spec.mesh, local_tensor.mesh_dim
     changed = [dim for dim, (a, b) in enumerate(zip(current, target)) if a != b]
-    if len(changed) == 1 and (current[changed[0]], target[changed[0]]) == (Shard(0), Replicate()):
-        return gather_rows(local_tensor, current_spec.mesh.get_group(changed[0]))
-    raise UnevenShardError(_unsupported(f"redistributing {current} -> {target}"))
+    tp_dims = [dim for dim in changed if dim > rows_dim]
+    if changed[0] != rows_dim or any(
+        not isinstance(target[dim], Replicate) for dim in changed
+    ):  # fmt: skip
+        raise UnevenShardError(_unsupported(f"redistributing {current} -> {target}"))
+    gathered = gather_rows(local_tensor, mesh.get_group(rows_dim))
+    for dim in tp_dims:  # the TP-local tensor, gathered by torch's own TP placement
+        tp_mesh = mesh[mesh.mesh_dim_names[dim]]
+        gathered = DTensor.from_local(
+            gathered,
+            tp_mesh,
+            [current[dim]],
+            run_check=False,
+            shape=current_spec.shape,
+            stride=current_spec.stride,
+        ).full_tensor()
+    return gathered
 
 
 def rows_in_layout(value: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
@@ -301,7 +331,7 @@ def rows_in_layout(value: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     if not isinstance(value, DTensor):
         return spec.piece_of(value.detach())
     local = value._local_tensor
-    if isinstance(local, RowShard) and local.spec.global_box == spec.global_box:
+    if isinstance(local, RowShard) and local.spec.pieces == spec.pieces:
         return local.data_
     if all(isinstance(p, Replicate) for p in value.placements):
         return spec.piece_of(local)
@@ -370,14 +400,19 @@ def local_data(dtensor: DTensor) -> torch.Tensor:
 
 
 def make_row_sharded_dtensor(
-    local: torch.Tensor, mesh, spec: ShardSpec, version_base: torch.Tensor | None = None
+    local: torch.Tensor,
+    mesh,
+    spec: ShardSpec,
+    version_base: torch.Tensor | None = None,
+    tp_placement=None,
 ) -> DTensor:
     """A DTensor on `mesh` (a ShardMesh: `Shard(0)` over its shard dim, replicated over
-    HSDP's replicas) whose local tensor is `local` (a view of `version_base`)."""
+    HSDP's replicas, `tp_placement` over TP) whose local tensor is `local` (a view of
+    `version_base`)."""
     return DTensor.from_local(
-        RowShard(local, spec, version_base),
-        mesh.device_mesh,
-        list(mesh.placements),
+        RowShard(local, spec, version_base, mesh.shard_mesh_dim),
+        mesh.param_mesh,
+        list(mesh.placements_for(tp_placement)),
         run_check=False,
         shape=torch.Size(spec.global_shape),
         stride=spec.global_strides,

@@ -90,15 +90,16 @@ def local_tensor(param: torch.Tensor) -> torch.Tensor:
 def copy_piece(f, mapping: TensorMapping, spec: ShardSpec, local: torch.Tensor) -> int:
     """Copy what this rank holds of HF tensor `mapping` into `local`; returns bytes read."""
     if mapping.component is None:
-        into, stored = spec.local_box, spec.global_box
+        blocks = spec.pieces
     else:
         piece = spec.component(mapping.component)
-        into, stored = piece.local, piece.stored
-    if stored.empty:
-        return 0
-    data = f.get_slice(mapping.hf_name)[stored.slices]
-    local[into.slices].copy_(data)
-    return data.numel() * data.element_size()
+        blocks = () if piece.stored.empty else ((piece.local, piece.stored),)
+    read = 0
+    for into, stored in blocks:
+        data = f.get_slice(mapping.hf_name)[stored.slices]
+        local[into.slices].copy_(data)
+        read += data.numel() * data.element_size()
+    return read
 
 
 def _by_file(mappings, tensors: dict[str, TensorInfo]) -> dict[Path, list[TensorMapping]]:

@@ -4,6 +4,7 @@ params.py   what the layout knows of a parameter: shape, global placement, compo
 planner.py  packing a unit's parameters into row-aligned, equally sharded buckets
 bucket.py   the buckets and the translations between param, bucket, shard and global
 spec.py     `ShardSpec`: what one rank holds of one parameter, read by everything else
+tensor_parallel.py  a TP rank's local parameter in its global tensor
 """
 
 from flatshard.layout.bucket import BucketLayout, ParamSlot, UnitLayout
@@ -22,6 +23,7 @@ from flatshard.layout.spec import (
     contiguous_strides,
     whole_param_spec,
 )
+from flatshard.layout.tensor_parallel import tp_block_info, tp_split_info
 
 __all__ = [
     "MERGE_TOLERANCE",
@@ -39,5 +41,7 @@ __all__ = [
     "plan_unit_layout",
     "single_lcm_padded_size",
     "stacked_components",
+    "tp_block_info",
+    "tp_split_info",
     "whole_param_spec",
 ]

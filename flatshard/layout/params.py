@@ -20,7 +20,13 @@ from flatshard.errors import LayoutError
 @dataclass(frozen=True)
 class Component:
     """A named slab `[start, stop)` along `dim` of a parameter; in the checkpoint, the
-    tensor `name` of `global_shape`, where the slab starts at `global_offset`."""
+    tensor `name` of `global_shape`, where the slab starts at `global_offset`.
+
+    fused_start: where the component's tensor starts along `dim` in the parameter's global
+        (fused) tensor; by default `start` (the parameter is its whole global tensor). A
+        parameter split per component over TP ranks (`[gate_r; up_r]`) has its slabs at
+        `rank * size` of each component's tensor, which starts at `k * size`.
+    """
 
     name: str
     dim: int
@@ -28,6 +34,7 @@ class Component:
     stop: int
     global_shape: tuple[int, ...] = ()
     global_offset: tuple[int, ...] = ()
+    fused_start: int | None = None
 
     @property
     def size(self) -> int:
@@ -46,6 +53,9 @@ class ParamInfo:
     global_shape / global_offset: the tensor a checkpoint stores and where this parameter
         sits in it (default: the parameter itself at offset 0).
     components: the slabs a fused parameter is made of (default: none).
+    split_by_components: the parameter holds a part of every component (TP's `[gate_r;
+        up_r]`), so it is not one block of its global tensor: each component piece is
+        placed by its component (`Component.fused_start`) and `global_offset` is unused.
     """
 
     name: str
@@ -55,6 +65,7 @@ class ParamInfo:
     components: tuple[Component, ...] = ()
     global_shape: tuple[int, ...] | None = None
     global_offset: tuple[int, ...] | None = None
+    split_by_components: bool = False
 
     def __post_init__(self) -> None:
         # Accept torch.Size / lists, but store plain tuples so equality and hashing are exact.
@@ -103,7 +114,10 @@ class ParamInfo:
                     f"parameter {self.name!r}: component {c.name!r} of shape {slab} at "
                     f"{offset} does not fit in its global shape {global_shape}"
                 )
-            out.append(Component(c.name, c.dim, c.start, c.stop, global_shape, offset))
+            fused_start = c.start if c.fused_start is None else c.fused_start
+            out.append(Component(c.name, c.dim, c.start, c.stop, global_shape, offset, fused_start))
+        if self.split_by_components and not out:
+            raise LayoutError(f"parameter {self.name!r} is split by components but has none")
         return tuple(out)
 
     def component(self, name: str) -> Component:

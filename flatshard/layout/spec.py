@@ -91,7 +91,31 @@ class ShardSpec:
 
     @property
     def global_box(self) -> Box:
+        """The piece as one block of the global tensor (not for a parameter split by
+        components: see `pieces`)."""
+        if self.info.split_by_components:
+            raise ValueError(
+                f"{self.info.name!r} holds a part of each of its components: it is not one "
+                "block of its global tensor (use ShardSpec.pieces)"
+            )
         return Box(self.global_offset, self.local_shape)
+
+    @property
+    def pieces(self) -> tuple[tuple[Box, Box], ...]:
+        """(local box, global box) of every block this rank holds of the global tensor:
+        one, or one per component for a parameter split by components (empty ones left
+        out)."""
+        if not self.info.split_by_components:
+            box = Box(self.global_offset, self.local_shape)
+            return () if box.empty else ((self.local_box, box),)
+        out = []
+        for component, piece in zip(self.info.components, self.components):
+            if piece.local.empty:
+                continue
+            offset = list(piece.stored.offset)
+            offset[component.dim] += component.fused_start
+            out.append((piece.local, Box(tuple(offset), piece.stored.shape)))
+        return tuple(out)
 
     @property
     def local_box(self) -> Box:
@@ -134,8 +158,14 @@ class ShardSpec:
         return param_tensor[self.row_start : self.row_end]
 
     def piece_of(self, global_tensor):
-        """This rank's piece of a tensor shaped like the global tensor."""
-        return global_tensor[self.global_box.slices]
+        """This rank's piece of a tensor shaped like the global tensor (a view when it is
+        one block)."""
+        if not self.info.split_by_components:
+            return global_tensor[self.global_box.slices]
+        out = global_tensor.new_empty(self.local_shape)
+        for local, stored in self.pieces:
+            out[local.slices] = global_tensor[stored.slices]
+        return out
 
     def to_local_row(self, global_row):
         """A global row index (an int or an index tensor) in this rank's local rows."""

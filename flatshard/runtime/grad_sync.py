@@ -73,9 +73,11 @@ class GradientSync:
             bucket = unit.buckets[param.bucket]
             view = bucket.unsharded_view(bucket.unsharded_grad, param.index)
             grad = param.unsharded.grad
-            if grad is not None and grad.data_ptr() != view.data_ptr():
-                view.add_(grad)  # a gradient autograd allocated itself (no hook ran first)
-            param.unsharded.grad = view
+            if grad is not None:
+                grad = grad.to_local() if param.tp_placement is not None else grad
+                if grad.data_ptr() != view.data_ptr():
+                    view.add_(grad)  # a gradient autograd allocated itself (no hook ran first)
+            param.unsharded.grad = param.as_unsharded(view, unit.mesh, bucket.specs[param.index])
 
     def reduce(self) -> None:
         """The unit's backward is done: reduce-scatter its gradients (or hold them)."""
@@ -163,7 +165,9 @@ class GradientSync:
         for param in params:
             local = bucket.grad_rows(fresh, param.index)
             spec = bucket.specs[param.index]
-            param.sharded.grad = make_row_sharded_dtensor(local, self.unit.mesh, spec)
+            param.sharded.grad = make_row_sharded_dtensor(
+                local, self.unit.mesh, spec, tp_placement=param.tp_placement
+            )
 
 
 def _own_rows(param, rows: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from flatshard import comm
 from flatshard.dtensor.row_shard import RowShardedParameter, make_row_sharded_dtensor
@@ -24,13 +25,14 @@ from flatshard.runtime.sharded_lookup import ShardedLookup, lookup_capable
 from flatshard.runtime.states import Resharding, ShardedState, TrainingState, check_move
 
 
-def sharded_parameter(bucket: FlatBucket, index: int, mesh, requires_grad: bool) -> nn.Parameter:
+def sharded_parameter(
+    bucket: FlatBucket, index: int, mesh, requires_grad: bool, tp_placement=None
+) -> nn.Parameter:
     """The sharded parameter of slot `index` of `bucket`: a `RowShardedParameter` (a DTensor)
     whose local tensor is this rank's rows, a view of the bucket's main weights."""
     rows, spec = bucket.main_rows(index), bucket.specs[index]
-    param = nn.Parameter(
-        make_row_sharded_dtensor(rows, mesh, spec, bucket.main), requires_grad=requires_grad
-    )
+    dtensor = make_row_sharded_dtensor(rows, mesh, spec, bucket.main, tp_placement)
+    param = nn.Parameter(dtensor, requires_grad=requires_grad)
     param.__class__ = RowShardedParameter  # `.data =` loads instead of being dropped
     return param
 
@@ -45,6 +47,21 @@ class ManagedParam:
     index: int  # position in the bucket's slots
     sharded: nn.Parameter
     unsharded: nn.Parameter | None = None
+    tp_placement: object = None  # a TP parameter's placement on the TP mesh (None: not TP)
+
+    def as_unsharded(self, tensor: torch.Tensor, mesh, spec) -> torch.Tensor:
+        """A view of the gathered buffer (or its gradient) as forward sees the parameter:
+        for a TP parameter, the DTensor of its TP-local piece on the TP mesh."""
+        if self.tp_placement is None:
+            return tensor
+        return DTensor.from_local(
+            tensor,
+            mesh.tp_mesh,
+            [self.tp_placement],
+            run_check=False,
+            shape=torch.Size(spec.global_shape),
+            stride=spec.global_strides,
+        )
 
 
 class Unit:
@@ -160,6 +177,7 @@ class Unit:
         for param in self.params:
             bucket = self.buckets[param.bucket]
             view = bucket.unsharded_view(bucket.unsharded, param.index)
+            view = param.as_unsharded(view, self.mesh, bucket.specs[param.index])
             param.unsharded = nn.Parameter(view, requires_grad=param.sharded.requires_grad)
 
     def reshard(self, keep_for_backward: bool = False) -> None:
@@ -186,7 +204,11 @@ class Unit:
         for param in self.params:
             old = param.sharded
             param.sharded = sharded_parameter(
-                self.buckets[param.bucket], param.index, self.mesh, old.requires_grad
+                self.buckets[param.bucket],
+                param.index,
+                self.mesh,
+                old.requires_grad,
+                param.tp_placement,
             )
             param.sharded._flatshard_param = (self, param)
             param.unsharded = None

@@ -1,0 +1,121 @@
+"""fully_shard over tensor-parallel parameters (`parallelize_llama` first, as torchtitan
+does): every parameter is a DTensor on the (data-parallel..., tp) mesh, and training
+equals one process, gradients tensor by tensor, losses and full weights after five AdamW
+steps, for (dp_shard, tp) in (2, 2), (1, 4), (4, 1), (1, 2) and HSDP with TP, ZeRO-3 and
+ZeRO-2, with accumulation and tied embeddings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import run_distributed
+from reference import batches, build_model, config, full_state, rel_diff, rel_losses
+from reference import train as train_ranks
+from test_gradients import _backward, _full_grads, _per_tensor_errors
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import flatshard
+from flatshard.parallel import parallelize_llama
+
+CFG = dict(n_heads=8, n_kv_heads=4, dim=32, ffn_dim=48, attention_bias=True)  # tp | 4
+STEPS = 5
+TOLERANCE = 1e-6
+GRAD_TOLERANCE = 2e-6  # per tensor
+
+
+def tp_model(replicate: int, shard: int, tp: int, zero_stage: int = 3, **overrides):
+    """The reference Llama, TP over `tp` ranks, then fully_shard over (replicate, shard)."""
+    names = ("dp_replicate", "dp_shard", "tp")
+    mesh = init_device_mesh("cpu", (replicate, shard, tp), mesh_dim_names=names)
+    model = build_model(config(**CFG, **overrides))
+    parallelize_llama(model, mesh["tp"])
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if replicate > 1 else mesh["dp_shard"]
+    for layer in model.layers:
+        flatshard.fully_shard(layer, mesh=dp_mesh, zero_stage=zero_stage)
+    flatshard.fully_shard(model, mesh=dp_mesh, zero_stage=zero_stage)
+    dp_rank = mesh["dp_replicate", "dp_shard"]._flatten().get_local_rank()
+    return model, dp_rank
+
+
+def _train(layout, zero_stage, microbatches, sync_last_only, tied):
+    replicate, shard, tp = layout
+    model, dp_rank = tp_model(replicate, shard, tp, zero_stage, tie_embeddings=tied)
+    data = batches(config(**CFG), STEPS, batch=12 * microbatches)
+    losses = train_ranks(
+        model, data, rank=dp_rank, world=replicate * shard, microbatches=microbatches,
+        sync_last_only=sync_last_only,
+    )  # fmt: skip
+    # train() sums over every rank (each data-parallel rank's loss tp times) unless dp is 1
+    counted = tp if replicate * shard > 1 else 1
+    return [loss / counted for loss in losses], full_state(model), _placements(model)
+
+
+def _placements(model) -> dict[str, tuple]:
+    return {name: tuple(p.placements) for name, p in model.named_parameters()}
+
+
+CASES = [
+    # ((dp_replicate, dp_shard, tp), ZeRO stage, micro-batches, sync on the last only, tied)
+    ((1, 2, 2), 3, 1, False, False),
+    ((1, 2, 2), 2, 3, True, True),
+    ((1, 1, 4), 3, 3, False, True),
+    ((1, 1, 4), 2, 1, False, False),
+    ((1, 4, 1), 3, 1, False, True),
+    ((1, 4, 1), 2, 3, False, False),
+    ((1, 1, 2), 3, 1, False, False),
+    ((1, 1, 2), 2, 3, True, True),
+    ((2, 1, 2), 3, 3, True, False),
+    ((2, 1, 2), 2, 1, False, True),
+]
+
+
+def _id(case) -> str:
+    (replicate, shard, tp), stage, micro, last, tied = case
+    return f"rep{replicate}-shard{shard}-tp{tp}-zero{stage}-micro{micro}-last{last}-tied{tied}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_tp_with_fully_shard_trains_like_one_process(case):
+    layout, _, microbatches, _, tied = case
+    cfg = config(**CFG, tie_embeddings=tied)
+    reference = build_model(cfg)
+    data = batches(cfg, STEPS, batch=12 * microbatches)
+    ref_losses = train_ranks(reference, data, microbatches=microbatches)
+    world = layout[0] * layout[1] * layout[2]
+    dp = (Replicate(), Shard(0)) if layout[0] > 1 else (Shard(0),)
+    for losses, weights, placements in run_distributed(_train, world, *case):
+        assert rel_losses(losses, ref_losses) <= TOLERANCE
+        assert rel_diff(weights, reference.state_dict()) <= TOLERANCE
+        # one mesh for every parameter; the TP split where TP put it, Replicate elsewhere
+        assert placements["layers.0.attn.q_proj.weight"] == (*dp, Shard(0))
+        assert placements["layers.0.attn.o_proj.weight"] == (*dp, Shard(1))
+        assert placements["layers.0.mlp.gate_up_proj.weight"][-1].split_factor == 2
+        assert placements["embed_tokens.weight"] == (*dp, Replicate())
+        assert placements["layers.0.attn_norm.weight"] == (*dp, Replicate())
+
+
+def _first_gradients(layout, microbatches, sync_last_only):
+    replicate, shard, tp = layout
+    model, dp_rank = tp_model(replicate, shard, tp)
+    tokens = batches(config(**CFG), 1, batch=12 * microbatches)[0]
+    _backward(model, tokens, microbatches, sync_last_only, dp_rank, replicate * shard)
+    grads = _full_grads(model)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)
+    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    return grads, norm.item()
+
+
+@pytest.mark.parametrize("layout", [(1, 2, 2), (2, 1, 2), (1, 1, 4)], ids=str)
+def test_tp_gradients_and_clip_norm_equal_one_process(layout):
+    reference = build_model(config(**CFG))
+    tokens = batches(config(**CFG), 1, batch=36)[0]
+    _backward(reference, tokens, 3, False)
+    ref_grads = {name: p.grad for name, p in reference.named_parameters()}
+    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=1e9).item()
+    world = layout[0] * layout[1] * layout[2]
+    for grads, norm in run_distributed(_first_gradients, world, layout, 3, True):
+        errors = _per_tensor_errors(grads, ref_grads)
+        assert max(errors.values()) <= GRAD_TOLERANCE, errors
+        # every element counted once over dp x tp, replicated parameters included
+        assert abs(norm - ref_norm) <= 1e-6 * ref_norm
