@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import flatshard
+from flatshard import checkpoint
 from flatshard.parallel import parallelize_llama
 
 CFG = dict(n_heads=8, n_kv_heads=4, dim=32, ffn_dim=48, attention_bias=True)  # tp | 4
@@ -24,11 +25,11 @@ TOLERANCE = 1e-6
 GRAD_TOLERANCE = 2e-6  # per tensor
 
 
-def tp_model(replicate: int, shard: int, tp: int, zero_stage: int = 3, **overrides):
+def tp_model(replicate: int, shard: int, tp: int, zero_stage: int = 3, seed=0, **overrides):
     """The reference Llama, TP over `tp` ranks, then fully_shard over (replicate, shard)."""
     names = ("dp_replicate", "dp_shard", "tp")
     mesh = init_device_mesh("cpu", (replicate, shard, tp), mesh_dim_names=names)
-    model = build_model(config(**CFG, **overrides))
+    model = build_model(config(**CFG, **overrides), seed=seed)
     parallelize_llama(model, mesh["tp"])
     dp_mesh = mesh["dp_replicate", "dp_shard"] if replicate > 1 else mesh["dp_shard"]
     for layer in model.layers:
@@ -119,3 +120,103 @@ def test_tp_gradients_and_clip_norm_equal_one_process(layout):
         assert max(errors.values()) <= GRAD_TOLERANCE, errors
         # every element counted once over dp x tp, replicated parameters included
         assert abs(norm - ref_norm) <= 1e-6 * ref_norm
+
+
+# --- checkpoints whose meaning does not depend on the TP size ---------------------------------
+SAVED_STEPS = 2
+
+
+class PlainStateAdamW(torch.optim.AdamW):
+    """AdamW whose moments are plain local tensors (TransformerEngine's FusedAdam keeps its
+    state like this): their checkpoint chunks must come from the layout, not their numel."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if isinstance(state.get(key), DTensor):
+                        state[key] = state[key].to_local()
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if key in state and not isinstance(state[key], DTensor):
+                        state[key] = DTensor.from_local(
+                            state[key], p.device_mesh, p.placements, run_check=False,
+                            shape=p.shape, stride=p.stride(),
+                        )  # fmt: skip
+        result = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                for key in ("exp_avg", "exp_avg_sq"):
+                    state[key] = state[key].to_local()
+        return result
+
+
+def _optimizer(kind):
+    if kind == "plain-state":
+        return lambda params: PlainStateAdamW(params, lr=1e-3, weight_decay=0.1)
+    return lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+
+
+def _moments(optimizer) -> dict:
+    """Every optimizer state tensor, full, keyed by parameter position and name."""
+    out = {}
+    for index, p in enumerate(optimizer.param_groups[0]["params"]):
+        for key, value in optimizer.state[p].items():
+            if value.dim() == 0:
+                continue
+            if not isinstance(value, DTensor):
+                value = DTensor.from_local(
+                    value, p.device_mesh, p.placements, run_check=False,
+                    shape=p.shape, stride=p.stride(),
+                )  # fmt: skip
+            out[f"{index}.{key}"] = value.full_tensor().clone()
+    return out
+
+
+def _save_tp(path, layout, kind):
+    replicate, shard, tp = layout
+    model, dp_rank = tp_model(replicate, shard, tp)
+    optimizer = _optimizer(kind)(model.parameters())
+    data = batches(config(**CFG), SAVED_STEPS)
+    train_ranks(
+        model, data, rank=dp_rank, world=replicate * shard, make_optimizer=lambda _: optimizer
+    )
+    checkpoint.save(path, model=model, optimizer=optimizer, step=SAVED_STEPS)
+    return full_state(model), _moments(optimizer)
+
+
+def _resume_tp(path, layout, kind):
+    replicate, shard, tp = layout
+    model, dp_rank = tp_model(replicate, shard, tp, seed=3)
+    optimizer = _optimizer(kind)(model.parameters())
+    checkpoint.load(path, model=model, optimizer=optimizer)
+    loaded = full_state(model), _moments(optimizer)
+    data = batches(config(**CFG), STEPS)[SAVED_STEPS:]
+    losses = train_ranks(
+        model, data, rank=dp_rank, world=replicate * shard, make_optimizer=lambda _: optimizer
+    )
+    counted = tp if replicate * shard > 1 else 1
+    return loaded, [loss / counted for loss in losses], full_state(model)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "plain-state"])
+def test_tp_checkpoint_loads_at_any_tp_size_and_resumes(tmp_path, kind):
+    cfg = config(**CFG)
+    reference = build_model(cfg)
+    ref_losses = train_ranks(reference, batches(cfg, STEPS))
+    path = str(tmp_path / "tp")
+    saved_weights, saved_moments = run_distributed(_save_tp, 4, path, (1, 2, 2), kind)[0]
+    for layout in [(1, 1, 4), (1, 4, 1), (2, 1, 2), (1, 1, 2), (1, 1, 1)]:
+        world = layout[0] * layout[1] * layout[2]
+        (weights, moments), losses, final = run_distributed(_resume_tp, world, path, layout, kind)[
+            0
+        ]
+        assert rel_diff(weights, saved_weights) == 0.0, layout
+        assert moments.keys() == saved_moments.keys(), layout
+        assert all(torch.equal(moments[k], saved_moments[k]) for k in moments), layout
+        assert rel_losses(losses, ref_losses[SAVED_STEPS:]) <= TOLERANCE, layout
+        assert rel_diff(final, reference.state_dict()) <= TOLERANCE, layout

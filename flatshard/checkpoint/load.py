@@ -26,6 +26,8 @@ from flatshard.checkpoint.state import (
     restore_stateful,
     set_rng_state,
 )
+from flatshard.dtensor import plain_state
+from flatshard.dtensor.row_shard import stored_shape
 from flatshard.errors import CheckpointError
 from flatshard.fsdp_module import weights_changed
 
@@ -78,6 +80,8 @@ def load(
     dcp.load(state, storage_reader=reader, process_group=group)
     options = StateDictOptions(strict=not skipped)
     if optimizer is not None:
+        # the loaded values are in the optimizer's own tensors: plain ones stay plain
+        plain_state.unwrap(state["optim"])
         set_state_dict(
             model,
             optimizer,
@@ -129,10 +133,9 @@ def _mismatches(state: dict, metadata, strict: bool, path: str) -> list[str]:
     for key, value in flat.items():
         info = stored.get(key)
         if isinstance(value, torch.Tensor) and isinstance(info, TensorStorageMetadata):
-            if tuple(value.shape) != tuple(info.size):
-                wrong.append(
-                    f"{key}: checkpoint shape {tuple(info.size)}, model {tuple(value.shape)}"
-                )
+            shape = stored_shape(value)
+            if shape != tuple(info.size):
+                wrong.append(f"{key}: checkpoint shape {tuple(info.size)}, model {shape}")
             elif value.dtype != info.properties.dtype:
                 wrong.append(
                     f"{key}: checkpoint dtype {info.properties.dtype}, model {value.dtype}"

@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from flatshard import comm
+from flatshard.dtensor import plain_state
 from flatshard.dtensor.row_shard import local_data
 
 _group = None
@@ -53,6 +54,8 @@ def app_state(model, optimizer, extra: dict) -> dict:
     """{"model": ..., "optim": ..., "extra": {...}} keyed by the unwrapped model's FQNs."""
     if optimizer is not None:
         model_state, optim_state = get_state_dict(model, optimizer)
+        # plain-tensor optimizer states as DTensor views: DCP then sees their global shape
+        plain_state.as_dtensors(model, optim_state)
         state = {"model": model_state, "optim": optim_state}
     else:
         state = {"model": get_model_state_dict(model)}

@@ -387,6 +387,14 @@ def param_spec(root, fqn: str, param) -> ShardSpec:
     return whole_param_spec(describe_param(root, fqn, param))
 
 
+def stored_shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The shape a checkpoint stores `tensor` as: the global one for flatshard's pieces, a
+    plain-tensor optimizer state (a bare `RowShard`) included."""
+    if isinstance(tensor, RowShard):
+        return tensor.spec.global_shape
+    return tuple(tensor.shape)
+
+
 def row_range(param: DTensor) -> tuple[int, int]:
     """The global rows `[start, end)` of a flatshard DTensor that this rank holds."""
     box = shard_spec(param).global_box
