@@ -190,3 +190,34 @@ def test_hpz_run_bytes_match_the_plan(tmp_path):
     for record, baseline in zip(metrics(hpz)[1:], metrics(plain)[1:]):
         assert record["all_gather_bytes"] == plan["communication"]["all_gather"]
         assert abs(record["loss"] - baseline["loss"]) <= 1e-6 * baseline["loss"]
+
+
+def test_tensor_parallel_run_trains_like_data_parallel_and_resumes_without_tp(tmp_path):
+    """`--tp 2` on 4 processes (2 data-parallel x 2 TP ranks) takes the steps a 2-process
+    data-parallel run takes; its checkpoint resumes without TP, continuing those losses;
+    its data-parallel bytes are what `flatshard plan --tp 2` predicts."""
+    sizes = ["--set", "model.preset=tiny", "--set", "data.seq_len=32",
+             "--set", "train.micro_batch=2", "--set", "train.global_batch=8",
+             "--set", "run.sample_tokens=0"]  # fmt: skip
+    plain, tp = tmp_path / "plain", tmp_path / "tp"
+    check_ok(flatshard("train", *sizes, "--steps", 4, "--nproc", 2, "--out", plain))
+    result = check_ok(
+        flatshard("train", *sizes, "--steps", 4, "--nproc", 4, "--tp", 2, "--out", tp,
+                  "--set", "run.stop_at_step=2")
+    )  # fmt: skip
+    assert "tensor parallel over 2" in result.stdout
+    assert "x 2 data-parallel rank(s)" in result.stdout
+    check_ok(flatshard("train", "--resume", tp, "--nproc", 2, "--set", "train.tp=1"))
+    expected = [r["loss"] for r in metrics(plain)]
+    got = [r["loss"] for r in metrics(tp)]
+    assert len(got) == 4
+    assert max(abs(a - b) / b for a, b in zip(got, expected)) <= 1e-5, (got, expected)
+    plan = json.loads(
+        check_ok(flatshard("plan", *sizes, "--set", "run.nproc=4", "--set", "train.tp=2",
+                           "--json")).stdout
+    )  # fmt: skip
+    assert (plan["setup"]["tp"], plan["setup"]["dp_shard"]) == (2, 2)
+    assert plan["communication"]["tp_all_reduce"] > 0
+    for record in metrics(tp)[1:2]:  # the TP steps (the first knows no backward order yet)
+        assert record["all_gather_bytes"] == plan["communication"]["all_gather"]
+        assert record["reduce_scatter_bytes"] == plan["communication"]["reduce_scatter"]

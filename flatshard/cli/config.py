@@ -90,7 +90,10 @@ OPTIONS: tuple[Option, ...] = (
            "many ranks so backward gathers inside them (hpZ; 0: all ranks)",
            check=_non_negative),
     Option("train.dp_replicate", 1, "HSDP: replicas of the sharded model (processes are "
-           "dp_replicate x dp_shard)", check=_positive),
+           "dp_replicate x dp_shard x tp)", check=_positive),
+    Option("train.tp", 1, "tensor parallelism: ranks each block's heads and hidden units "
+           "are split over (innermost; processes are dp_replicate x dp_shard x tp)",
+           check=_positive),
     Option("train.precision", "fp32", "compute dtype; weights and optimizer stay fp32",
            choices=("fp32", "bf16")),
     Option("train.seed", 0, "seed of the initial weights and the data order",
@@ -363,6 +366,12 @@ def resume_conflicts(
     return conflicts
 
 
+def parallel_dims(config: RunConfig, world_size: int) -> ParallelDims:
+    """The run's degrees over `world_size` processes (dp_shard: what the others leave)."""
+    train = config.train
+    return ParallelDims(world_size, dp_replicate=train.dp_replicate, tp=train.tp)
+
+
 def check(config: RunConfig, world_size: int | None = None) -> None:
     """Rules between keys; with `world_size`, also the batch split over processes."""
     train = config.train
@@ -374,19 +383,25 @@ def check(config: RunConfig, world_size: int | None = None) -> None:
             f"({train.micro_batch})"
         )
     if world_size is not None:
-        dims = ParallelDims(world_size, dp_replicate=train.dp_replicate)  # MeshError: what
+        dims = parallel_dims(config, world_size)  # MeshError: what
         if train.hpz_group and (
-            train.zero_stage != 3 or dims.dp_shard % train.hpz_group or train.dp_replicate > 1
+            train.zero_stage != 3
+            or dims.dp_shard % train.hpz_group
+            or train.dp_replicate > 1
+            or train.tp > 1
         ):
             raise ConfigError(
                 f"train.hpz_group ({train.hpz_group}) needs train.zero_stage=3, no HSDP "
-                f"(train.dp_replicate=1) and must divide the processes ({dims.dp_shard})"
+                f"(train.dp_replicate=1), no TP (train.tp=1) and must divide the processes "
+                f"({dims.dp_shard})"
             )
-    if world_size is not None and train.global_batch % (train.micro_batch * world_size):
-        raise ConfigError(
-            f"train.global_batch ({train.global_batch}) must be a multiple of train.micro_batch "
-            f"x processes ({train.micro_batch} x {world_size} = {train.micro_batch * world_size})"
-        )
+        if train.global_batch % (train.micro_batch * dims.dp):
+            per_step = train.micro_batch * dims.dp
+            raise ConfigError(
+                f"train.global_batch ({train.global_batch}) must be a multiple of "
+                f"train.micro_batch x data-parallel ranks ({train.micro_batch} x {dims.dp} = "
+                f"{per_step}; the {train.tp} TP ranks of a group share a batch)"
+            )
     model, seq_len = config.model, config.data.seq_len
     if model.max_seq_len and model.max_seq_len < seq_len:
         raise ConfigError(

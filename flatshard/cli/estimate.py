@@ -20,6 +20,11 @@ what is gathered when and what a lookup costs from the runtime's own policy
   end of backward.
 - on gloo (CPU) a reduce-scatter receives every rank's copy of this rank's shard into a
   buffer as large as the gradient bucket (an all-to-all, see comm.py); NCCL needs none.
+- tensor parallelism (`tp`) splits each block's parameters by flatshard.parallel's plan
+  before FSDP shards them (the embedding, norms and head stay whole); each block then
+  all-reduces its activations twice in forward and its input gradients twice in backward
+  (`tp_all_reduce`, apart from the data-parallel `total` the trainer measures).
+  Activations are counted as without TP (an upper bound).
 
 Peak = max(start of backward: persistent + activations + the gathered units and gradient
 buffers in use; end of backward: persistent + gradient shards + the buffers in use).
@@ -27,12 +32,14 @@ buffers in use; end of backward: persistent + gradient shards + the buffers in u
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from flatshard.cli.errors import ConfigError
 from flatshard.cli.zoo import FP32, ModelSpec
+from flatshard.errors import MeshError
 from flatshard.layout import plan_unit_layout
 from flatshard.mesh import ParallelDims
+from flatshard.parallel import tp_local_shape
 from flatshard.runtime.gather_policy import (
     all_gathers_per_step,
     looks_up,
@@ -61,9 +68,10 @@ class Setup:
     backend: str = "nccl"  # gloo needs a receive buffer per reduce-scatter
     optimizer_states: int = 2  # AdamW
     hpz_group: int = 0  # ZeRO-3: ranks a block stays sharded over after forward (0: all)
+    tp: int = 1  # tensor-parallel ranks (innermost)
 
     def __post_init__(self):
-        for name in ("world_size", "dp_shard", "micro_batch", "seq_len", "grad_accum"):
+        for name in ("world_size", "dp_shard", "micro_batch", "seq_len", "grad_accum", "tp"):
             if getattr(self, name) < 1:
                 flag = f"--{name.replace('_', '-')}"
                 hint = " (leave it out to shard over all ranks)" if name == "dp_shard" else ""
@@ -78,16 +86,18 @@ class Setup:
         if self.zero_stage not in (1, 2, 3):
             raise ConfigError(f"--zero-stage must be 1, 2 or 3, got {self.zero_stage}")
         self.dims  # noqa: B018  (validates the degrees: a MeshError names what is wrong)
-        if self.hpz_group and (self.zero_stage != 3 or self.dp_shard % self.hpz_group):
+        if self.hpz_group and (
+            self.zero_stage != 3 or self.dp_shard % self.hpz_group or self.tp > 1
+        ):
             raise ConfigError(
-                f"--hpz-group {self.hpz_group} needs ZeRO-3 and must divide --dp-shard "
+                f"--hpz-group {self.hpz_group} needs ZeRO-3, no TP, and must divide --dp-shard "
                 f"({self.dp_shard})"
             )
 
     @property
     def dims(self) -> ParallelDims:
         """The degrees, validated as `fully_shard`'s mesh validates them."""
-        return ParallelDims(self.world_size, dp_replicate=-1, dp_shard=self.dp_shard)
+        return ParallelDims(self.world_size, dp_replicate=-1, dp_shard=self.dp_shard, tp=self.tp)
 
     @property
     def dp_replicate(self) -> int:
@@ -131,12 +141,49 @@ class Plan:
 
 
 def plan(spec: ModelSpec, setup: Setup) -> Plan:
+    hidden = _hidden_size(spec)
+    if setup.tp > 1:
+        spec = _tp_local(spec, setup.tp)
     units = tuple(_unit_figures(unit, setup.dp_shard) for unit in spec.units)
     memory = _memory(spec, units, setup)
     communication = _communication(units, setup)
+    communication.update(_tp_communication(spec, setup, hidden))
     used = sum(u.numel * u.count for u in units)
     padding = sum(u.padding * u.count for u in units) / used if used else 0.0
     return Plan(spec.name, spec.num_params, setup, units, memory, communication, padding)
+
+
+def _hidden_size(spec: ModelSpec) -> int:
+    embedding = next(u for u in spec.units if u.embedding)
+    return embedding.params[0].shape[1]
+
+
+def _tp_local(spec: ModelSpec, tp: int) -> ModelSpec:
+    """The model as each TP rank holds it (flatshard.parallel's plan)."""
+    try:
+        units = tuple(
+            replace(
+                unit,
+                params=tuple(
+                    replace(p, shape=tp_local_shape(p.name, p.shape, tp), global_shape=None)
+                    for p in unit.params
+                ),
+            )
+            for unit in spec.units
+        )
+    except MeshError as error:
+        raise ConfigError(f"--tp {tp}: {error}") from None
+    return replace(spec, units=units)
+
+
+def _tp_communication(spec: ModelSpec, setup: Setup, hidden: int) -> dict[str, int]:
+    """Bytes per rank per step of the TP all-reduces: two of a block's activations in
+    forward, two of its input gradients in backward, per micro-batch."""
+    tokens = setup.micro_batch * setup.seq_len
+    tp = setup.tp
+    total = 4 * spec.n_layers * setup.grad_accum * tokens * hidden * DTYPE_BYTES[setup.param_dtype]
+    total = total if tp > 1 else 0
+    return {"tp_all_reduce": total, "tp_wire_per_rank": 2 * (tp - 1) * total // tp}
 
 
 def _unit_figures(unit, dp_shard: int) -> UnitFigures:

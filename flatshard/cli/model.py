@@ -11,7 +11,9 @@ import flatshard
 from flatshard.cli import runs
 from flatshard.cli.config import RunConfig
 from flatshard.cli.errors import ConfigError, RunError, warn
+from flatshard.errors import MeshError
 from flatshard.models import Llama, LlamaConfig
+from flatshard.parallel import check_tp, parallelize_llama
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -56,19 +58,29 @@ def build_sharded(
     seed: int,
     device: torch.device,
     dp_replicate: int = 1,
+    tp: int = 1,
     hpz_group: int = 0,
 ) -> Llama:
-    """Every block, then the root, `fully_shard`-ed (HSDP over `dp_replicate` replicas);
-    weights equal `Llama(cfg)` built eagerly after `torch.manual_seed(seed)`, at any world
-    size, and no rank ever holds them all."""
+    """Every block split over `tp` ranks (flatshard.parallel), then every block and the
+    root `fully_shard`-ed (HSDP over `dp_replicate` replicas); weights equal `Llama(cfg)`
+    built eagerly after `torch.manual_seed(seed)`, at any layout, and no rank ever holds
+    them all."""
+    if tp > 1:
+        try:
+            check_tp(cfg, tp)
+        except MeshError as error:
+            raise ConfigError(f"train.tp: {error}") from None
     with torch.device("meta"):
         model = Llama(cfg)
     policy = mixed_precision(precision)
     mesh = None
-    if dp_replicate > 1:
-        shards = dist.get_world_size() // dp_replicate
-        names = ("dp_replicate", "dp_shard")
-        mesh = init_device_mesh(device.type, (dp_replicate, shards), mesh_dim_names=names)
+    if dp_replicate > 1 or tp > 1:
+        shards = dist.get_world_size() // (dp_replicate * tp)
+        names = ("dp_replicate", "dp_shard", "tp")
+        world = init_device_mesh(device.type, (dp_replicate, shards, tp), mesh_dim_names=names)
+        if tp > 1:
+            parallelize_llama(model, world["tp"])
+        mesh = world["dp_replicate", "dp_shard"] if dp_replicate > 1 else world["dp_shard"]
     stage = {"reshard_after_forward": hpz_group} if hpz_group else {"zero_stage": zero_stage}
     for block in model.layers:
         flatshard.fully_shard(block, mp_policy=policy, mesh=mesh, **stage)

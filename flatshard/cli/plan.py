@@ -40,6 +40,13 @@ def add_arguments(parser) -> None:
         metavar="N",
         help="ranks a unit is sharded over (default: world size; fewer: HSDP)",
     )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tensor-parallel ranks (innermost; default 1)",
+    )
     parser.add_argument("--zero-stage", type=int, default=None, choices=(1, 2, 3))
     parser.add_argument(
         "--hpz-group",
@@ -88,7 +95,7 @@ def plan_command(args) -> int:
     chosen = {name: getattr(args, name) for name in defaults if getattr(args, name) is not None}
     values = {**defaults, **chosen}
     if values["dp_shard"] is None:  # an explicit 0 is an error (Setup), not "all ranks"
-        values["dp_shard"] = values["world_size"]
+        values["dp_shard"] = values["world_size"] // max(1, values["tp"])
     result = plan(spec, Setup(**values))
     print(json.dumps(result.to_dict(), indent=1) if args.json else format_plan(result))
     empty = [unit for unit in result.units if unit.empty_ranks]
@@ -106,7 +113,7 @@ def plan_command(args) -> int:
 def _model_and_defaults(args):
     defaults = dict(
         world_size=8, dp_shard=None, zero_stage=3, param_dtype="bf16", reduce_dtype="fp32",
-        micro_batch=1, seq_len=4096, grad_accum=1, backend="nccl", hpz_group=0,
+        micro_batch=1, seq_len=4096, grad_accum=1, backend="nccl", hpz_group=0, tp=1,
     )  # fmt: skip
     if args.model is not None:
         return zoo.resolve(args.model), defaults
@@ -115,13 +122,14 @@ def _model_and_defaults(args):
     train = config.train
     defaults.update(
         world_size=world,
-        dp_shard=ParallelDims(world, dp_replicate=train.dp_replicate).dp_shard,
+        dp_shard=ParallelDims(world, dp_replicate=train.dp_replicate, tp=train.tp).dp_shard,
+        tp=train.tp,
         zero_stage=train.zero_stage,
         hpz_group=train.hpz_group,
         param_dtype=train.precision,
         micro_batch=train.micro_batch,
         seq_len=config.data.seq_len,
-        grad_accum=max(1, train.global_batch // (train.micro_batch * world)),
+        grad_accum=max(1, train.global_batch // (train.micro_batch * world // train.tp)),
         backend="nccl" if _uses_cuda(config.run.device) else "gloo",
     )
     return zoo.from_llama_config(_run_model(config), "the training config's model"), defaults
@@ -164,7 +172,8 @@ def _gib(nbytes: int) -> str:
 def format_plan(result: Plan) -> str:
     s, m, c = result.setup, result.memory, result.communication
     mesh = f"{s.world_size} ranks (dp_shard {s.dp_shard}"
-    mesh += f", dp_replicate {s.dp_replicate})" if s.dp_replicate > 1 else ")"
+    mesh += f", dp_replicate {s.dp_replicate}" if s.dp_replicate > 1 else ""
+    mesh += f", tp {s.tp})" if s.tp > 1 else ")"
     lines = [
         f"flatshard plan: {result.model}, {_size(result.num_params)} parameters, on {mesh}",
         f"  ZeRO-{s.zero_stage} ({s.backend}), {s.param_dtype} compute, {s.reduce_dtype} "
@@ -204,5 +213,8 @@ def format_plan(result: Plan) -> str:
     lines.append(f"    reduce-scatter                  {_gib(c['reduce_scatter'])}")
     if c["replica_all_reduce"]:
         lines.append(f"    replica all-reduce (HSDP)       {_gib(c['replica_all_reduce'])}")
-    lines.append(f"    on the wire (ring algorithms)   {_gib(c['wire_per_rank'])}")
+    if c["tp_all_reduce"]:
+        lines.append(f"    TP all-reduce (activations)     {_gib(c['tp_all_reduce'])}")
+    wire = c["wire_per_rank"] + c["tp_wire_per_rank"]
+    lines.append(f"    on the wire (ring algorithms)   {_gib(wire)}")
     return "\n".join(lines)

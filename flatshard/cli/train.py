@@ -66,7 +66,10 @@ class Trainer:
         self.data = load_tokens(data.path, data.format, data.text_field, data.glob)
         self.order = SequenceOrder(self.data.tokens, data.seq_len, train.seed)
         self.model_config = llama_config(config, self.data.vocab_size)
-        self.accumulation = train.global_batch // (train.micro_batch * ranks.world_size)
+        # the TP ranks of a group (consecutive ranks: TP is innermost) share a batch
+        self.dp_world = ranks.world_size // train.tp
+        self.dp_rank = ranks.rank // train.tp
+        self.accumulation = train.global_batch // (train.micro_batch * self.dp_world)
         warm_up_runtime(ranks.device)
         self.memory = MemoryMeter(ranks.device)  # from here on: what `flatshard plan` counts
         comm.traffic.take()  # count from here
@@ -77,6 +80,7 @@ class Trainer:
             seed=train.seed,
             device=ranks.device,
             dp_replicate=train.dp_replicate,
+            tp=train.tp,
             hpz_group=train.hpz_group,
         )
         self.optimizer = torch.optim.AdamW(
@@ -123,15 +127,16 @@ class Trainer:
         )  # fmt: skip
         lines = [
             f"flatshard train: {ranks.world_size} process(es), {backend} on {ranks.device.type}, "
-            f"ZeRO-{config.train.zero_stage}, {config.train.precision}",
+            f"ZeRO-{config.train.zero_stage}, {config.train.precision}"
+            + (f", tensor parallel over {config.train.tp}" if config.train.tp > 1 else ""),
             f"model: Llama, {model.num_params() / 1e6:.1f}M parameters (dim {model.dim}, "
             f"{model.n_layers} layers, {model.n_heads} heads, ffn {model.ffn_dim}, vocab "
             f"{model.vocab_size})",
             f"data: {self.data.source}: {len(self.data.tokens):,} tokens, "
             f"{self.order.windows:,} sequences of {config.data.seq_len}",
             f"batch: {config.train.global_batch} sequences = {tokens_per_step:,} tokens per step "
-            f"(micro batch {config.train.micro_batch} x {ranks.world_size} process(es) x "
-            f"{self.accumulation} accumulation)",
+            f"(micro batch {config.train.micro_batch} x {self.dp_world} data-parallel "
+            f"rank(s) x {self.accumulation} accumulation)",
             f"run directory: {self.run_dir}",
             f"effective config (saved as {os.path.join(self.run_dir, runs.CONFIG_TOML)}):",
             effective.rstrip(),
@@ -190,12 +195,12 @@ class Trainer:
             group["lr"] = lr
         step_started = time.perf_counter()
         loss_sum = torch.zeros((), dtype=torch.float64, device=ranks.device)
-        per_micro = train.micro_batch * ranks.world_size
+        per_micro = train.micro_batch * self.dp_world
         for micro in range(self.accumulation):
             if self.accumulation > 1 and train.zero_stage == 1:
                 # ZeRO-1 keeps unsharded gradients anyway: reduce once, after the last one
                 self.model.set_requires_gradient_sync(micro == self.accumulation - 1)
-            first = self.position + micro * per_micro + ranks.rank * train.micro_batch
+            first = self.position + micro * per_micro + self.dp_rank * train.micro_batch
             batch = self.order.batch(first, train.micro_batch).to(ranks.device)
             loss = lm_loss(self.model, batch) / self.accumulation
             loss.backward()

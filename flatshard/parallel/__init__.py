@@ -4,6 +4,18 @@ reference models, built on `torch.distributed.tensor.parallel`.
 tensor_parallel.py  the Llama plan (attention and MLP split over a TP mesh) and its checks
 """
 
-from flatshard.parallel.tensor_parallel import FusedColwiseParallel, check_tp, parallelize_llama
+from flatshard.parallel.tensor_parallel import (
+    LLAMA_BLOCK_PLAN,
+    FusedColwiseParallel,
+    check_tp,
+    parallelize_llama,
+    tp_local_shape,
+)
 
-__all__ = ["FusedColwiseParallel", "check_tp", "parallelize_llama"]
+__all__ = [
+    "LLAMA_BLOCK_PLAN",
+    "FusedColwiseParallel",
+    "check_tp",
+    "parallelize_llama",
+    "tp_local_shape",
+]

@@ -98,16 +98,44 @@ def check_tp(config, tp: int) -> None:
         )
 
 
+# Each block's TP plan, by module: "colwise" splits output features (weight and bias
+# rows), "rowwise" input features (weight columns; its bias stays whole), "fused" the
+# output features of each of two stacked components. `flatshard plan` reads it too.
+LLAMA_BLOCK_PLAN = {
+    "attn.q_proj": "colwise",
+    "attn.k_proj": "colwise",
+    "attn.v_proj": "colwise",
+    "attn.o_proj": "rowwise",
+    "mlp.gate_up_proj": "fused",
+    "mlp.down_proj": "rowwise",
+}
+
+
+def _style(kind: str) -> ParallelStyle:
+    if kind == "fused":
+        return FusedColwiseParallel(components=2)
+    return ColwiseParallel() if kind == "colwise" else RowwiseParallel()
+
+
 def parallelize_llama(model, tp_mesh) -> None:
     """Split every block of a reference `Llama` over the 1-D `tp_mesh`, in place."""
     check_tp(model.config, tp_mesh.size())
-    plan = {
-        "attn.q_proj": ColwiseParallel(),
-        "attn.k_proj": ColwiseParallel(),
-        "attn.v_proj": ColwiseParallel(),
-        "attn.o_proj": RowwiseParallel(),
-        "mlp.gate_up_proj": FusedColwiseParallel(components=2),
-        "mlp.down_proj": RowwiseParallel(),
-    }
+    plan = {name: _style(kind) for name, kind in LLAMA_BLOCK_PLAN.items()}
     for block in model.layers:
         parallelize_module(block, tp_mesh, plan)
+
+
+def tp_local_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """The shape a block parameter `name` (e.g. "layers.3.attn.q_proj.weight") has on each
+    of `tp` ranks under `LLAMA_BLOCK_PLAN` (the same shape whatever the rank)."""
+    module, _, attr = name.rpartition(".")
+    kind = next((k for key, k in LLAMA_BLOCK_PLAN.items() if module.endswith(key)), None)
+    dim = {"colwise": 0, "fused": 0, "rowwise": 1 if attr == "weight" else None}.get(kind)
+    if dim is None or tp == 1:
+        return tuple(shape)
+    if shape[dim] % (2 * tp if kind == "fused" else tp):
+        raise MeshError(
+            f"{name} {tuple(shape)}: dim {dim} does not split evenly over {tp} "
+            "tensor-parallel ranks; pick a tp that divides it"
+        )
+    return tuple(n // tp if d == dim else n for d, n in enumerate(shape))
