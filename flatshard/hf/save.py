@@ -75,7 +75,7 @@ def save_pretrained(
                 if writer is not None:
                     piece = full
                     if mapping.component is not None:
-                        piece = infos[name].component(mapping.component).select(full)
+                        piece = infos[name].component(mapping.component).select_global(full)
                     writer.write(mapping.hf_name, piece.to(out_dtype[mapping.hf_name]))
             del full  # at most one gathered parameter alive at a time
     problem = writer.finish(config) if writer is not None else None

@@ -41,8 +41,12 @@ class Component:
         return self.stop - self.start
 
     def select(self, tensor):
-        """This component's slab of a tensor shaped like the parameter."""
+        """This component's slab of a tensor shaped like the (local) parameter."""
         return tensor.narrow(self.dim, self.start, self.size)
+
+    def select_global(self, tensor):
+        """This component's whole tensor out of the parameter's global (fused) tensor."""
+        return tensor.narrow(self.dim, self.fused_start, self.global_shape[self.dim])
 
 
 @dataclass(frozen=True)
