@@ -219,21 +219,24 @@ def _tp_mesh(modules):
     `parallelize_module`, or already sharded by an inner unit). A root's embedding and head,
     which TP does not split, join it too (`Replicate` over TP): every parameter of a model
     lives on one mesh, as one optimizer's foreach math and gradient clipping want."""
-    meshes = {}
+    meshes = []
     for module in modules:
         for sub in module.modules():
             unit = getattr(sub, "_flatshard_unit", None)
             if unit is not None and unit.mesh.tp_mesh is not None:
-                meshes[id(unit.mesh.tp_mesh)] = unit.mesh.tp_mesh
+                meshes.append(unit.mesh.tp_mesh)
             for param in sub._parameters.values():
                 if isinstance(param, DTensor) and not hasattr(param, "_flatshard_param"):
-                    meshes[id(param.device_mesh)] = param.device_mesh
-    if len(meshes) > 1:
+                    meshes.append(param.device_mesh)
+    # torch may hand out equal sub-meshes as different objects: compare their ranks
+    if len({(tuple(m.mesh.flatten().tolist()), m.mesh_dim_names) for m in meshes}) > 1:
+        found = sorted({str(m) for m in meshes})
         raise WrappingError(
-            "the module's parameters are DTensors on different meshes; tensor-parallel "
-            "parameters must share one TP mesh (fully_shard composes with 1-D TP)"
+            f"the module's parameters are DTensors on different meshes ({found}); "
+            "tensor-parallel parameters must share one TP mesh (fully_shard composes with "
+            "1-D TP)"
         )
-    return next(iter(meshes.values()), None)
+    return meshes[0] if meshes else None
 
 
 def _ranges(ranks) -> str:

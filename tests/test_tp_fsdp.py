@@ -8,16 +8,30 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from distributed import run_distributed
-from reference import batches, build_model, config, full_state, rel_diff, rel_losses
+from reference import (
+    batches,
+    build_model,
+    config,
+    full_state,
+    lm_loss,
+    rank_slice,
+    rel_diff,
+    rel_losses,
+)
+from reference import shard as shard_model
 from reference import train as train_ranks
 from test_gradients import _backward, _full_grads, _per_tensor_errors
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.debug import CommDebugMode
 
 import flatshard
 from flatshard import checkpoint
+from flatshard.errors import CheckpointError
 from flatshard.parallel import parallelize_llama
+from flatshard.runtime.flat_bucket import FlatBucket
 
 CFG = dict(n_heads=8, n_kv_heads=4, dim=32, ffn_dim=48, attention_bias=True)  # tp | 4
 STEPS = 5
@@ -29,7 +43,7 @@ def tp_model(replicate: int, shard: int, tp: int, zero_stage: int = 3, seed=0, *
     """The reference Llama, TP over `tp` ranks, then fully_shard over (replicate, shard)."""
     names = ("dp_replicate", "dp_shard", "tp")
     mesh = init_device_mesh("cpu", (replicate, shard, tp), mesh_dim_names=names)
-    model = build_model(config(**CFG, **overrides), seed=seed)
+    model = build_model(config(**{**CFG, **overrides}), seed=seed)
     parallelize_llama(model, mesh["tp"])
     dp_mesh = mesh["dp_replicate", "dp_shard"] if replicate > 1 else mesh["dp_shard"]
     for layer in model.layers:
@@ -203,14 +217,21 @@ def _resume_tp(path, layout, kind):
     return loaded, [loss / counted for loss in losses], full_state(model)
 
 
-@pytest.mark.parametrize("kind", ["adamw", "plain-state"])
-def test_tp_checkpoint_loads_at_any_tp_size_and_resumes(tmp_path, kind):
+LAYOUTS = [(1, 2, 2), (1, 1, 4), (1, 4, 1), (2, 2, 1), (2, 1, 2), (1, 1, 1)]
+SAVES = [(layout, "adamw") for layout in LAYOUTS[:4]] + [((1, 2, 2), "plain-state")]
+
+
+@pytest.mark.parametrize("saved_at, kind", SAVES, ids=lambda v: str(v))
+def test_tp_checkpoint_loads_at_any_layout_and_resumes(tmp_path, saved_at, kind):
+    """Saved at (replicate, shard, tp), loaded at every other layout and in one process:
+    model and optimizer bitwise, and training resumed equals uninterrupted training."""
     cfg = config(**CFG)
     reference = build_model(cfg)
     ref_losses = train_ranks(reference, batches(cfg, STEPS))
     path = str(tmp_path / "tp")
-    saved_weights, saved_moments = run_distributed(_save_tp, 4, path, (1, 2, 2), kind)[0]
-    for layout in [(1, 1, 4), (1, 4, 1), (2, 1, 2), (1, 1, 2), (1, 1, 1)]:
+    world = saved_at[0] * saved_at[1] * saved_at[2]
+    saved_weights, saved_moments = run_distributed(_save_tp, world, path, saved_at, kind)[0]
+    for layout in [layout for layout in LAYOUTS if layout != saved_at]:
         world = layout[0] * layout[1] * layout[2]
         (weights, moments), losses, final = run_distributed(_resume_tp, world, path, layout, kind)[
             0
@@ -220,3 +241,84 @@ def test_tp_checkpoint_loads_at_any_tp_size_and_resumes(tmp_path, kind):
         assert all(torch.equal(moments[k], saved_moments[k]) for k in moments), layout
         assert rel_losses(losses, ref_losses[SAVED_STEPS:]) <= TOLERANCE, layout
         assert rel_diff(final, reference.state_dict()) <= TOLERANCE, layout
+    if kind == "plain-state":
+        messages = run_distributed(_load_wider_mlp, 4, path)
+        assert all("ffn_dim: checkpoint 48, model 64" in m for m in messages), messages
+
+
+def _load_wider_mlp(path):
+    """Loading into a model whose fused gate/up has other component sizes: one clear error,
+    on every rank, naming the difference."""
+    model, _ = tp_model(1, 2, 2, ffn_dim=64)
+    try:
+        checkpoint.load(path, model=model)
+    except CheckpointError as error:
+        return str(error)
+    return "loaded"
+
+
+# --- collectives ------------------------------------------------------------------------------
+def _collectives(tp):
+    """One forward and backward (after a first one, which learns the order): how often each
+    unit's buckets were all-gathered and reduce-scattered, over which ranks, and every
+    other collective by op (torch's count, which sees all but flatshard's point-to-point
+    all-gathers on gloo)."""
+    shard = dist.get_world_size() // tp
+    if tp > 1:
+        model, dp_rank = tp_model(1, shard, tp)
+    else:
+        model, dp_rank = shard_model(build_model(config(**CFG))), dist.get_rank()
+    data = batches(config(**CFG), 2)
+    lm_loss(model, rank_slice(data[0], dp_rank, shard)).backward()
+    calls = []
+    gather, reduce = FlatBucket.start_all_gather, FlatBucket.start_reduce_scatter
+
+    def counted(kind, original):
+        def run(bucket, *args, **kwargs):
+            calls.append((kind, id(bucket), tuple(dist.get_process_group_ranks(bucket.group))))
+            return original(bucket, *args, **kwargs)
+
+        return run
+
+    FlatBucket.start_all_gather = counted("all-gather", gather)
+    FlatBucket.start_reduce_scatter = counted("reduce-scatter", reduce)
+    try:
+        with CommDebugMode() as mode:
+            lm_loss(model, rank_slice(data[1], dp_rank, shard)).backward()
+    finally:
+        FlatBucket.start_all_gather, FlatBucket.start_reduce_scatter = gather, reduce
+    units = {}
+    for name, module in model.named_modules():
+        unit = getattr(module, "_flatshard_unit", None)
+        if unit is not None and id(unit) not in units:
+            units[id(unit)] = (name, unit)
+    per_unit = {}
+    for name, unit in units.values():
+        counts = {
+            (kind, sum(1 for k, b, _ in calls if k == kind and b == id(bucket)))
+            for bucket in unit.buckets
+            for kind in ("all-gather", "reduce-scatter")
+        }
+        per_unit[name] = sorted(counts)  # one count per kind: every bucket moves alike
+    groups = {ranks for _, _, ranks in calls}
+    dp_group = tuple(dist.get_process_group_ranks(units[next(iter(units))][1].mesh.shard_group))
+    others = {str(op): count for op, count in mode.get_comm_counts().items()}
+    reduce_scatters = sum(1 for kind, _, _ in calls if kind == "reduce-scatter")
+    return per_unit, groups == {dp_group}, others, reduce_scatters
+
+
+def test_tp_collectives_are_the_data_parallel_ones_plus_torchs_tp():
+    """At (dp 2, tp 2): each unit's buckets are all-gathered and reduce-scattered exactly as
+    without TP, on the data-parallel group only; the other collectives are the TP
+    all-reduces (torch's: two row-parallel outputs and the q/k/v input gradients per block;
+    flatshard's: the fused gate/up input gradient) and what the run without TP issues
+    too (gloo's reduce-scatter all-to-alls, the lookup's token counts): nothing else."""
+    per_unit, on_dp_group, others, reduce_scatters = run_distributed(_collectives, 4, 2)[0]
+    expected_per_unit, _, others_without, _ = run_distributed(_collectives, 2, 1)[0]
+    assert per_unit == expected_per_unit and on_dp_group
+    layers = config(**CFG).n_layers
+    tp_ops = {"c10d_functional.all_reduce": 5 * layers, "c10d.allreduce_": layers}
+    assert {op: n for op, n in others.items() if op in tp_ops} == tp_ops, others
+    rest = {op: n for op, n in others.items() if op not in tp_ops}
+    assert rest.pop("c10d.alltoall_base_") == reduce_scatters  # gloo's reduce-scatter
+    assert rest == {op: n for op, n in others_without.items() if op != "c10d.alltoall_base_"}

@@ -22,8 +22,8 @@ what is gathered when and what a lookup costs from the runtime's own policy
   buffer as large as the gradient bucket (an all-to-all, see comm.py); NCCL needs none.
 - tensor parallelism (`tp`) splits each block's parameters by flatshard.parallel's plan
   before FSDP shards them (the embedding, norms and head stay whole); each block then
-  all-reduces its activations twice in forward and its input gradients twice in backward
-  (`tp_all_reduce`, apart from the data-parallel `total` the trainer measures).
+  all-reduces its row-parallel outputs in forward and its column-parallel input gradients
+  in backward (`tp_all_reduce`, apart from the data-parallel `total` the trainer measures).
   Activations are counted as without TP (an upper bound).
 
 Peak = max(start of backward: persistent + activations + the gathered units and gradient
@@ -39,7 +39,7 @@ from flatshard.cli.zoo import FP32, ModelSpec
 from flatshard.errors import MeshError
 from flatshard.layout import plan_unit_layout
 from flatshard.mesh import ParallelDims
-from flatshard.parallel import tp_local_shape
+from flatshard.parallel import LLAMA_BLOCK_PLAN, tp_local_shape
 from flatshard.runtime.gather_policy import (
     all_gathers_per_step,
     looks_up,
@@ -177,11 +177,14 @@ def _tp_local(spec: ModelSpec, tp: int) -> ModelSpec:
 
 
 def _tp_communication(spec: ModelSpec, setup: Setup, hidden: int) -> dict[str, int]:
-    """Bytes per rank per step of the TP all-reduces: two of a block's activations in
-    forward, two of its input gradients in backward, per micro-batch."""
+    """Bytes per rank per step of the TP all-reduces, per block and micro-batch: in forward
+    each row-parallel output's, in backward each column-parallel input gradient's (torch's
+    ColwiseParallel reduces q, k and v separately)."""
     tokens = setup.micro_batch * setup.seq_len
     tp = setup.tp
-    total = 4 * spec.n_layers * setup.grad_accum * tokens * hidden * DTYPE_BYTES[setup.param_dtype]
+    per_block = len(LLAMA_BLOCK_PLAN)  # rowwise: forward; colwise and fused: backward
+    total = per_block * spec.n_layers * setup.grad_accum * tokens * hidden
+    total *= DTYPE_BYTES[setup.param_dtype]
     total = total if tp > 1 else 0
     return {"tp_all_reduce": total, "tp_wire_per_rank": 2 * (tp - 1) * total // tp}
 
