@@ -59,6 +59,23 @@ def test_llama3_8b_on_64_ranks(capsys):
     assert memory["total"] == expected == 42_642_505_728
 
 
+def test_llama3_8b_with_tensor_parallelism(capsys):
+    """--tp 4 on 64 ranks: each block's q/k/v/o, [gate; up] and down are split 4 ways before
+    FSDP shards them over 16 ranks (norms, embedding and head stay whole); the TP
+    all-reduces are each block's two row-parallel outputs and four column-parallel input
+    gradients, bf16, per token."""
+    result = plan(capsys, "llama3-8b", "--world-size", 64, "--tp", 4)
+    V, d, L, f = 128256, 4096, 32, 14336
+    block = (d * d + 2 * (8 * 128) * d + d * d + 2 * f * d + d * f) // 4 + 2 * d
+    units = {unit["name"]: unit for unit in result["units"]}
+    assert units["layers.0-31"]["numel"] == block
+    assert result["setup"]["dp_shard"] == 16 and result["setup"]["tp"] == 4
+    assert units["embed_tokens"]["numel"] == V * d  # replicated over TP
+    tokens = 4096
+    assert result["communication"]["tp_all_reduce"] == 6 * L * tokens * d * BF16
+    assert result["communication"]["tp_wire_per_rank"] == 2 * 3 * 6 * L * tokens * d * BF16 // 4
+
+
 def test_qwen3_30b_a3b_on_8_ranks(capsys):
     result = plan(capsys, "qwen3-30b-a3b", "--world-size", 8, "--zero-stage", 2)
     V, d, L = 151936, 2048, 48

@@ -142,6 +142,8 @@ class Plan:
 
 def plan(spec: ModelSpec, setup: Setup) -> Plan:
     hidden = _hidden_size(spec)
+    if setup.tp > 1 and not hidden:
+        raise ConfigError(f"--tp {setup.tp}: {spec.name} has no token embedding to size TP by")
     if setup.tp > 1:
         spec = _tp_local(spec, setup.tp)
     units = tuple(_unit_figures(unit, setup.dp_shard) for unit in spec.units)
@@ -154,8 +156,12 @@ def plan(spec: ModelSpec, setup: Setup) -> Plan:
 
 
 def _hidden_size(spec: ModelSpec) -> int:
-    embedding = next(u for u in spec.units if u.embedding)
-    return embedding.params[0].shape[1]
+    """The width of the activations TP all-reduces: the token embedding's."""
+    for unit in spec.units:
+        for param in unit.params:
+            if param.name.endswith("embed_tokens.weight"):
+                return param.shape[1]
+    return 0
 
 
 def _tp_local(spec: ModelSpec, tp: int) -> ModelSpec:
