@@ -1,5 +1,9 @@
 """Reference models for flatshard's tests and examples."""
 
 from flatshard.models.llama import Llama, LlamaConfig
+from flatshard.models.moe import MoE
+from flatshard.models.moe_config import MoEConfig
+from flatshard.models.moe_loss import load_balancing_loss
+from flatshard.models.router import RouterStats
 
-__all__ = ["Llama", "LlamaConfig"]
+__all__ = ["Llama", "LlamaConfig", "MoE", "MoEConfig", "RouterStats", "load_balancing_loss"]

@@ -218,17 +218,19 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), with gate and up fused."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, ffn_dim: int | None = None) -> None:
         super().__init__()
+        # ffn_dim overrides cfg.ffn_dim (an MoE model's shared experts are one such MLP)
+        ffn_dim = cfg.ffn_dim if ffn_dim is None else ffn_dim
         # One matmul instead of two; its weight is [gate; up] along dim 0, gate first.
-        self.gate_up_proj = Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)
+        self.gate_up_proj = Linear(cfg.dim, 2 * ffn_dim, bias=False)
         # Declares how the fused weight splits into the unfused checkpoint tensors:
         # {param name: ((component name, rows), ...)} in dim-0 order. Component names are
         # relative to the parent MLP module (HF's `mlp.gate_proj.weight`, ...).
         self.gate_up_proj.fused_components = {
-            "weight": (("gate_proj.weight", cfg.ffn_dim), ("up_proj.weight", cfg.ffn_dim)),
+            "weight": (("gate_proj.weight", ffn_dim), ("up_proj.weight", ffn_dim)),
         }
-        self.down_proj = Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.down_proj = Linear(ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
