@@ -46,12 +46,21 @@ def rank_slice(tokens: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 
 def train(
-    model, data, *, rank=0, world=1, microbatches=1, make_optimizer=adamw, sync_last_only=False
+    model,
+    data,
+    *,
+    rank=0,
+    world=1,
+    microbatches=1,
+    make_optimizer=adamw,
+    sync_last_only=False,
+    loss_fn=lm_loss,
 ):
     """Train on `data` (global batches); returns the global mean loss of every step.
 
     With microbatches > 1 each global batch is split in that many pieces whose gradients
     accumulate; sync_last_only turns gradient sync off for all but the last piece.
+    `loss_fn(model, tokens)` is this rank's loss on its slice (default: `lm_loss`).
     """
     optimizer = make_optimizer(model.parameters())
     losses = []
@@ -61,7 +70,7 @@ def train(
         for i, piece in enumerate(pieces):
             if sync_last_only:
                 model.set_requires_gradient_sync(i == len(pieces) - 1)
-            loss = lm_loss(model, rank_slice(piece, rank, world)) / microbatches
+            loss = loss_fn(model, rank_slice(piece, rank, world)) / microbatches
             loss.backward()
             step_loss += loss.item()
         optimizer.step()

@@ -1,0 +1,89 @@
+"""Training the MoE model with 1-D `fully_shard` (ZeRO-2/3) equals one process (fp32): losses
+and final weights, with the auxiliary load-balancing loss in the loss."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from distributed import run_distributed
+from reference import batches, full_state, rel_diff, rel_losses, shard, train
+
+import flatshard
+from flatshard.models import MoE, MoEConfig, load_balancing_loss
+
+TOLERANCE = 1e-6
+STEPS = 3
+# large enough that the auxiliary loss moves the router visibly within three steps
+AUX_COEF = 0.1
+
+
+def moe_loss(model, tokens: torch.Tensor, group=None) -> torch.Tensor:
+    """Next-token cross-entropy plus the weighted load-balancing loss; `group`: the ranks
+    that split the batch (None in one process)."""
+    logits, stats = model(tokens[:, :-1], return_router_stats=True)
+    lm = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    return lm + model.config.aux_loss_coef * load_balancing_loss(stats, group)
+
+
+def _compare(zero_stage, style="qwen3_moe", overrides=None, meta_init=False, aux_group=True):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = MoEConfig.tiny(style, aux_loss_coef=AUX_COEF, **(overrides or {}))
+    data = batches(cfg, STEPS)
+
+    torch.manual_seed(0)
+    reference = MoE(cfg)
+    ref_losses = train(reference, data, loss_fn=moe_loss)
+
+    if meta_init:
+        with torch.device("meta"):
+            model = MoE(cfg)
+    else:
+        torch.manual_seed(0)
+        model = MoE(cfg)
+    shard(model, zero_stage)
+    if meta_init:
+        torch.manual_seed(0)
+        flatshard.materialize(model)
+    group = dist.group.WORLD if aux_group else None
+    losses = train(model, data, rank=rank, world=world, loss_fn=partial(moe_loss, group=group))
+    ours = full_state(model)
+    reference_state = reference.state_dict()
+    buffers = {name for name, _ in reference.named_buffers()}
+    return (
+        rel_losses(losses, ref_losses),
+        rel_diff(ours, reference_state),
+        sorted(buffers),
+    )
+
+
+def _check(results):
+    for loss_error, weight_error, _ in results:
+        assert loss_error <= TOLERANCE, results
+        assert weight_error <= TOLERANCE, results
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_matches_single_process(world_size, zero_stage):
+    _check(run_distributed(_compare, world_size, zero_stage))
+
+
+def test_deepseek_style_meta_init_and_loop_experts():
+    """Sigmoid scores with a correction bias (a buffer), a shared expert, the first layer
+    dense, per-expert loop compute, built on the meta device and materialised."""
+    results = run_distributed(
+        _compare, 2, 3, "deepseek_v3", {"expert_compute": "loop"}, meta_init=True
+    )
+    _check(results)
+    assert results[0][2] == ["layers.1.mlp.gate.e_score_correction_bias"]
+
+
+def test_local_aux_loss_would_differ():
+    """The comparison sees the aux loss: computed per rank (no group) it is not the global
+    batch's, and sharded training no longer equals one process."""
+    results = run_distributed(_compare, 2, 3, aux_group=False)
+    assert all(loss > 1e-5 and weights > 1e-4 for loss, weights, _ in results), results
