@@ -55,3 +55,14 @@ def test_hf_round_trip(tmp_path, capsys):
 
     assert main(["convert", "checkpoint-to-hf", str(tmp_path / "nowhere"), "x"]) == 2
     assert "checkpoint" in capsys.readouterr().err
+
+
+def test_moe_checkpoint_export_is_refused(tmp_path, capsys):
+    """An MoE checkpoint has no Hugging Face adapter yet: a one-line error, no partial export."""
+    from flatshard import checkpoint
+    from flatshard.models import MoE, MoEConfig
+
+    checkpoint.save(tmp_path / "ckpt", model=MoE(MoEConfig.tiny()), step=1).wait()
+    assert main(["convert", "checkpoint-to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 2
+    assert "holds an MoE model" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()

@@ -12,7 +12,7 @@ import pytest
 from flatshard.cli import estimate, zoo
 from flatshard.cli.estimate import Setup
 from flatshard.cli.main import main
-from flatshard.models import LlamaConfig
+from flatshard.models import LlamaConfig, MoEConfig
 
 BF16, FP32 = 2, 4
 
@@ -194,3 +194,20 @@ def test_ranks_that_would_hold_nothing_are_warned_about(capsys):
     assert "embed_tokens: 12 of 64 ranks, norm+lm_head: 12 of 64 ranks" in err, err
     assert main(["plan", "--world-size", "2"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_plan_of_the_reference_moe(capsys):
+    """A training config's MoE model is the reference MoE on the meta device, every parameter
+    counted; dense and MoE layers are units of their own."""
+    result = plan(capsys, "--set", "model.preset=moe-tiny", "--world-size", 2)
+    expected = MoEConfig.tiny(
+        "mixtral", vocab_size=257, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=64, expert_ffn_dim=64
+    )
+    assert result["num_params"] == expected.num_params() == 156608
+    assert [u["name"] for u in result["units"]][0] == "layers.0-1"
+
+    deepseek_style = MoEConfig.tiny("deepseek_v3", n_layers=3)
+    spec = zoo.from_llama_config(deepseek_style, "moe")
+    layers = [(u.name, u.count) for u in spec.units if not u.is_root]
+    assert layers == [("layers.0-0", 1), ("layers.1-2", 2)]
+    assert spec.num_params == deepseek_style.num_params()

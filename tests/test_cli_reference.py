@@ -1,22 +1,23 @@
 """`flatshard train` against one process: the losses and gradient norms its metrics report
 for a two-rank run with gradient accumulation equal a plain PyTorch replay of the same
 config in this process (the trainer's data order, schedule, optimizer groups and
-clipping; an unsharded `Llama`)."""
+clipping; an unsharded `Llama`, or `MoE` with its load-balancing loss)."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.nn.functional as F
 from test_cli_helpers import TINY, check_ok, flatshard, metrics
 
 from flatshard.cli import config as run_config
 from flatshard.cli.data import SequenceOrder, load_tokens
-from flatshard.cli.model import llama_config
+from flatshard.cli.model import llama_config, reference_model
 from flatshard.cli.runs import CONFIG_TOML
 from flatshard.cli.schedule import learning_rate
-from flatshard.models import Llama
+from flatshard.models import MoEConfig, load_balancing_loss
 
 STEPS = 5
 
@@ -27,7 +28,7 @@ def _replay(config) -> list[tuple[float, float]]:
     tokens = load_tokens(data.path, data.format, data.text_field, data.glob)
     order = SequenceOrder(tokens.tokens, data.seq_len, train.seed)
     torch.manual_seed(train.seed)
-    model = Llama(llama_config(config, tokens.vocab_size))
+    model = reference_model(llama_config(config, tokens.vocab_size))
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(
         [
@@ -49,8 +50,7 @@ def _replay(config) -> list[tuple[float, float]]:
         loss_sum = 0.0
         for micro in range(accumulation):
             batch = order.batch(position + micro * per_micro, per_micro)
-            logits = model(batch[:, :-1])
-            loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+            loss = _loss(model, batch)
             (loss / accumulation).backward()
             loss_sum += loss.item() / accumulation
         norm = torch.nn.utils.clip_grad_norm_(params, train.grad_clip or float("inf"))
@@ -61,9 +61,26 @@ def _replay(config) -> list[tuple[float, float]]:
     return out
 
 
-def test_cli_losses_equal_one_process(tmp_path):
+def _loss(model, batch):
+    """Cross-entropy, plus an MoE model's weighted load-balancing loss over the batch (the
+    global micro-batch, which the ranks split)."""
+    if not isinstance(model.config, MoEConfig):
+        logits = model(batch[:, :-1])
+        return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+    logits, stats = model(batch[:, :-1], return_router_stats=True)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+    return loss + model.config.aux_loss_coef * load_balancing_loss(stats)
+
+
+@pytest.mark.parametrize(
+    "model",
+    # moe-tiny with a large aux loss weight, so that the comparison sees it
+    [["--model", "tiny"], ["--model", "moe-tiny", "--set", "model.aux_loss_coef=0.1"]],
+    ids=["tiny", "moe-tiny"],
+)
+def test_cli_losses_equal_one_process(tmp_path, model):
     run = tmp_path / "run"
-    args = [*TINY, "--global-batch", 8, "--steps", STEPS, "--out", run]  # 2 micro-batches
+    args = [*TINY, *model, "--global-batch", 8, "--steps", STEPS, "--out", run]  # 2 micro
     check_ok(flatshard("train", *args, "--set", "train.grad_clip=0.5"))
     config = run_config.build([os.path.join(run, CONFIG_TOML)])
     assert config.run.nproc == 2 and config.train.global_batch == 8

@@ -53,7 +53,7 @@ def _fraction(value) -> str | None:
 OPTIONS: tuple[Option, ...] = (
     # model: the reference Llama (flatshard.models.Llama)
     Option("model.preset", "small", "model size preset; fills the sizes not set",
-           choices=("tiny", "small", "medium")),
+           choices=("tiny", "small", "medium", "moe-tiny")),
     Option("model.vocab_size", 0, "0: the tokenizer's (257 for bytes) or max token id + 1",
            check=_non_negative),
     Option("model.dim", 384, "hidden size", check=_positive),
@@ -65,6 +65,15 @@ OPTIONS: tuple[Option, ...] = (
     Option("model.rope_theta", 10000.0, "RoPE base", check=_positive),
     Option("model.norm_eps", 1e-5, "RMSNorm epsilon", check=_positive),
     Option("model.tie_embeddings", False, "share the embedding with the output layer"),
+    # mixture of experts (flatshard.models.MoE) when n_experts > 0
+    Option("model.n_experts", 0, "routed experts per MoE layer (0: dense, the Llama)",
+           check=_non_negative),
+    Option("model.top_k", 2, "MoE: experts each token is routed to", check=_positive),
+    Option("model.expert_ffn_dim", 0, "MoE: each expert's SwiGLU hidden size (0: ffn_dim)",
+           check=_non_negative),
+    Option("model.norm_topk_prob", True, "MoE: renormalise the top-k routing weights to one"),
+    Option("model.aux_loss_coef", 0.001, "MoE: weight of the load-balancing loss in the loss",
+           check=_non_negative),
     # data
     Option("data.path", "", "text file or directory, JSONL, or token memmap ('': bundled corpus)"),
     Option("data.format", "auto", "how to read data.path",
@@ -126,6 +135,8 @@ PRESETS = {
     "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=172),  # ~0.1M params
     "small": dict(dim=384, n_layers=6, n_heads=6, n_kv_heads=0, ffn_dim=1024),  # ~10.8M
     "medium": dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=0, ffn_dim=1376),  # ~25.6M
+    # MoE layers (4 experts of ffn 64, top-2) in place of tiny's MLPs: ~0.16M parameters
+    "moe-tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, n_experts=4),
 }
 
 

@@ -14,6 +14,7 @@ from flatshard import checkpoint, hf
 from flatshard.cli.errors import RunError
 from flatshard.cli.launch import init_distributed, run, under_launcher
 from flatshard.cli.model import build_plain, build_sharded, saved_model_config
+from flatshard.models import MoEConfig
 
 HF_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -52,6 +53,11 @@ def checkpoint_to_hf(args, sharded: bool) -> None:
     ranks = init_distributed() if sharded else None
     group = torch.distributed.group.WORLD if sharded else None
     root, step, path, cfg = saved_model_config(args.source, group)  # verified
+    if isinstance(cfg, MoEConfig):
+        raise RunError(
+            f"{path} holds an MoE model; exporting it to Hugging Face is not supported yet "
+            "(only Llama, Qwen2 and Qwen3 are)"
+        )
     if sharded:
         model = build_sharded(cfg, zero_stage=3, precision="fp32", seed=0, device=ranks.device)
     else:

@@ -19,7 +19,7 @@ from flatshard.errors import FlatShardError
 
 # flag -> config key; each flag is shorthand for --set key=value
 TRAIN_FLAGS = {
-    "model": ("model.preset", "NAME", "model size preset: tiny, small (~11M) or medium (~26M)"),
+    "model": ("model.preset", "NAME", "model preset: tiny, small (~11M), medium (~26M), moe-tiny"),
     "data": ("data.path", "PATH", "text file or directory, .jsonl, or token memmap (.npy/.bin)"),
     "seq_len": ("data.seq_len", "N", "tokens per sequence"),
     "steps": ("train.steps", "N", "optimizer steps"),

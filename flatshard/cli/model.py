@@ -1,5 +1,6 @@
-"""The model of a run: the reference Llama, built on the meta device and sharded, or plain
-(one process, no sharding) for sampling and conversion."""
+"""The model of a run: the reference Llama, or the reference MoE when `model.n_experts` > 0,
+built on the meta device and sharded, or plain (one process, no sharding) for sampling and
+conversion."""
 
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ from flatshard.cli import runs
 from flatshard.cli.config import RunConfig
 from flatshard.cli.errors import ConfigError, RunError, warn
 from flatshard.errors import MeshError
-from flatshard.models import Llama, LlamaConfig
+from flatshard.models import Llama, LlamaConfig, MoE, MoEConfig
 from flatshard.parallel import check_tp, parallelize_llama
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def llama_config(config: RunConfig, data_vocab_size: int) -> LlamaConfig:
-    """The LlamaConfig a run config describes; `data_vocab_size` fills model.vocab_size=0."""
+    """The LlamaConfig a run config describes (a MoEConfig, its subclass, when
+    model.n_experts > 0); `data_vocab_size` fills model.vocab_size=0."""
     model = config.model
     vocab_size = model.vocab_size or data_vocab_size
     if vocab_size < data_vocab_size:
@@ -27,18 +29,28 @@ def llama_config(config: RunConfig, data_vocab_size: int) -> LlamaConfig:
             f"model.vocab_size ({vocab_size}) is too small for the data, whose tokens need "
             f"{data_vocab_size}; raise it or leave it 0"
         )
+    fields = dict(
+        vocab_size=vocab_size,
+        dim=model.dim,
+        n_layers=model.n_layers,
+        n_heads=model.n_heads,
+        n_kv_heads=model.n_kv_heads or None,
+        ffn_dim=model.ffn_dim,
+        norm_eps=model.norm_eps,
+        rope_theta=model.rope_theta,
+        max_seq_len=model.max_seq_len or config.data.seq_len,
+        tie_embeddings=model.tie_embeddings,
+    )
     try:
-        return LlamaConfig(
-            vocab_size=vocab_size,
-            dim=model.dim,
-            n_layers=model.n_layers,
-            n_heads=model.n_heads,
-            n_kv_heads=model.n_kv_heads or None,
-            ffn_dim=model.ffn_dim,
-            norm_eps=model.norm_eps,
-            rope_theta=model.rope_theta,
-            max_seq_len=model.max_seq_len or config.data.seq_len,
-            tie_embeddings=model.tie_embeddings,
+        if not model.n_experts:
+            return LlamaConfig(**fields)
+        return MoEConfig(
+            **fields,
+            n_experts=model.n_experts,
+            top_k=model.top_k,
+            expert_ffn_dim=model.expert_ffn_dim or model.ffn_dim,
+            norm_topk_prob=model.norm_topk_prob,
+            aux_loss_coef=model.aux_loss_coef,
         )
     except ValueError as error:
         raise ConfigError(f"model: {error}") from None
@@ -48,6 +60,11 @@ def mixed_precision(precision: str) -> flatshard.MixedPrecisionPolicy | None:
     if precision == "fp32":
         return None
     return flatshard.MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
+
+
+def reference_model(cfg: LlamaConfig) -> Llama | MoE:
+    """The reference model a config describes (on the current default device)."""
+    return MoE(cfg) if isinstance(cfg, MoEConfig) else Llama(cfg)
 
 
 def build_sharded(
@@ -60,18 +77,23 @@ def build_sharded(
     dp_replicate: int = 1,
     tp: int = 1,
     hpz_group: int = 0,
-) -> Llama:
+) -> Llama | MoE:
     """Every block split over `tp` ranks (flatshard.parallel), then every block and the
-    root `fully_shard`-ed (HSDP over `dp_replicate` replicas); weights equal `Llama(cfg)`
-    built eagerly after `torch.manual_seed(seed)`, at any layout, and no rank ever holds
-    them all."""
+    root `fully_shard`-ed (HSDP over `dp_replicate` replicas); weights equal
+    `reference_model(cfg)` built eagerly after `torch.manual_seed(seed)`, at any layout, and
+    no rank ever holds them all."""
     if tp > 1:
+        if isinstance(cfg, MoEConfig):
+            raise ConfigError(
+                "train.tp > 1 with a mixture-of-experts model: its experts are not split "
+                "over TP ranks yet; use train.tp=1"
+            )
         try:
             check_tp(cfg, tp)
         except MeshError as error:
             raise ConfigError(f"train.tp: {error}") from None
     with torch.device("meta"):
-        model = Llama(cfg)
+        model = reference_model(cfg)
     policy = mixed_precision(precision)
     mesh = None
     if dp_replicate > 1 or tp > 1:
@@ -90,17 +112,17 @@ def build_sharded(
     return model
 
 
-def build_plain(cfg: LlamaConfig, device: torch.device | str = "cpu") -> Llama:
+def build_plain(cfg: LlamaConfig, device: torch.device | str = "cpu") -> Llama | MoE:
     """An unsharded model with uninitialised weights, to load a checkpoint into."""
     with torch.device("meta"):
-        model = Llama(cfg)
+        model = reference_model(cfg)
     return model.to_empty(device=device)
 
 
 def config_from_dict(values: dict) -> LlamaConfig:
-    """A LlamaConfig from a checkpoint's saved `model_config`."""
+    """A LlamaConfig (a MoEConfig if it has experts) from a checkpoint's `model_config`."""
     try:
-        return LlamaConfig(**values)
+        return (MoEConfig if "n_experts" in values else LlamaConfig)(**values)
     except (TypeError, ValueError) as error:
         raise ConfigError(f"the checkpoint's model config is not usable: {error}") from None
 

@@ -34,11 +34,19 @@ from flatshard.cli.progress import Progress
 from flatshard.cli.schedule import learning_rate
 from flatshard.cli.stop import StopRequest
 from flatshard.cli.tokenizer import tokenizer_for
+from flatshard.models import MoEConfig, load_balancing_loss
 
 
 def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
-    logits = model(batch[:, :-1])
-    return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+    """Next-token cross-entropy; an MoE model adds its weighted load-balancing loss, whose
+    router statistics are summed over all ranks (each holds another slice of the batch), so
+    the loss and its gradients are the global batch's."""
+    if not isinstance(model.config, MoEConfig):
+        logits = model(batch[:, :-1])
+        return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+    logits, stats = model(batch[:, :-1], return_router_stats=True)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+    return loss + model.config.aux_loss_coef * load_balancing_loss(stats, dist.group.WORLD)
 
 
 def train_worker(values: dict, run_dir: str, resume_step: int | None) -> int:
@@ -129,9 +137,9 @@ class Trainer:
             f"flatshard train: {ranks.world_size} process(es), {backend} on {ranks.device.type}, "
             f"ZeRO-{config.train.zero_stage}, {config.train.precision}"
             + (f", tensor parallel over {config.train.tp}" if config.train.tp > 1 else ""),
-            f"model: Llama, {model.num_params() / 1e6:.1f}M parameters (dim {model.dim}, "
-            f"{model.n_layers} layers, {model.n_heads} heads, ffn {model.ffn_dim}, vocab "
-            f"{model.vocab_size})",
+            f"model: {_describe(model)}, {model.num_params() / 1e6:.1f}M parameters (dim "
+            f"{model.dim}, {model.n_layers} layers, {model.n_heads} heads, ffn {model.ffn_dim}, "
+            f"vocab {model.vocab_size})",
             f"data: {self.data.source}: {len(self.data.tokens):,} tokens, "
             f"{self.order.windows:,} sequences of {config.data.seq_len}",
             f"batch: {config.train.global_batch} sequences = {tokens_per_step:,} tokens per step "
@@ -316,6 +324,15 @@ class Trainer:
             with open(os.path.join(self.run_dir, runs.SAMPLE), "w") as handle:
                 handle.write(text + "\n")
             print(f"sample:\n{text}", flush=True)
+
+
+def _describe(model_config) -> str:
+    if not isinstance(model_config, MoEConfig):
+        return "Llama"
+    return (
+        f"MoE ({model_config.n_experts} experts, top-{model_config.top_k}, expert ffn "
+        f"{model_config.expert_ffn_dim}, aux loss x{model_config.aux_loss_coef:g})"
+    )
 
 
 def _parameter_groups(model, weight_decay: float) -> list[dict]:

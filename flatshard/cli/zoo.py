@@ -2,10 +2,11 @@
 every parameter's shape, and how many activation bytes a token leaves for backward.
 
 Dense Llama/Qwen2/Qwen3 models are the reference `Llama`, built on the meta device from
-their Hugging Face config; the parameters are read off it exactly as `fully_shard` collects
-them. Mixture-of-experts models (Qwen3-MoE, Mixtral, DeepSeek-V3), which the reference model
-cannot express, are described by their layer shapes from the public configs, with grouped
-expert weights `(experts, out, in)` as a grouped-GEMM implementation holds them.
+their Hugging Face config, and a training config's MoE model the reference `MoE`; the
+parameters are read off it exactly as `fully_shard` collects them. Hugging Face
+mixture-of-experts configs (Qwen3-MoE, Mixtral, DeepSeek-V3) are described by their layer
+shapes from the public configs, with grouped expert weights `(experts, out, in)` as a
+grouped-GEMM implementation (and the reference `MoE`) holds them.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from flatshard.cli.errors import ConfigError
 from flatshard.layout import ParamInfo
-from flatshard.models import Llama, LlamaConfig
+from flatshard.models import Llama, LlamaConfig, MoE, MoEConfig
 
 FP32 = 4  # bytes of an fp32 element; main weights are kept in fp32
 
@@ -136,17 +137,32 @@ def from_hf_config(hf: dict, name: str) -> ModelSpec:
 
 
 def from_llama_config(cfg: LlamaConfig, name: str) -> ModelSpec:
+    """The reference Llama, or the reference MoE for a MoEConfig (its subclass)."""
     with torch.device("meta"):
-        model = Llama(cfg)
-    layer = _infos(model.layers[0].named_parameters())
-    units = (UnitSpec(f"layers.0-{cfg.n_layers - 1}", layer, cfg.n_layers),)
+        model = MoE(cfg) if isinstance(cfg, MoEConfig) else Llama(cfg)
+    units = _layer_units(model)
     if cfg.tie_embeddings:  # embedding and head are one parameter: the root keeps it
         parts = [("root", ("embed_tokens.",), False), ("norm", ("norm.",), False)]
     else:  # the embedding is a unit over one plain nn.Embedding
         parts = [("embed_tokens", ("embed_tokens.",), True)]
         parts.append(("norm+lm_head", ("norm.", "lm_head."), False))
     units += tuple(_root_part(model, *part) for part in parts)
+    if isinstance(cfg, MoEConfig):
+        return ModelSpec(name, units, cfg.n_layers, lambda a: _reference_moe_activations(cfg, a))
     return ModelSpec(name, units, cfg.n_layers, lambda a: _dense_activations(cfg, a))
+
+
+def _layer_units(model) -> tuple[UnitSpec, ...]:
+    """One unit spec per run of consecutive blocks with the same parameters (an MoE model's
+    first dense layers, then its MoE layers)."""
+    runs: list[tuple[int, int, tuple[ParamInfo, ...]]] = []
+    for index, layer in enumerate(model.layers):
+        infos = _infos(layer.named_parameters())
+        if runs and runs[-1][2] == infos:
+            runs[-1] = (runs[-1][0], index, infos)
+        else:
+            runs.append((index, index, infos))
+    return tuple(UnitSpec(f"layers.{a}-{b}", infos, b - a + 1) for a, b, infos in runs)
 
 
 def _root_part(model: Llama, name: str, prefixes: tuple[str, ...], embedding: bool) -> UnitSpec:
@@ -187,6 +203,17 @@ def _dense_activations(cfg: LlamaConfig, a: int) -> int:
         + _swiglu_bytes(cfg.ffn_dim, a)
     )
     return cfg.n_layers * layer + _head_bytes(cfg.dim, cfg.vocab_size, a)
+
+
+def _reference_moe_activations(cfg: MoEConfig, a: int) -> int:
+    common = 2 * _norm_bytes(cfg.dim, a) + _attention_bytes(
+        cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.qk_norm, a
+    )
+    dense = common + _swiglu_bytes(cfg.ffn_dim, a)
+    moe = common + _moe_bytes(cfg.dim, cfg.n_experts, cfg.top_k, cfg.expert_ffn_dim, a)
+    moe += _swiglu_bytes(cfg.n_shared_experts * cfg.expert_ffn_dim, a)
+    n_moe = cfg.n_layers - cfg.first_k_dense
+    return cfg.first_k_dense * dense + n_moe * moe + _head_bytes(cfg.dim, cfg.vocab_size, a)
 
 
 # --- mixture of experts: layer shapes -------------------------------------------------------
