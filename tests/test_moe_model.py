@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from flatshard.layout import describe_param
-from flatshard.models import MoE, MoEConfig, RouterStats, load_balancing_loss
+from flatshard.models import MoE, MoEConfig, RouterStats, load_balancing_loss, update_score_bias
 from flatshard.models.expert_compute import grouped_mm_supported, routed_experts
 from flatshard.models.moe import GroupedExperts
 
@@ -210,3 +210,18 @@ def test_grouped_experts_declare_gate_and_up_along_dim_1():
         ("up_proj", 1, cfg.expert_ffn_dim, 2 * cfg.expert_ffn_dim),
     ]
     assert info.components[0].global_shape == (cfg.n_experts, cfg.expert_ffn_dim, cfg.dim)
+
+
+def test_score_bias_moves_towards_balance():
+    cfg = MoEConfig.tiny("deepseek_v3")
+    model = MoE(cfg)
+    counts = torch.tensor([9.0, 3.0, 6.0, 6.0])  # mean 6: expert 0 over, 1 under, 2-3 even
+    update_score_bias(model, [RouterStats(counts, torch.zeros(4), 12)], rate=0.01)
+    bias = model.layers[1].mlp.gate.e_score_correction_bias
+    torch.testing.assert_close(bias, torch.tensor([-0.01, 0.01, 0.0, 0.0]))
+    with pytest.raises(ValueError, match="statistics of 0 MoE layers"):
+        update_score_bias(model, [], rate=0.01)
+    with pytest.raises(ValueError, match="rate"):
+        update_score_bias(model, [RouterStats(counts, torch.zeros(4), 12)], rate=0.0)
+    with pytest.raises(ValueError, match="score_bias=True"):
+        update_score_bias(MoE(MoEConfig.tiny(n_layers=1)), [RouterStats(counts, counts, 12)], 0.1)

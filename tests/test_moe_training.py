@@ -13,7 +13,7 @@ from distributed import run_distributed
 from reference import batches, full_state, rel_diff, rel_losses, shard, train
 
 import flatshard
-from flatshard.models import MoE, MoEConfig, load_balancing_loss
+from flatshard.models import MoE, MoEConfig, load_balancing_loss, update_score_bias
 
 TOLERANCE = 1e-6
 STEPS = 3
@@ -21,22 +21,27 @@ STEPS = 3
 AUX_COEF = 0.1
 
 
-def moe_loss(model, tokens: torch.Tensor, group=None) -> torch.Tensor:
+def moe_loss(model, tokens: torch.Tensor, group=None, bias_rate=0.0) -> torch.Tensor:
     """Next-token cross-entropy plus the weighted load-balancing loss; `group`: the ranks
-    that split the batch (None in one process)."""
+    that split the batch (None in one process). With `bias_rate`, the correction biases
+    move after the forward (they steer only the next forward's choices, no gradient)."""
     logits, stats = model(tokens[:, :-1], return_router_stats=True)
+    if bias_rate:
+        update_score_bias(model, stats, bias_rate, group)
     lm = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
     return lm + model.config.aux_loss_coef * load_balancing_loss(stats, group)
 
 
-def _compare(zero_stage, style="qwen3_moe", overrides=None, meta_init=False, aux_group=True):
+def _compare(
+    zero_stage, style="qwen3_moe", overrides=None, meta_init=False, aux_group=True, bias_rate=0.0
+):
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = MoEConfig.tiny(style, aux_loss_coef=AUX_COEF, **(overrides or {}))
     data = batches(cfg, STEPS)
 
     torch.manual_seed(0)
     reference = MoE(cfg)
-    ref_losses = train(reference, data, loss_fn=moe_loss)
+    ref_losses = train(reference, data, loss_fn=partial(moe_loss, bias_rate=bias_rate))
 
     if meta_init:
         with torch.device("meta"):
@@ -49,14 +54,14 @@ def _compare(zero_stage, style="qwen3_moe", overrides=None, meta_init=False, aux
         torch.manual_seed(0)
         flatshard.materialize(model)
     group = dist.group.WORLD if aux_group else None
-    losses = train(model, data, rank=rank, world=world, loss_fn=partial(moe_loss, group=group))
-    ours = full_state(model)
-    reference_state = reference.state_dict()
-    buffers = {name for name, _ in reference.named_buffers()}
+    loss_fn = partial(moe_loss, group=group, bias_rate=bias_rate)
+    losses = train(model, data, rank=rank, world=world, loss_fn=loss_fn)
+    # buffers are in both state dicts; report how far each moved from zero
+    buffers = {name: buffer.abs().sum().item() for name, buffer in reference.named_buffers()}
     return (
         rel_losses(losses, ref_losses),
-        rel_diff(ours, reference_state),
-        sorted(buffers),
+        rel_diff(full_state(model), reference.state_dict()),
+        buffers,
     )
 
 
@@ -73,13 +78,16 @@ def test_matches_single_process(world_size, zero_stage):
 
 
 def test_deepseek_style_meta_init_and_loop_experts():
-    """Sigmoid scores with a correction bias (a buffer), a shared expert, the first layer
-    dense, per-expert loop compute, built on the meta device and materialised."""
+    """Sigmoid scores with a correction bias (a buffer, moved every step by the global
+    counts), a shared expert, the first layer dense, per-expert loop compute, built on the
+    meta device and materialised."""
     results = run_distributed(
-        _compare, 2, 3, "deepseek_v3", {"expert_compute": "loop"}, meta_init=True
+        _compare, 2, 3, "deepseek_v3", {"expert_compute": "loop"}, meta_init=True, bias_rate=0.05
     )
     _check(results)
-    assert results[0][2] == ["layers.1.mlp.gate.e_score_correction_bias"]
+    for _, _, buffers in results:
+        assert list(buffers) == ["layers.1.mlp.gate.e_score_correction_bias"]
+        assert buffers["layers.1.mlp.gate.e_score_correction_bias"] > 0  # it moved
 
 
 def test_local_aux_loss_would_differ():
