@@ -5,10 +5,11 @@ projection. Token copies are sorted by expert, so each expert reads one contiguo
 rows; then either one matmul per expert (`loop`, the reference) or one `torch._grouped_mm`
 per projection (`grouped_mm`). Both produce the same sums in the same order.
 
-`torch._grouped_mm` on torch 2.13 (CPU checked; the same rules hold on CUDA) takes fp32,
-bf16 and fp16 (not fp64), int32 group offsets, and row strides that are multiples of 16
-bytes, i.e. H and I times the element size; `grouped_mm_supported` says whether a call may
-use it.
+`torch._grouped_mm` on torch 2.13 CPU (checked) takes fp32, bf16 and fp16 (not fp64),
+int32 group offsets, and row strides that are multiples of 16 bytes, i.e. H and I times the
+element size. On CUDA, PyTorch documents bf16 only, on compute capability 8.0 or newer, and
+the kernels also want 16-byte aligned base pointers (not run here: no GPU in the tests).
+`grouped_mm_supported` says whether a call may use it; other devices take the loop.
 """
 
 from __future__ import annotations
@@ -16,16 +17,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+GROUPED_MM_DTYPES = {
+    "cpu": (torch.float32, torch.bfloat16, torch.float16),
+    "cuda": (torch.bfloat16,),
+}
 _ALIGN_BYTES = 16
 
 
 def grouped_mm_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """Whether `torch._grouped_mm` can compute these experts on x's dtype and sizes."""
-    if not hasattr(torch, "_grouped_mm") or x.dtype not in GROUPED_MM_DTYPES:
+    """Whether `torch._grouped_mm` can compute these experts on x's device, dtype and sizes."""
+    device = x.device.type
+    if not hasattr(torch, "_grouped_mm") or x.dtype not in GROUPED_MM_DTYPES.get(device, ()):
         return False
     if gate_up.dtype != x.dtype or down.dtype != x.dtype:
         return False
+    if device == "cuda":
+        if torch.cuda.get_device_capability(x.device) < (8, 0):
+            return False
+        if any(t.data_ptr() % _ALIGN_BYTES for t in (gate_up, down)):
+            return False
     size = x.element_size()
     hidden, inner = down.shape[1], down.shape[2]
     return (hidden * size) % _ALIGN_BYTES == 0 and (inner * size) % _ALIGN_BYTES == 0

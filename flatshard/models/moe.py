@@ -59,9 +59,10 @@ class GroupedExperts(nn.Module):
         if self.compute == "grouped_mm" and not supported:
             raise ValueError(
                 f"expert_compute='grouped_mm' but torch._grouped_mm cannot compute these "
-                f"experts: dtype {x.dtype} (it takes fp32, bf16, fp16), hidden "
-                f"{self.down_proj.shape[1]} and expert_ffn_dim {self.down_proj.shape[2]} "
-                "(their rows must be multiples of 16 bytes); use 'auto' or 'loop'"
+                f"experts: {x.dtype} on {x.device.type} (it takes fp32, bf16, fp16 on CPU, "
+                f"bf16 on CUDA), hidden {self.down_proj.shape[1]} and expert_ffn_dim "
+                f"{self.down_proj.shape[2]} (rows must be multiples of 16 bytes); use 'auto' "
+                "or 'loop'"
             )
         return supported
 
