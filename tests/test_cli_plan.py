@@ -211,3 +211,37 @@ def test_plan_of_the_reference_moe(capsys):
     layers = [(u.name, u.count) for u in spec.units if not u.is_root]
     assert layers == [("layers.0-0", 1), ("layers.1-2", 2)]
     assert spec.num_params == deepseek_style.num_params()
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_zoo_moe_shapes_match_the_reference_moe(model_type):
+    """The zoo describes Qwen3-MoE and Mixtral by hand; the reference MoE built from the
+    same sizes has the same parameter shapes (attention named `attn`, not `self_attn`)."""
+    hf = dict(
+        model_type=model_type, vocab_size=100, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    if model_type == "qwen3_moe":
+        hf.update(num_experts=4, moe_intermediate_size=48)
+    else:
+        hf.update(num_local_experts=4, intermediate_size=48)
+    qk_norm = model_type == "qwen3_moe"
+    cfg = MoEConfig.tiny(
+        vocab_size=100, n_experts=4, expert_ffn_dim=48, head_dim=8, qk_norm=qk_norm
+    )
+    ours = zoo.from_llama_config(cfg, "reference")
+    theirs = zoo.from_hf_config(hf, model_type)
+
+    def layer_shapes(spec):
+        layer = next(u for u in spec.units if not u.is_root)
+        return sorted((p.name.replace("self_attn.", "attn."), p.shape) for p in layer.params)
+
+    renames = {"input_layernorm.": "attn_norm.", "post_attention_layernorm.": "mlp_norm."}
+    expected = []
+    for name, shape in layer_shapes(theirs):
+        for old, new in renames.items():
+            name = name.replace(old, new)
+        expected.append((name, shape))
+    assert layer_shapes(ours) == sorted(expected)
+    assert ours.num_params == theirs.num_params == cfg.num_params()
