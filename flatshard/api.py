@@ -77,7 +77,7 @@ def fully_shard(
     _check_offload(offload_policy)
     settings = (stage, policy, group_size if stage == 3 else None)
     patches.install()
-    mesh = mesh.with_tp(_tp_mesh(modules))
+    mesh = mesh.with_tp(*_tp_mesh(modules))
     ignored = {id(p) for p in ignored_params or ()}
     if len(modules) == 1:
         for members in first_use_groups(module):
@@ -215,28 +215,35 @@ def _param_info(fqn: str, param, places) -> ParamInfo:
 
 
 def _tp_mesh(modules):
-    """The tensor-parallel mesh of the DTensor parameters below `modules` (made by
-    `parallelize_module`, or already sharded by an inner unit). A root's embedding and head,
-    which TP does not split, join it too (`Replicate` over TP): every parameter of a model
-    lives on one mesh, as one optimizer's foreach math and gradient clipping want."""
-    meshes = []
+    """(mesh, splits data) of the tensor- or expert-parallel DTensor parameters below
+    `modules` (made by a `ParallelStyle`; those of inner units included). A root's
+    embedding and head, which TP does not split, join an inner unit's TP mesh too
+    (`Replicate` over it): every parameter of a TP model lives on one mesh, as one
+    optimizer's foreach math and gradient clipping want. An inner unit of experts (EP)
+    does not make its parent's dense parameters expert-parallel."""
+    meshes, splits = [], set()
     for module in modules:
         for sub in module.modules():
             unit = getattr(sub, "_flatshard_unit", None)
-            if unit is not None and unit.mesh.tp_mesh is not None:
+            if unit is not None and unit.mesh.tp_mesh is not None and not unit.mesh.splits_data:
                 meshes.append(unit.mesh.tp_mesh)
+                splits.add(False)
             for param in sub._parameters.values():
                 if isinstance(param, DTensor) and not hasattr(param, "_flatshard_param"):
                     meshes.append(param.device_mesh)
+                    splits.add(getattr(param, "_flatshard_splits_data", False))
     # torch may hand out equal sub-meshes as different objects: compare their ranks
-    if len({(tuple(m.mesh.flatten().tolist()), m.mesh_dim_names) for m in meshes}) > 1:
+    if len({(tuple(m.mesh.flatten().tolist()), m.mesh_dim_names) for m in meshes}) > 1 or (
+        len(splits) > 1
+    ):
         found = sorted({str(m) for m in meshes})
         raise WrappingError(
-            f"the module's parameters are DTensors on different meshes ({found}); "
-            "tensor-parallel parameters must share one TP mesh (fully_shard composes with "
-            "1-D TP)"
+            f"the module's parameters are DTensors on different meshes or styles ({found}); "
+            "one fully_shard unit takes one tensor- or expert-parallel mesh (shard a "
+            "module's experts in a unit of their own, e.g. fully_shard(block.mlp.experts, "
+            "mesh=mesh['efsdp']) before the block)"
         )
-    return meshes[0] if meshes else None
+    return (meshes[0] if meshes else None), bool(splits and splits.pop())
 
 
 def _ranges(ranks) -> str:

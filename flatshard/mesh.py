@@ -96,7 +96,12 @@ class ShardMesh:
     """A `DeviceMesh` as `fully_shard` uses it: the group a unit shards over, this rank's
     index in it and its size, the device of the buffers, and the mesh DTensors live on."""
 
-    def __init__(self, device_mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None):
+    def __init__(
+        self,
+        device_mesh: DeviceMesh,
+        tp_mesh: DeviceMesh | None = None,
+        splits_data: bool = False,
+    ):
         if device_mesh.ndim not in (1, 2):
             names = device_mesh.mesh_dim_names or ""
             raise MeshError(
@@ -120,11 +125,15 @@ class ShardMesh:
         self.replicate_size = device_mesh.size(0) if hsdp else 1
         self.tp_mesh = tp_mesh
         self.tp_size = 1 if tp_mesh is None else tp_mesh.size()
+        # the inner mesh dim's ranks see different data (expert parallelism), not the same
+        # batch (tensor parallelism): gradients are averaged over them too
+        self.splits_data = splits_data and tp_mesh is not None
         self.dims = ParallelDims(
             device_mesh.size() * self.tp_size,
             dp_replicate=self.replicate_size,
-            dp_shard=self.shard_size,
-            tp=self.tp_size,
+            dp_shard=self.shard_size * (self.tp_size if self.splits_data else 1),
+            tp=1 if self.splits_data else self.tp_size,
+            ep=self.tp_size if self.splits_data else 1,
         )
         # a sharded parameter: rows over the shard dim, the same rows on every replica;
         # with TP, its TP placement on the last dim (placements_for)
@@ -135,15 +144,17 @@ class ShardMesh:
         self._forward_groups: dict[int, object] = {}
         self._with_tp: dict[int, ShardMesh] = {}
 
-    def with_tp(self, tp_mesh: DeviceMesh | None) -> ShardMesh:
-        """This data-parallel mesh joined with a tensor-parallel mesh (itself for None)."""
+    def with_tp(self, tp_mesh: DeviceMesh | None, splits_data: bool = False) -> ShardMesh:
+        """This data-parallel mesh joined with a tensor- (or, `splits_data`, expert-)
+        parallel mesh; itself for None."""
         if tp_mesh is None or tp_mesh is self.tp_mesh:
             return self
         if self.tp_mesh is not None:
             raise MeshError("a unit's parameters are DTensors on two different TP meshes")
-        if id(tp_mesh) not in self._with_tp:
-            self._with_tp[id(tp_mesh)] = ShardMesh(self.device_mesh, tp_mesh)
-        return self._with_tp[id(tp_mesh)]
+        key = (id(tp_mesh), splits_data)
+        if key not in self._with_tp:
+            self._with_tp[key] = ShardMesh(self.device_mesh, tp_mesh, splits_data)
+        return self._with_tp[key]
 
     def placements_for(self, tp_placement=None) -> tuple:
         """A sharded parameter's placements on `param_mesh`: its rows over the shard dim
@@ -172,8 +183,8 @@ class ShardMesh:
 
     @property
     def dp_size(self) -> int:
-        """Ranks a gradient is averaged over."""
-        return self.replicate_size * self.shard_size
+        """Ranks a gradient is averaged over: every rank training on its own data."""
+        return self.replicate_size * self.shard_size * (self.tp_size if self.splits_data else 1)
 
     @classmethod
     def resolve(cls, device_mesh: DeviceMesh | ShardMesh | None) -> ShardMesh:

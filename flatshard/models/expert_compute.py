@@ -57,13 +57,16 @@ def routed_experts(
     order = torch.argsort(flat_experts, stable=True)
     token_of_row = order // top_k
     counts = torch.bincount(flat_experts, minlength=n_experts)
-    rows = x[token_of_row]
-    if use_grouped_mm:
-        out = _grouped(rows, gate_up, down, counts)
-    else:
-        out = _loop(rows, gate_up, down, counts)
+    out = expert_outputs(x[token_of_row], gate_up, down, counts, use_grouped_mm)
     out = out * weights.flatten()[order].unsqueeze(-1)
     return torch.zeros_like(x).index_add_(0, token_of_row, out)
+
+
+def expert_outputs(rows, gate_up, down, counts, use_grouped_mm: bool) -> torch.Tensor:
+    """Each expert's SwiGLU of its run of `rows` (sorted by expert, `counts` rows each)."""
+    if use_grouped_mm:
+        return _grouped(rows, gate_up, down, counts)
+    return _loop(rows, gate_up, down, counts)
 
 
 def _swiglu(gate_up_out: torch.Tensor) -> torch.Tensor:

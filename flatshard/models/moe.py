@@ -17,7 +17,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flatshard.models.expert_compute import grouped_mm_supported, routed_experts
+from flatshard.models.expert_compute import (
+    expert_outputs,
+    grouped_mm_supported,
+    routed_experts,
+)
 from flatshard.models.llama import (
     INIT_STD,
     MLP,
@@ -69,6 +73,14 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor):
         grouped = self.uses_grouped_mm(x)
         return routed_experts(x, self.gate_up_proj, self.down_proj, indices, weights, grouped)
+
+    def expert_outputs(self, rows, gate_up, down, counts) -> torch.Tensor:
+        """Runs of `rows` sorted by expert (`counts` each) through the experts `gate_up` and
+        `down` (these, or a slice of them: expert parallelism computes its own experts)."""
+        grouped = self.compute != "loop" and grouped_mm_supported(rows, gate_up, down)
+        if self.compute == "grouped_mm" and not grouped:
+            self.uses_grouped_mm(rows)  # raises, naming why
+        return expert_outputs(rows, gate_up, down, counts, grouped)
 
     def extra_repr(self) -> str:
         n, two_inner, dim = self.gate_up_proj.shape

@@ -2,8 +2,10 @@
 reference models, built on `torch.distributed.tensor.parallel`.
 
 tensor_parallel.py  the Llama plan (attention and MLP split over a TP mesh) and its checks
+expert_parallel.py  experts split over an EP mesh, tokens dispatched by all-to-all
 """
 
+from flatshard.parallel.expert_parallel import ExpertParallel
 from flatshard.parallel.tensor_parallel import (
     LLAMA_BLOCK_PLAN,
     FusedColwiseParallel,
@@ -13,6 +15,7 @@ from flatshard.parallel.tensor_parallel import (
 )
 
 __all__ = [
+    "ExpertParallel",
     "LLAMA_BLOCK_PLAN",
     "FusedColwiseParallel",
     "check_tp",

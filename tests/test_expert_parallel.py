@@ -1,0 +1,131 @@
+"""Expert parallelism (flatshard.parallel.ExpertParallel) under fully_shard: each EP rank
+owns E/ep experts, tokens travel by all-to-all, experts are sharded over the
+expert-data-parallel ranks (efsdp = world / ep), dense layers over all ranks. Every expert
+and dense gradient equals one process's, tensor by tensor, whatever ep and efsdp (1
+included: no FSDP2-style ep-times scaling error), and training equals one process; the
+checkpoint is keyed by global expert and loads at any other ep."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_distributed
+from reference import batches, full_state, rank_slice, rel_diff, rel_losses, train
+from test_gradients import _full_grads, _per_tensor_errors
+from test_moe_training import moe_loss
+from torch.distributed.device_mesh import init_device_mesh
+
+import flatshard
+from flatshard import checkpoint
+from flatshard.models import MoE, MoEConfig
+from flatshard.parallel import ExpertParallel
+
+STEPS = 4
+TOLERANCE = 1e-6
+STYLES = {"qwen3_moe": {}, "deepseek_v3": {"n_experts": 8}}
+
+
+def _config(style):
+    return MoEConfig.tiny(style, aux_loss_coef=0.1, **STYLES[style])
+
+
+def ep_model(ep: int, style="qwen3_moe", zero_stage=3, seed=0):
+    """Experts split over `ep` ranks and sharded over world/ep; the rest over every rank."""
+    world = dist.get_world_size()
+    sparse = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+    torch.manual_seed(seed)
+    model = MoE(_config(style))
+    for block in model.layers:
+        experts = getattr(block.mlp, "experts", None)
+        if experts is not None:
+            ExpertParallel()._apply(experts, sparse["ep"])
+            flatshard.fully_shard(experts, mesh=sparse["efsdp"], zero_stage=zero_stage)
+        flatshard.fully_shard(block, zero_stage=zero_stage)
+    flatshard.fully_shard(model, zero_stage=zero_stage)
+    return model
+
+
+def _reference(style, steps):
+    torch.manual_seed(0)
+    model = MoE(_config(style))
+    data = batches(_config(style), steps)
+    return model, data
+
+
+def _train_ep(ep, style, zero_stage):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = ep_model(ep, style, zero_stage)
+    data = batches(_config(style), STEPS)
+    loss_fn = partial(moe_loss, group=dist.group.WORLD)
+    losses = train(model, data, rank=rank, world=world, loss_fn=loss_fn)
+    return losses, full_state(model)
+
+
+CASES = [(4, 1, "qwen3_moe", 3), (4, 2, "qwen3_moe", 2), (4, 4, "qwen3_moe", 3),
+         (2, 2, "qwen3_moe", 3), (4, 2, "deepseek_v3", 3)]  # fmt: skip
+
+
+@pytest.mark.parametrize("world, ep, style, stage", CASES, ids=str)
+def test_expert_parallel_trains_like_one_process(world, ep, style, stage):
+    reference, data = _reference(style, STEPS)
+    ref_losses = train(reference, data, loss_fn=moe_loss)
+    for losses, weights in run_distributed(_train_ep, world, ep, style, stage):
+        assert rel_losses(losses, ref_losses) <= TOLERANCE
+        assert rel_diff(weights, reference.state_dict()) <= TOLERANCE
+
+
+def _first_gradients(ep):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = ep_model(ep)
+    tokens = batches(_config("qwen3_moe"), 1)[0]
+    moe_loss(model, rank_slice(tokens, rank, world), group=dist.group.WORLD).backward()
+    return _full_grads(model)
+
+
+@pytest.mark.parametrize("world, ep", [(4, 4), (4, 2), (2, 2)], ids=str)
+def test_expert_gradients_equal_one_process_per_tensor(world, ep):
+    """efsdp = 1 (ep = world) included: a divide factor that forgot the EP ranks (or the
+    size-1 shard group) shows here as a factor of ep."""
+    reference, data = _reference("qwen3_moe", 1)
+    moe_loss(reference, data[0]).backward()
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+    for grads in run_distributed(_first_gradients, world, ep):
+        errors = _per_tensor_errors(grads, expected)
+        assert max(errors.values()) <= 2e-6, errors
+
+
+def _save_ep(path, ep):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = ep_model(ep)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    data = batches(_config("qwen3_moe"), 2)
+    loss_fn = partial(moe_loss, group=dist.group.WORLD)
+    train(model, data, rank=rank, world=world, loss_fn=loss_fn, make_optimizer=lambda _: optimizer)
+    checkpoint.save(path, model=model, optimizer=optimizer, step=2)
+    return full_state(model)
+
+
+def _load_ep(path, ep):
+    model = ep_model(ep, seed=3) if ep else _plain_sharded(seed=3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    checkpoint.load(path, model=model, optimizer=optimizer)
+    return full_state(model)
+
+
+def _plain_sharded(seed):
+    torch.manual_seed(seed)
+    model = MoE(_config("qwen3_moe"))
+    for block in model.layers:
+        flatshard.fully_shard(block)
+    flatshard.fully_shard(model)
+    return model
+
+
+def test_ep_checkpoint_is_keyed_by_global_expert(tmp_path):
+    path = str(tmp_path / "ep")
+    saved = run_distributed(_save_ep, 4, path, 2)[0]
+    for world, ep in ((4, 4), (4, 1), (2, 2), (1, 0), (2, 0)):
+        assert rel_diff(run_distributed(_load_ep, world, path, ep)[0], saved) == 0.0, (world, ep)
