@@ -2,6 +2,7 @@
 
 from flatshard import checkpoint, hf
 from flatshard.api import fully_shard
+from flatshard.dtensor.clip import clip_grad_norm_
 from flatshard.dtensor.row_shard import row_range
 from flatshard.errors import (
     FlatShardError,
@@ -27,6 +28,7 @@ __all__ = [
     "UnevenShardError",
     "WrappingError",
     "checkpoint",
+    "clip_grad_norm_",
     "fully_shard",
     "hf",
     "materialize",

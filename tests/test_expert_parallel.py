@@ -129,3 +129,24 @@ def test_ep_checkpoint_is_keyed_by_global_expert(tmp_path):
     saved = run_distributed(_save_ep, 4, path, 2)[0]
     for world, ep in ((4, 4), (4, 1), (2, 2), (1, 0), (2, 0)):
         assert rel_diff(run_distributed(_load_ep, world, path, ep)[0], saved) == 0.0, (world, ep)
+
+
+def _clip_norm(ep):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = ep_model(ep)
+    tokens = batches(_config("qwen3_moe"), 1)[0]
+    moe_loss(model, rank_slice(tokens, rank, world), group=dist.group.WORLD).backward()
+    norm = flatshard.clip_grad_norm_(model.parameters(), max_norm=0.5)
+    return norm.item(), _full_grads(model)
+
+
+def test_clip_grad_norm_over_dense_and_expert_parameters():
+    """Dense parameters live on the data-parallel mesh, experts on (efsdp, ep): the total
+    norm counts every element once, and the clipped gradients equal one process's."""
+    reference, data = _reference("qwen3_moe", 1)
+    moe_loss(reference, data[0]).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.5).item()
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+    for norm, grads in run_distributed(_clip_norm, 4, 2):
+        assert abs(norm - ref_norm) <= 1e-6 * ref_norm
+        assert max(_per_tensor_errors(grads, expected).values()) <= 2e-6

@@ -1,0 +1,51 @@
+"""`clip_grad_norm_` over parameters that live on several meshes.
+
+torch's `clip_grad_norm_` stacks the per-tensor norms, which DTensors on different meshes
+cannot be (a model with expert parallelism has its dense parameters on the data-parallel
+mesh and its experts on `(efsdp, ep)`). Here each mesh's gradients get their total norm
+from torch (a `Partial` reduction over that mesh: every element counted once), the totals
+are combined as plain tensors, and each group is scaled by the same coefficient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+
+def _mesh_key(tensor) -> tuple | None:
+    if not isinstance(tensor, DTensor):
+        return None
+    mesh = tensor.device_mesh
+    return tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names, mesh.device_type
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """As `torch.nn.utils.clip_grad_norm_`, for parameters on any number of meshes; returns
+    the total norm as a plain tensor."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = [p.grad for p in parameters if p.grad is not None]
+    groups: dict = {}
+    for grad in grads:
+        groups.setdefault(_mesh_key(grad), []).append(grad)
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type, error_if_nonfinite, foreach)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return torch.tensor(0.0)
+    device = norms[0].device
+    total = torch.nn.utils.get_total_norm([n.to(device) for n in norms], norm_type)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for group in groups.values():
+        scale = coefficient.to(group[0].device)
+        if isinstance(group[0], DTensor):
+            mesh = group[0].device_mesh
+            scale = DTensor.from_local(scale, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        torch._foreach_mul_(group, scale)
+    return total
