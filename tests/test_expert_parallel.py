@@ -17,6 +17,7 @@ from reference import batches, full_state, rank_slice, rel_diff, rel_losses, tra
 from test_gradients import _full_grads, _per_tensor_errors
 from test_moe_training import moe_loss
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module
 
 import flatshard
 from flatshard import checkpoint
@@ -41,7 +42,7 @@ def ep_model(ep: int, style="qwen3_moe", zero_stage=3, seed=0):
     for block in model.layers:
         experts = getattr(block.mlp, "experts", None)
         if experts is not None:
-            ExpertParallel()._apply(experts, sparse["ep"])
+            parallelize_module(experts, sparse["ep"], ExpertParallel())
             flatshard.fully_shard(experts, mesh=sparse["efsdp"], zero_stage=zero_stage)
         flatshard.fully_shard(block, zero_stage=zero_stage)
     flatshard.fully_shard(model, zero_stage=zero_stage)

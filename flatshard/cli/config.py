@@ -103,6 +103,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("train.tp", 1, "tensor parallelism: ranks each block's heads and hidden units "
            "are split over (innermost; processes are dp_replicate x dp_shard x tp)",
            check=_positive),
+    Option("train.ep", 1, "expert parallelism: ranks each MoE layer's experts are split "
+           "over (borrowed from the data-parallel ranks; experts sharded over the rest)",
+           check=_positive),
     Option("train.precision", "fp32", "compute dtype; weights and optimizer stay fp32",
            choices=("fp32", "bf16")),
     Option("train.seed", 0, "seed of the initial weights and the data order",
@@ -380,7 +383,7 @@ def resume_conflicts(
 def parallel_dims(config: RunConfig, world_size: int) -> ParallelDims:
     """The run's degrees over `world_size` processes (dp_shard: what the others leave)."""
     train = config.train
-    return ParallelDims(world_size, dp_replicate=train.dp_replicate, tp=train.tp)
+    return ParallelDims(world_size, dp_replicate=train.dp_replicate, tp=train.tp, ep=train.ep)
 
 
 def check(config: RunConfig, world_size: int | None = None) -> None:
@@ -400,10 +403,12 @@ def check(config: RunConfig, world_size: int | None = None) -> None:
             or dims.dp_shard % train.hpz_group
             or train.dp_replicate > 1
             or train.tp > 1
+            or train.ep > 1
         ):
             raise ConfigError(
                 f"train.hpz_group ({train.hpz_group}) needs train.zero_stage=3, no HSDP "
-                f"(train.dp_replicate=1), no TP (train.tp=1) and must divide the processes "
+                f"(train.dp_replicate=1), no TP or EP (train.tp=1, train.ep=1) and must divide "
+                f"the processes "
                 f"({dims.dp_shard})"
             )
         if train.global_batch % (train.micro_batch * dims.dp):

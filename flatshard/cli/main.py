@@ -29,6 +29,7 @@ TRAIN_FLAGS = {
     "zero_stage": ("train.zero_stage", "N", "ZeRO stage 1, 2 or 3"),
     "dp_replicate": ("train.dp_replicate", "N", "HSDP: replicas of the sharded model"),
     "tp": ("train.tp", "N", "tensor parallelism over N ranks (innermost)"),
+    "ep": ("train.ep", "N", "expert parallelism over N ranks (MoE models)"),
     "hpz_group": ("train.hpz_group", "N", "ZeRO-3: backward gathers inside groups of N (hpZ)"),
     "precision": ("train.precision", "P", "fp32 or bf16 compute"),
     "seed": ("train.seed", "N", "seed of the weights and the data order"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module
 
 import flatshard
 from flatshard.cli import runs
@@ -14,7 +15,7 @@ from flatshard.cli.config import RunConfig
 from flatshard.cli.errors import ConfigError, RunError, warn
 from flatshard.errors import MeshError
 from flatshard.models import Llama, LlamaConfig, MoE, MoEConfig
-from flatshard.parallel import check_tp, parallelize_llama
+from flatshard.parallel import ExpertParallel, check_tp, parallelize_llama
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -76,10 +77,12 @@ def build_sharded(
     device: torch.device,
     dp_replicate: int = 1,
     tp: int = 1,
+    ep: int = 1,
     hpz_group: int = 0,
 ) -> Llama | MoE:
-    """Every block split over `tp` ranks (flatshard.parallel), then every block and the
-    root `fully_shard`-ed (HSDP over `dp_replicate` replicas); weights equal
+    """Every block split over `tp` ranks (flatshard.parallel) or its experts over `ep`
+    ranks (sharded over the other world / ep), then every block and the root
+    `fully_shard`-ed (HSDP over `dp_replicate` replicas); weights equal
     `reference_model(cfg)` built eagerly after `torch.manual_seed(seed)`, at any layout, and
     no rank ever holds them all."""
     if tp > 1:
@@ -92,9 +95,24 @@ def build_sharded(
             check_tp(cfg, tp)
         except MeshError as error:
             raise ConfigError(f"train.tp: {error}") from None
+    if ep > 1 and not isinstance(cfg, MoEConfig):
+        raise ConfigError("train.ep > 1 needs a mixture-of-experts model (e.g. --model moe-tiny)")
+    if ep > 1 and cfg.n_experts % ep:
+        raise ConfigError(f"train.ep ({ep}) must divide model.n_experts ({cfg.n_experts})")
     with torch.device("meta"):
         model = reference_model(cfg)
     policy = mixed_precision(precision)
+    stage = {"reshard_after_forward": hpz_group} if hpz_group else {"zero_stage": zero_stage}
+    if ep > 1:  # experts over (efsdp, ep): their own units, before their blocks'
+        names = ("efsdp", "ep")
+        sparse = init_device_mesh(
+            device.type, (dist.get_world_size() // ep, ep), mesh_dim_names=names
+        )
+        for block in model.layers:
+            experts = getattr(block.mlp, "experts", None)
+            if experts is not None:
+                parallelize_module(experts, sparse["ep"], ExpertParallel())
+                flatshard.fully_shard(experts, mp_policy=policy, mesh=sparse["efsdp"], **stage)
     mesh = None
     if dp_replicate > 1 or tp > 1:
         shards = dist.get_world_size() // (dp_replicate * tp)
@@ -103,7 +121,6 @@ def build_sharded(
         if tp > 1:
             parallelize_llama(model, world["tp"])
         mesh = world["dp_replicate", "dp_shard"] if dp_replicate > 1 else world["dp_shard"]
-    stage = {"reshard_after_forward": hpz_group} if hpz_group else {"zero_stage": zero_stage}
     for block in model.layers:
         flatshard.fully_shard(block, mp_policy=policy, mesh=mesh, **stage)
     flatshard.fully_shard(model, mp_policy=policy, mesh=mesh, **stage)

@@ -18,8 +18,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
+import flatshard
 from flatshard import checkpoint, comm
 from flatshard.checkpoint import commit
 from flatshard.cli import runs
@@ -89,6 +89,7 @@ class Trainer:
             device=ranks.device,
             dp_replicate=train.dp_replicate,
             tp=train.tp,
+            ep=train.ep,
             hpz_group=train.hpz_group,
         )
         self.optimizer = torch.optim.AdamW(
@@ -348,7 +349,5 @@ def _parameter_groups(model, weight_decay: float) -> list[dict]:
 
 def _clip(model, max_norm: float) -> float:
     """The global gradient norm (before clipping); clips when max_norm > 0."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or float("inf"))
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    return float(norm)
+    # flatshard's: expert-parallel experts and dense parameters live on different meshes
+    return float(flatshard.clip_grad_norm_(model.parameters(), max_norm or float("inf")))
