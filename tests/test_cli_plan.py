@@ -245,3 +245,25 @@ def test_zoo_moe_shapes_match_the_reference_moe(model_type):
         expected.append((name, shape))
     assert layer_shapes(ours) == sorted(expected)
     assert ours.num_params == theirs.num_params == cfg.num_params()
+
+
+def test_qwen3_30b_a3b_with_expert_parallelism(capsys):
+    """--ep 8 on 64 ranks: each MoE block's 128 experts split 8 ways into a unit of their
+    own sharded over the 8 expert-data-parallel ranks; each token's 8 expert copies go out
+    and back in forward and backward (bf16)."""
+    E, d, ffn, L, top_k = 128, 2048, 768, 48, 8
+    plain = plan(capsys, "qwen3-30b-a3b", "--world-size", 64)
+    result = plan(capsys, "qwen3-30b-a3b", "--world-size", 64, "--ep", 8)
+    assert result["num_params"] == plain["num_params"]
+    units = {unit["name"]: unit for unit in result["units"]}
+    experts = units["layers.0-47 experts"]
+    assert experts["numel"] == (E // 8) * 3 * ffn * d
+    assert experts["shard"] == experts["numel"] // 8  # over efsdp = 64 / 8
+    assert units["layers.0-47"]["numel"] + 8 * experts["numel"] == plain["units"][0]["numel"]
+    tokens = 4096
+    assert result["communication"]["ep_all_to_all"] == 4 * L * tokens * top_k * d * BF16
+    # the same bytes of optimizer state per rank: the experts are still split over 64 ranks
+    assert (
+        abs(result["memory"]["optimizer"] - plain["memory"]["optimizer"])
+        <= 1e-3 * plain["memory"]["optimizer"]
+    )

@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from flatshard.cli.errors import ConfigError
-from flatshard.cli.zoo import FP32, ModelSpec
+from flatshard.cli.zoo import FP32, ModelSpec, UnitSpec
 from flatshard.errors import MeshError
 from flatshard.layout import plan_unit_layout
 from flatshard.mesh import ParallelDims
@@ -69,9 +69,12 @@ class Setup:
     optimizer_states: int = 2  # AdamW
     hpz_group: int = 0  # ZeRO-3: ranks a block stays sharded over after forward (0: all)
     tp: int = 1  # tensor-parallel ranks (innermost)
+    ep: int = 1  # expert-parallel ranks (borrowed from dp_shard x tp)
 
     def __post_init__(self):
-        for name in ("world_size", "dp_shard", "micro_batch", "seq_len", "grad_accum", "tp"):
+        for name in (
+            "world_size", "dp_shard", "micro_batch", "seq_len", "grad_accum", "tp", "ep"
+        ):  # fmt: skip
             if getattr(self, name) < 1:
                 flag = f"--{name.replace('_', '-')}"
                 hint = " (leave it out to shard over all ranks)" if name == "dp_shard" else ""
@@ -97,7 +100,9 @@ class Setup:
     @property
     def dims(self) -> ParallelDims:
         """The degrees, validated as `fully_shard`'s mesh validates them."""
-        return ParallelDims(self.world_size, dp_replicate=-1, dp_shard=self.dp_shard, tp=self.tp)
+        return ParallelDims(
+            self.world_size, dp_replicate=-1, dp_shard=self.dp_shard, tp=self.tp, ep=self.ep
+        )
 
     @property
     def dp_replicate(self) -> int:
@@ -141,18 +146,21 @@ class Plan:
 
 
 def plan(spec: ModelSpec, setup: Setup) -> Plan:
-    hidden = _hidden_size(spec)
+    hidden, num_params = _hidden_size(spec), spec.num_params
     if setup.tp > 1 and not hidden:
         raise ConfigError(f"--tp {setup.tp}: {spec.name} has no token embedding to size TP by")
     if setup.tp > 1:
         spec = _tp_local(spec, setup.tp)
-    units = tuple(_unit_figures(unit, setup.dp_shard) for unit in spec.units)
+    if setup.ep > 1:
+        spec = _ep_local(spec, setup.ep, setup.dims.efsdp)
+    units = tuple(_unit_figures(unit, unit.shard_ranks or setup.dp_shard) for unit in spec.units)
     memory = _memory(spec, units, setup)
     communication = _communication(units, setup)
     communication.update(_tp_communication(spec, setup, hidden))
+    communication.update(_ep_communication(spec, setup, hidden))
     used = sum(u.numel * u.count for u in units)
     padding = sum(u.padding * u.count for u in units) / used if used else 0.0
-    return Plan(spec.name, spec.num_params, setup, units, memory, communication, padding)
+    return Plan(spec.name, num_params, setup, units, memory, communication, padding)
 
 
 def _hidden_size(spec: ModelSpec) -> int:
@@ -180,6 +188,39 @@ def _tp_local(spec: ModelSpec, tp: int) -> ModelSpec:
     except MeshError as error:
         raise ConfigError(f"--tp {tp}: {error}") from None
     return replace(spec, units=units)
+
+
+def _is_expert(param) -> bool:
+    return len(param.shape) == 3 and ".experts." in f".{param.name}"
+
+
+def _ep_local(spec: ModelSpec, ep: int, efsdp: int) -> ModelSpec:
+    """Each MoE block's grouped experts split over `ep` ranks and, in a unit of their own,
+    sharded over the `efsdp` others (as `flatshard train --ep` wraps them)."""
+    units = []
+    for unit in spec.units:
+        experts = [p for p in unit.params if _is_expert(p)]
+        if not experts:
+            units.append(unit)
+            continue
+        if experts[0].shape[0] % ep:
+            raise ConfigError(f"--ep {ep} must divide the {experts[0].shape[0]} experts")
+        local = tuple(replace(p, shape=(p.shape[0] // ep, *p.shape[1:])) for p in experts)
+        dense = tuple(p for p in unit.params if not _is_expert(p))
+        units.append(UnitSpec(f"{unit.name} experts", local, unit.count, shard_ranks=efsdp))
+        units.append(replace(unit, params=dense))
+    return replace(spec, units=tuple(units))
+
+
+def _ep_communication(spec: ModelSpec, setup: Setup, hidden: int) -> dict[str, int]:
+    """Bytes per rank per step of the EP all-to-alls: each token's top_k copies out to the
+    experts and back, in forward and again in backward, per MoE block and micro-batch."""
+    if setup.ep == 1:
+        return {"ep_all_to_all": 0, "ep_wire_per_rank": 0}
+    blocks = sum(u.count for u in spec.units if u.shard_ranks is not None)
+    tokens = setup.micro_batch * setup.seq_len * setup.grad_accum
+    total = 4 * blocks * tokens * spec.top_k * hidden * DTYPE_BYTES[setup.param_dtype]
+    return {"ep_all_to_all": total, "ep_wire_per_rank": (setup.ep - 1) * total // setup.ep}
 
 
 def _tp_communication(spec: ModelSpec, setup: Setup, hidden: int) -> dict[str, int]:

@@ -47,6 +47,13 @@ def add_arguments(parser) -> None:
         metavar="N",
         help="tensor-parallel ranks (innermost; default 1)",
     )
+    parser.add_argument(
+        "--ep",
+        type=int,
+        default=None,
+        metavar="N",
+        help="expert-parallel ranks for MoE models (default 1)",
+    )
     parser.add_argument("--zero-stage", type=int, default=None, choices=(1, 2, 3))
     parser.add_argument(
         "--hpz-group",
@@ -113,7 +120,7 @@ def plan_command(args) -> int:
 def _model_and_defaults(args):
     defaults = dict(
         world_size=8, dp_shard=None, zero_stage=3, param_dtype="bf16", reduce_dtype="fp32",
-        micro_batch=1, seq_len=4096, grad_accum=1, backend="nccl", hpz_group=0, tp=1,
+        micro_batch=1, seq_len=4096, grad_accum=1, backend="nccl", hpz_group=0, tp=1, ep=1,
     )  # fmt: skip
     if args.model is not None:
         return zoo.resolve(args.model), defaults
@@ -122,8 +129,11 @@ def _model_and_defaults(args):
     train = config.train
     defaults.update(
         world_size=world,
-        dp_shard=ParallelDims(world, dp_replicate=train.dp_replicate, tp=train.tp).dp_shard,
+        dp_shard=ParallelDims(
+            world, dp_replicate=train.dp_replicate, tp=train.tp, ep=train.ep
+        ).dp_shard,
         tp=train.tp,
+        ep=train.ep,
         zero_stage=train.zero_stage,
         hpz_group=train.hpz_group,
         param_dtype=train.precision,
@@ -173,7 +183,8 @@ def format_plan(result: Plan) -> str:
     s, m, c = result.setup, result.memory, result.communication
     mesh = f"{s.world_size} ranks (dp_shard {s.dp_shard}"
     mesh += f", dp_replicate {s.dp_replicate}" if s.dp_replicate > 1 else ""
-    mesh += f", tp {s.tp})" if s.tp > 1 else ")"
+    mesh += f", tp {s.tp}" if s.tp > 1 else ""
+    mesh += f", ep {s.ep})" if s.ep > 1 else ")"
     lines = [
         f"flatshard plan: {result.model}, {_size(result.num_params)} parameters, on {mesh}",
         f"  ZeRO-{s.zero_stage} ({s.backend}), {s.param_dtype} compute, {s.reduce_dtype} "
@@ -215,6 +226,8 @@ def format_plan(result: Plan) -> str:
         lines.append(f"    replica all-reduce (HSDP)       {_gib(c['replica_all_reduce'])}")
     if c["tp_all_reduce"]:
         lines.append(f"    TP all-reduce (activations)     {_gib(c['tp_all_reduce'])}")
-    wire = c["wire_per_rank"] + c["tp_wire_per_rank"]
+    if c["ep_all_to_all"]:
+        lines.append(f"    EP all-to-all (tokens)          {_gib(c['ep_all_to_all'])}")
+    wire = c["wire_per_rank"] + c["tp_wire_per_rank"] + c["ep_wire_per_rank"]
     lines.append(f"    on the wire (ring algorithms)   {_gib(wire)}")
     return "\n".join(lines)

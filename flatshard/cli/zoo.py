@@ -37,6 +37,8 @@ class UnitSpec:
     is_root: bool = False
     # one plain `nn.Embedding`: ZeRO-2/3 may look it up from its shards (sharded_lookup.py)
     embedding: bool = False
+    # ranks it is sharded over, when not the data-parallel shard group (EP experts: efsdp)
+    shard_ranks: int | None = None
 
     @property
     def numel(self) -> int:
@@ -50,6 +52,7 @@ class ModelSpec:
     n_layers: int
     # bytes saved for backward per token, all layers and the head, given the compute dtype size
     activation_bytes_per_token: Callable[[int], int]
+    top_k: int = 0  # experts per token (MoE)
 
     @property
     def num_params(self) -> int:
@@ -148,7 +151,8 @@ def from_llama_config(cfg: LlamaConfig, name: str) -> ModelSpec:
         parts.append(("norm+lm_head", ("norm.", "lm_head."), False))
     units += tuple(_root_part(model, *part) for part in parts)
     if isinstance(cfg, MoEConfig):
-        return ModelSpec(name, units, cfg.n_layers, lambda a: _reference_moe_activations(cfg, a))
+        activations = lambda a: _reference_moe_activations(cfg, a)  # noqa: E731
+        return ModelSpec(name, units, cfg.n_layers, activations, top_k=cfg.top_k)
     return ModelSpec(name, units, cfg.n_layers, lambda a: _dense_activations(cfg, a))
 
 
@@ -276,7 +280,7 @@ def _moe(hf: dict, name: str, experts: int, ffn: int, qk_norm: bool) -> ModelSpe
         return layers * per_layer + _head_bytes(d, vocab, a)
 
     roots = _root(vocab, d, hf.get("tie_word_embeddings", False))
-    return ModelSpec(name, (layer, *roots), layers, activations)
+    return ModelSpec(name, (layer, *roots), layers, activations, top_k=top_k)
 
 
 def _deepseek_v3(hf: dict, name: str) -> ModelSpec:
@@ -325,4 +329,4 @@ def _deepseek_v3(hf: dict, name: str) -> ModelSpec:
         moe_layer = common + _moe_bytes(d, experts, top_k, ffn, a) + _swiglu_bytes(shared_ffn, a)
         return dense * dense_layer + (layers - dense) * moe_layer + _head_bytes(d, vocab, a)
 
-    return ModelSpec(name, units, layers, activations)
+    return ModelSpec(name, units, layers, activations, top_k=top_k)
