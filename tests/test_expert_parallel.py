@@ -24,7 +24,7 @@ from flatshard import checkpoint
 from flatshard.models import MoE, MoEConfig
 from flatshard.parallel import ExpertParallel
 
-STEPS = 4
+STEPS = 5
 TOLERANCE = 1e-6
 STYLES = {"qwen3_moe": {}, "deepseek_v3": {"n_experts": 8}}
 
@@ -33,12 +33,24 @@ def _config(style):
     return MoEConfig.tiny(style, aux_loss_coef=0.1, **STYLES[style])
 
 
-def ep_model(ep: int, style="qwen3_moe", zero_stage=3, seed=0):
+def build(style="qwen3_moe", seed=0, silent_expert=None):
+    """The reference MoE; `silent_expert`: an expert no token is routed to (its router
+    correction bias very negative: DeepSeek-style only)."""
+    torch.manual_seed(seed)
+    model = MoE(_config(style))
+    if silent_expert is not None:
+        for block in model.layers:
+            bias = getattr(getattr(block.mlp, "gate", None), "e_score_correction_bias", None)
+            if bias is not None:
+                bias[silent_expert] = -1e4
+    return model
+
+
+def ep_model(ep: int, style="qwen3_moe", zero_stage=3, seed=0, silent_expert=None):
     """Experts split over `ep` ranks and sharded over world/ep; the rest over every rank."""
     world = dist.get_world_size()
     sparse = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
-    torch.manual_seed(seed)
-    model = MoE(_config(style))
+    model = build(style, seed, silent_expert)
     for block in model.layers:
         experts = getattr(block.mlp, "experts", None)
         if experts is not None:
@@ -49,31 +61,30 @@ def ep_model(ep: int, style="qwen3_moe", zero_stage=3, seed=0):
     return model
 
 
-def _reference(style, steps):
-    torch.manual_seed(0)
-    model = MoE(_config(style))
-    data = batches(_config(style), steps)
-    return model, data
+def _reference(style, steps, silent_expert=None):
+    return build(style, 0, silent_expert), batches(_config(style), steps)
 
 
-def _train_ep(ep, style, zero_stage):
+def _train_ep(ep, style, zero_stage, silent_expert=None):
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = ep_model(ep, style, zero_stage)
+    model = ep_model(ep, style, zero_stage, silent_expert=silent_expert)
     data = batches(_config(style), STEPS)
     loss_fn = partial(moe_loss, group=dist.group.WORLD)
     losses = train(model, data, rank=rank, world=world, loss_fn=loss_fn)
     return losses, full_state(model)
 
 
-CASES = [(4, 1, "qwen3_moe", 3), (4, 2, "qwen3_moe", 2), (4, 4, "qwen3_moe", 3),
-         (2, 2, "qwen3_moe", 3), (4, 2, "deepseek_v3", 3)]  # fmt: skip
+# (world, ep, style, ZeRO stage, an expert no token reaches); ep = world: efsdp is 1
+CASES = [(4, 1, "qwen3_moe", 3, None), (4, 2, "qwen3_moe", 2, None),
+         (4, 4, "qwen3_moe", 3, None), (2, 2, "qwen3_moe", 3, None),
+         (4, 2, "deepseek_v3", 3, 5)]  # fmt: skip
 
 
-@pytest.mark.parametrize("world, ep, style, stage", CASES, ids=str)
-def test_expert_parallel_trains_like_one_process(world, ep, style, stage):
-    reference, data = _reference(style, STEPS)
+@pytest.mark.parametrize("world, ep, style, stage, silent", CASES, ids=str)
+def test_expert_parallel_trains_like_one_process(world, ep, style, stage, silent):
+    reference, data = _reference(style, STEPS, silent)
     ref_losses = train(reference, data, loss_fn=moe_loss)
-    for losses, weights in run_distributed(_train_ep, world, ep, style, stage):
+    for losses, weights in run_distributed(_train_ep, world, ep, style, stage, silent):
         assert rel_losses(losses, ref_losses) <= TOLERANCE
         assert rel_diff(weights, reference.state_dict()) <= TOLERANCE
 
@@ -151,3 +162,28 @@ def test_clip_grad_norm_over_dense_and_expert_parameters():
     for norm, grads in run_distributed(_clip_norm, 4, 2):
         assert abs(norm - ref_norm) <= 1e-6 * ref_norm
         assert max(_per_tensor_errors(grads, expected).values()) <= 2e-6
+
+
+def _bad_router_index():
+    """Rank 2's router picks expert E (out of range) in the first MoE layer."""
+    model = ep_model(4)
+    if dist.get_rank() == 2:
+        router = model.layers[0].mlp.gate
+        original = router.forward
+
+        def broken(x):
+            weights, indices, stats = original(x)
+            return weights, torch.full_like(indices, router.n_experts), stats
+
+        router.forward = broken
+    tokens = batches(_config("qwen3_moe"), 1)[0]
+    try:
+        moe_loss(model, rank_slice(tokens, dist.get_rank(), 4), group=dist.group.WORLD)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_out_of_range_expert_index_raises_on_every_rank():
+    for message in run_distributed(_bad_router_index, 4):
+        assert "rank(s) [2]" in message and "outside [0, 4)" in message, message

@@ -62,12 +62,13 @@ def _dispatch_compute_combine(module, mesh, x, indices, weights):
     gate_up, down = module.gate_up_proj.to_local(), module.down_proj.to_local()
     ep, local = mesh.size(), gate_up.shape[0]
     group = mesh.get_group()
-    top_k = indices.shape[1]
+    top_k, n_experts = indices.shape[1], ep * local
     flat = indices.flatten()
+    bad = bool(flat.numel()) and bool((flat.min() < 0) | (flat.max() >= n_experts))
     order = torch.argsort(flat, stable=True)  # by expert, so by owning rank
     token_of_row = order // top_k
-    counts = torch.bincount(flat, minlength=ep * local)
-    received = _exchange_counts(counts, ep, local, group)  # [source rank, local expert]
+    counts = torch.bincount(flat.clamp(0, n_experts - 1), minlength=n_experts)
+    received = _exchange_counts(counts, bad, ep, local, group)  # [source rank, local expert]
     send = counts.view(ep, local).sum(1).tolist()
     recv = received.sum(1).tolist()
     rows = all_to_all_single_autograd(x[token_of_row], recv, send, group)
@@ -82,12 +83,24 @@ def _dispatch_compute_combine(module, mesh, x, indices, weights):
     return torch.zeros_like(x).index_add_(0, token_of_row, out)
 
 
-def _exchange_counts(counts: torch.Tensor, ep: int, local: int, group) -> torch.Tensor:
-    """Every source rank's row count for each of this rank's experts, checked before any
-    row moves: a mismatch would abort the process inside gloo's all-to-all."""
-    received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts.contiguous(), group=group)
-    received = received.view(ep, local)
+def _exchange_counts(counts: torch.Tensor, bad: bool, ep: int, local: int, group) -> torch.Tensor:
+    """Every source rank's row count for each of this rank's experts, agreed before any row
+    moves: a rank whose router chose an expert that does not exist tells every rank of
+    the group in the same exchange, and they all raise (a mismatched split would abort
+    the process inside gloo's all-to-all)."""
+    flags = torch.full((ep, 1), int(bad), dtype=counts.dtype, device=counts.device)
+    send = torch.cat([counts.view(ep, local), flags], dim=1).flatten()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    received = received.view(ep, local + 1)
+    sources = [rank for rank, flag in enumerate(received[:, -1].tolist()) if flag]
+    if sources:
+        raise ValueError(
+            f"the router on expert-parallel rank(s) {sources} of this group chose an expert "
+            f"index outside [0, {ep * local}): check the router's number of experts "
+            "against the experts module's"
+        )
+    received = received[:, :-1]
     if bool((received < 0).any()):
         raise RuntimeError(f"expert parallelism received negative row counts {received.tolist()}")
     return received
