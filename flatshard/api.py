@@ -81,11 +81,11 @@ def fully_shard(
     ignored = {id(p) for p in ignored_params or ()}
     if len(modules) == 1:
         for members in first_use_groups(module):
-            _shard(members, mesh, settings, True, ignored, shard_placement_fn)
+            _shard(members, mesh, settings, module, ignored, shard_placement_fn)
     members = [("", modules[0])] if len(modules) == 1 else [
         (f"[{i}].", each) for i, each in enumerate(modules)
     ]  # fmt: skip
-    _shard(members, mesh, settings, False, ignored, shard_placement_fn)
+    _shard(members, mesh, settings, None, ignored, shard_placement_fn)
     return module
 
 
@@ -131,7 +131,7 @@ def _check_placements(shard_placement_fn, found) -> None:
             )
 
 
-def _shard(members, mesh, settings, root_part, ignored, shard_placement_fn) -> Unit:
+def _shard(members, mesh, settings, first_use_of, ignored, shard_placement_fn) -> Unit:
     """One unit over the parameters below `members` [(fqn prefix, module)] that no inner
     unit manages; its hooks go on every member. settings: (ZeRO stage, mixed precision,
     hpZ group size)."""
@@ -193,7 +193,7 @@ def _shard(members, mesh, settings, root_part, ignored, shard_placement_fn) -> U
     modules = [m for _, m in members]
     resharding = Resharding.for_stage(stage)
     resharding.forward_group_size = group_size
-    unit = Unit(modules, mesh, layout, buckets, managed, resharding, policy, root_part)
+    unit = Unit(modules, mesh, layout, buckets, managed, resharding, policy, first_use_of)
     for param in managed:
         param.sharded._flatshard_param = (unit, param)
         for owner, name in param.occurrences:

@@ -162,12 +162,13 @@ class Traffic:
         self.all_gather = 0
         self.reduce_scatter = 0
         self.all_reduce = 0
+        self.all_to_all = 0  # expert parallelism's token rows (sent), forward and backward
         self.all_gather_by_group_size: dict[int, int] = {}  # e.g. hpZ's small groups
 
-    def take(self) -> tuple[int, int, int]:
-        """(all-gather, reduce-scatter, all-reduce) bytes since the last call."""
-        counts = (self.all_gather, self.reduce_scatter, self.all_reduce)
-        self.all_gather = self.reduce_scatter = self.all_reduce = 0
+    def take(self) -> tuple[int, int, int, int]:
+        """(all-gather, reduce-scatter, all-reduce, all-to-all) bytes since the last call."""
+        counts = (self.all_gather, self.reduce_scatter, self.all_reduce, self.all_to_all)
+        self.all_gather = self.reduce_scatter = self.all_reduce = self.all_to_all = 0
         return counts
 
 
@@ -357,3 +358,30 @@ def agree_on(
     if found:
         raise error_type("; ".join(found))
     raise error_type(explain_difference([described for _, described in gathered]))
+
+
+def all_to_all(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group):
+    """Rows to the ranks of `group` (`in_splits` to each, `out_splits` from each), with
+    autograd (backward sends the gradients the other way); counts the bytes this rank
+    sends both ways."""
+    return _AllToAll.apply(rows, out_splits, in_splits, group)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _send_rows(rows, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _send_rows(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+def _send_rows(rows: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
+    rows = rows.contiguous()  # gloo refuses a non-contiguous input
+    traffic.all_to_all += rows.numel() * rows.element_size()
+    out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
+    dist.all_to_all_single(out, rows, out_splits, in_splits, group=group)
+    return out

@@ -227,9 +227,9 @@ def test_expert_parallel_run_trains_like_data_parallel_and_resumes_at_another_ep
     """`--model moe-tiny --ep 2` on 4 processes (experts split over pairs, sharded over the
     other two) takes the steps a plain 4-process run takes, and its checkpoint resumes at
     `--ep 4`, continuing those losses."""
-    sizes = ["--model", "moe-tiny", "--set", "data.seq_len=32", "--set", "train.micro_batch=2",
-             "--set", "train.global_batch=8", "--set", "run.sample_tokens=0",
-             "--set", "model.aux_loss_coef=0.1"]  # fmt: skip
+    sizes = ["--set", "model.preset=moe-tiny", "--set", "data.seq_len=32",
+             "--set", "train.micro_batch=2", "--set", "train.global_batch=8",
+             "--set", "run.sample_tokens=0", "--set", "model.aux_loss_coef=0.1"]  # fmt: skip
     plain, ep = tmp_path / "plain", tmp_path / "ep"
     check_ok(flatshard("train", *sizes, "--steps", 3, "--nproc", 4, "--out", plain))
     check_ok(
@@ -241,3 +241,12 @@ def test_expert_parallel_run_trains_like_data_parallel_and_resumes_at_another_ep
     got = [r["loss"] for r in metrics(ep)]
     assert len(got) == 3
     assert max(abs(a - b) / b for a, b in zip(got, expected)) <= 1e-5, (got, expected)
+    plan = json.loads(
+        check_ok(flatshard("plan", *sizes, "--set", "run.nproc=4", "--set", "train.ep=2",
+                           "--json")).stdout
+    )  # fmt: skip
+    measured = metrics(ep)[1]  # an --ep 2 step after the first (which learns the order)
+    communication = plan["communication"]
+    assert measured["all_to_all_bytes"] == communication["ep_all_to_all"] > 0
+    assert measured["all_gather_bytes"] == communication["all_gather"]
+    assert measured["reduce_scatter_bytes"] == communication["reduce_scatter"]

@@ -125,6 +125,7 @@ class UnitFigures:
     embedding: tuple[int, int] | None  # (rows, dim) of a unit over one plain embedding
     trainable: bool
     empty_ranks: int = 0  # ranks whose shards hold none of its parameters (only padding)
+    inner: bool = False  # runs inside the previous unit's forward (EP experts)
 
     @property
     def padding(self) -> int:
@@ -195,8 +196,9 @@ def _is_expert(param) -> bool:
 
 
 def _ep_local(spec: ModelSpec, ep: int, efsdp: int) -> ModelSpec:
-    """Each MoE block's grouped experts split over `ep` ranks and, in a unit of their own,
-    sharded over the `efsdp` others (as `flatshard train --ep` wraps them)."""
+    """Each MoE block's grouped experts split over `ep` ranks and, in a unit of their own
+    that runs inside its block's forward, sharded over the `efsdp` others (as `flatshard
+    train --ep` wraps them)."""
     units = []
     for unit in spec.units:
         experts = [p for p in unit.params if _is_expert(p)]
@@ -206,9 +208,10 @@ def _ep_local(spec: ModelSpec, ep: int, efsdp: int) -> ModelSpec:
         if experts[0].shape[0] % ep:
             raise ConfigError(f"--ep {ep} must divide the {experts[0].shape[0]} experts")
         local = tuple(replace(p, shape=(p.shape[0] // ep, *p.shape[1:])) for p in experts)
-        dense = tuple(p for p in unit.params if not _is_expert(p))
-        units.append(UnitSpec(f"{unit.name} experts", local, unit.count, shard_ranks=efsdp))
-        units.append(replace(unit, params=dense))
+        units.append(replace(unit, params=tuple(p for p in unit.params if not _is_expert(p))))
+        units.append(
+            UnitSpec(f"{unit.name} experts", local, unit.count, shard_ranks=efsdp, inner=True)
+        )
     return replace(spec, units=tuple(units))
 
 
@@ -252,6 +255,7 @@ def _unit_figures(unit, dp_shard: int) -> UnitFigures:
         embedding=tuple(unit.params[0].shape) if unit.embedding else None,
         trainable=bool(trainable),
         empty_ranks=layout.empty_rank_count() if layout.used_size else 0,
+        inner=unit.inner,
     )
 
 
@@ -329,6 +333,19 @@ def _memory(spec: ModelSpec, units: tuple[UnitFigures, ...], setup: Setup) -> di
     }
 
 
+def _forward_order(units) -> list[UnitFigures]:
+    """The units in the order their forwards gather them: each repeated unit `count` times,
+    with the units inside it (`inner`: a block's first-use group and its experts under EP)
+    right after each of its runs."""
+    chains = []
+    for unit in units:
+        if unit.inner and chains:
+            chains[-1].append(unit)
+        else:
+            chains.append([unit])
+    return [unit for chain in chains for _ in range(chain[0].count) for unit in chain]
+
+
 def _communication(units: tuple[UnitFigures, ...], setup: Setup) -> dict[str, int]:
     pb, rb = DTYPE_BYTES[setup.param_dtype], DTYPE_BYTES[setup.reduce_dtype]
     accumulation = setup.grad_accum
@@ -337,7 +354,7 @@ def _communication(units: tuple[UnitFigures, ...], setup: Setup) -> dict[str, in
     gathered_units = [u for u in units if u not in looked_up]
     # the forward order the runtime sees: blocks, then the root's parts (where the
     # embedding runs does not change which units stay gathered: gather_policy.py)
-    order = [u for u in gathered_units for _ in range(u.count)]
+    order = _forward_order(gathered_units)
     root_parts = [u.is_root for u in order]
     in_model = sum(u.count for u in units)
     stays = [stays_gathered(i, root_parts, in_model) for i in range(len(order))]

@@ -224,7 +224,7 @@ class Trainer:
         self.step += 1
         self.position += train.global_batch
         elapsed = time.perf_counter() - step_started
-        all_gather, reduce_scatter, all_reduce = comm.traffic.take()
+        all_gather, reduce_scatter, all_reduce, _ = comm.traffic.take()
         tokens = train.global_batch * config.data.seq_len
         return {
             "step": self.step,
@@ -240,25 +240,29 @@ class Trainer:
             "all_gather_bytes": all_gather,
             "reduce_scatter_bytes": reduce_scatter,
             "replica_all_reduce_bytes": all_reduce,
+            # expert parallelism: the mean over ranks (each sends what its router chose)
+            "all_to_all_bytes": shared["all_to_all_bytes"],
             "comm_bytes": all_gather + reduce_scatter + all_reduce,
             "stop": stop,
         }
 
     def _share(self, loss_sum: torch.Tensor, grad_norm: float) -> dict:
-        """One collective: every rank's loss, stop request and peak memory."""
+        """One collective: every rank's loss, stop request, peak memory and all-to-all bytes."""
         device = comm.group_device(None)
+        sent = comm.traffic.all_to_all
         mine = torch.tensor(
-            [loss_sum.item(), 1.0 if self.stop else 0.0, float(self.memory.peak())],
+            [loss_sum.item(), 1.0 if self.stop else 0.0, float(self.memory.peak()), float(sent)],
             dtype=torch.float64,
             device=device,
         )
-        everyone = torch.empty(self.ranks.world_size * 3, dtype=torch.float64, device=device)
+        everyone = torch.empty(self.ranks.world_size * 4, dtype=torch.float64, device=device)
         dist.all_gather_single(everyone, mine)
-        everyone = everyone.view(-1, 3).cpu()
+        everyone = everyone.view(-1, 4).cpu()
         return {
             "loss": everyone[:, 0].mean().item(),
             "stop": bool(everyone[:, 1].max() > 0),
             "peak_mem_bytes": int(everyone[:, 2].max()),
+            "all_to_all_bytes": round(everyone[:, 3].mean().item()),
             "grad_norm": grad_norm,
         }
 

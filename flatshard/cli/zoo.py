@@ -39,6 +39,9 @@ class UnitSpec:
     embedding: bool = False
     # ranks it is sharded over, when not the data-parallel shard group (EP experts: efsdp)
     shard_ranks: int | None = None
+    # a unit of a module inside the previous unit's (EP experts in their block): each of
+    # its `count` runs within one of the previous unit's forwards
+    inner: bool = False
 
     @property
     def numel(self) -> int:

@@ -21,10 +21,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from flatshard import comm
 from flatshard.errors import MeshError
 
 
@@ -71,14 +71,14 @@ def _dispatch_compute_combine(module, mesh, x, indices, weights):
     received = _exchange_counts(counts, bad, ep, local, group)  # [source rank, local expert]
     send = counts.view(ep, local).sum(1).tolist()
     recv = received.sum(1).tolist()
-    rows = all_to_all_single_autograd(x[token_of_row], recv, send, group)
+    rows = comm.all_to_all(x[token_of_row], recv, send, group)
     # received rows come by source rank, then expert: order them by local expert
     expert_of_row = torch.arange(local, device=x.device).repeat(ep)
     expert_of_row = expert_of_row.repeat_interleave(received.flatten())
     by_expert = torch.argsort(expert_of_row, stable=True)
     out = module.expert_outputs(rows[by_expert], gate_up, down, received.sum(0))
     out = torch.empty_like(out).index_copy(0, by_expert, out)  # back to arrival order
-    out = all_to_all_single_autograd(out, send, recv, group)
+    out = comm.all_to_all(out, send, recv, group)
     out = out * weights.flatten()[order].unsqueeze(-1)
     return torch.zeros_like(x).index_add_(0, token_of_row, out)
 

@@ -19,9 +19,10 @@ import torch.nn as nn
 def first_use_groups(root: nn.Module) -> list[list[tuple[str, nn.Module]]]:
     """Runs of `root`'s direct children, in registration order, that each become a unit:
     children holding no unit whose parameters are not shared with the rest of the root.
-    Empty unless some child already holds a unit (a model root over its blocks)."""
+    Empty unless some child already holds a unit of a block (a model root over its
+    blocks; a block whose experts are a unit of their own, expert-parallel, is not one)."""
     children = list(root.named_children())
-    if not any(_holds_unit(child) for _, child in children):
+    if not any(_holds_block_unit(child) for _, child in children):
         return []
     everywhere = _param_counts(root)
     groups, run = [], []
@@ -43,6 +44,14 @@ def first_use_groups(root: nn.Module) -> list[list[tuple[str, nn.Module]]]:
 
 def _holds_unit(module: nn.Module) -> bool:
     return any(hasattr(m, "_flatshard_unit") for m in module.modules())
+
+
+def _holds_block_unit(module: nn.Module) -> bool:
+    units = (getattr(m, "_flatshard_unit", None) for m in module.modules())
+    return any(
+        unit is not None and not getattr(getattr(unit, "mesh", None), "splits_data", False)
+        for unit in units
+    )
 
 
 def _param_counts(module: nn.Module) -> Counter:

@@ -74,7 +74,7 @@ class Unit:
         params: list[ManagedParam],
         resharding: Resharding,
         mp_policy: MixedPrecisionPolicy,
-        root_part: bool = False,
+        first_use_of: nn.Module | None = None,
     ):
         self.modules = modules  # usually one; a first-use group of a root's children: more
         self.mesh = mesh  # a ShardMesh
@@ -83,9 +83,11 @@ class Unit:
         self.params = params
         self.resharding = resharding
         self.mp_policy = mp_policy
-        # A first-use group of the model root (first_use.py): needed again early in
-        # backward, so it stays gathered from forward to backward like the root itself.
-        self.root_part = root_part
+        # The module this unit is a first-use group of (first_use.py). A group of the model
+        # root is needed again early in backward, so it stays gathered from forward to
+        # backward like the root itself; a group of an inner module (a block whose experts
+        # are a unit) reshards like any block.
+        self.first_use_of = first_use_of
         self.kept_for_backward = False  # its last forward kept it gathered for backward
         self.forward_prefetch: list[Unit] | None = None  # set by the user, else run-time order
         self.backward_prefetch: list[Unit] | None = None
