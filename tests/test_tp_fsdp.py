@@ -39,12 +39,14 @@ TOLERANCE = 1e-6
 GRAD_TOLERANCE = 2e-6  # per tensor
 
 
-def tp_model(replicate: int, shard: int, tp: int, zero_stage: int = 3, seed=0, **overrides):
+def tp_model(
+    replicate: int, shard: int, tp: int, zero_stage: int = 3, seed=0, sp=False, **overrides
+):
     """The reference Llama, TP over `tp` ranks, then fully_shard over (replicate, shard)."""
     names = ("dp_replicate", "dp_shard", "tp")
     mesh = init_device_mesh("cpu", (replicate, shard, tp), mesh_dim_names=names)
     model = build_model(config(**{**CFG, **overrides}), seed=seed)
-    parallelize_llama(model, mesh["tp"])
+    parallelize_llama(model, mesh["tp"], sequence_parallel=sp)
     dp_mesh = mesh["dp_replicate", "dp_shard"] if replicate > 1 else mesh["dp_shard"]
     for layer in model.layers:
         flatshard.fully_shard(layer, mesh=dp_mesh, zero_stage=zero_stage)
@@ -53,9 +55,9 @@ def tp_model(replicate: int, shard: int, tp: int, zero_stage: int = 3, seed=0, *
     return model, dp_rank
 
 
-def _train(layout, zero_stage, microbatches, sync_last_only, tied):
+def _train(layout, zero_stage, microbatches, sync_last_only, tied, sp=False):
     replicate, shard, tp = layout
-    model, dp_rank = tp_model(replicate, shard, tp, zero_stage, tie_embeddings=tied)
+    model, dp_rank = tp_model(replicate, shard, tp, zero_stage, sp=sp, tie_embeddings=tied)
     data = batches(config(**CFG), STEPS, batch=12 * microbatches)
     losses = train_ranks(
         model, data, rank=dp_rank, world=replicate * shard, microbatches=microbatches,
@@ -108,6 +110,23 @@ def test_tp_with_fully_shard_trains_like_one_process(case):
         assert placements["layers.0.mlp.gate_up_proj.weight"][-1].split_factor == 2
         assert placements["embed_tokens.weight"] == (*dp, Replicate())
         assert placements["layers.0.attn_norm.weight"] == (*dp, Replicate())
+
+
+@pytest.mark.parametrize("layout", [(1, 2, 2), (1, 1, 4)], ids=str)
+def test_sequence_parallel_with_vocab_parallel_embedding_and_head(layout):
+    """torchtitan's plan: norms and residual split by sequence, embedding and head by
+    vocabulary (odd: 61 rows, uneven TP pieces), then fully_shard; equals one process."""
+    cfg = config(**CFG)
+    reference = build_model(cfg)
+    ref_losses = train_ranks(reference, batches(cfg, STEPS, batch=36), microbatches=3)
+    world = layout[0] * layout[1] * layout[2]
+    for losses, weights, placements in run_distributed(
+        _train, world, layout, 2, 3, True, False, True
+    ):
+        assert rel_losses(losses, ref_losses) <= TOLERANCE
+        assert rel_diff(weights, reference.state_dict()) <= TOLERANCE
+        assert placements["embed_tokens.weight"][-1] == Shard(0)  # vocab-parallel
+        assert placements["layers.0.attn_norm.weight"][-1] == Replicate()
 
 
 def _first_gradients(layout, microbatches, sync_last_only):

@@ -19,11 +19,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -117,10 +119,40 @@ def _style(kind: str) -> ParallelStyle:
     return ColwiseParallel() if kind == "colwise" else RowwiseParallel()
 
 
-def parallelize_llama(model, tp_mesh) -> None:
-    """Split every block of a reference `Llama` over the 1-D `tp_mesh`, in place."""
+def parallelize_llama(model, tp_mesh, sequence_parallel: bool = False) -> None:
+    """Split every block of a reference `Llama` over the 1-D `tp_mesh`, in place.
+
+    sequence_parallel: also split what runs outside attention and the MLP, as torchtitan
+    does: the norms and residual stream by sequence (`SequenceParallel`, activations a
+    `1/tp` slice), the embedding and head by vocabulary (`RowwiseParallel` /
+    `ColwiseParallel`, their weights a `1/tp` slice); the head's output is gathered, so
+    the loss sees full logits. Not with tied embeddings."""
     check_tp(model.config, tp_mesh.size())
     plan = {name: _style(kind) for name, kind in LLAMA_BLOCK_PLAN.items()}
+    if sequence_parallel:
+        if model.config.tie_embeddings:
+            raise MeshError(
+                "sequence_parallel splits the embedding and the head by vocabulary in "
+                "different layouts; a tied model cannot: use sequence_parallel=False"
+            )
+        seq = Shard(1)
+        plan.update({
+            "attn_norm": SequenceParallel(),
+            "attn": PrepareModuleInput(
+                input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
+            "attn.o_proj": RowwiseParallel(output_layouts=seq),
+            "mlp_norm": SequenceParallel(),
+            "mlp": PrepareModuleInput(
+                input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True
+            ),
+            "mlp.down_proj": RowwiseParallel(output_layouts=seq),
+        })  # fmt: skip
+        parallelize_module(model, tp_mesh, {
+            "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+            "norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+        })  # fmt: skip
     for block in model.layers:
         parallelize_module(block, tp_mesh, plan)
 
