@@ -15,6 +15,8 @@ from bench_modes import (
     LR,
     MODE_NAMES,
     PRESETS,
+    TP_DEGREE,
+    TP_MODES,
     WEIGHT_DECAY,
     make_config,
 )
@@ -153,6 +155,14 @@ def summarize(gathered: list[dict], modes: list[str]) -> dict[str, dict]:
             for kind in COMM_KINDS
         }
         narrow = statistics.mean(c["narrow"] for c in comm_steps) if comm_steps else 0
+        # bytes by the size of the group they went over (JSON made the sizes strings)
+        comm["group_sizes"] = {
+            kind: {
+                int(n): statistics.mean(c["group_sizes"][kind].get(n, 0) for c in comm_steps)
+                for n in {n for c in comm_steps for n in c["group_sizes"][kind]}
+            }
+            for kind in COMM_KINDS
+        }
         own_memory = lead[0]["peak_rss_kib"] is not None  # modes run one at a time
         summary = {
             "step": statistics.median(steps),
@@ -193,6 +203,7 @@ def summarize(gathered: list[dict], modes: list[str]) -> dict[str, dict]:
         if mode == "ddp":
             summary["ddp_bucket_sizes"] = lead[0]["ddp_bucket_sizes"]
             summary["ddp_python_all_reduce"] = comm["all_reduce"]
+            # analytic, over the world (_by_group_size finds no counted split that matches)
             summary["comm"] = dict(comm, all_reduce=lead[0]["ddp_param_bytes"])
         out[mode] = summary
     return out
@@ -289,6 +300,17 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
         f"{summary[opts['modes'][0]]['timed_steps']} timed steps per mode; "
         f"step-0 loss {first_loss:.4f}; wall time {meta['wall_s']:.0f} s",
     ]
+    if set(opts["modes"]) & set(TP_MODES):
+        dp = world // TP_DEGREE
+        notes.append(
+            f"- TP modes: a ({dp} dp_shard, {TP_DEGREE} tp) mesh; "
+            "`flatshard.parallel.parallelize_llama` over tp (q/k/v colwise, o rowwise, "
+            "gate_up `FusedColwiseParallel` placed `_StridedShard(0, 2)`, down rowwise), then "
+            "FSDP2's or flatshard's `fully_shard` per block and on the root over dp_shard; "
+            f"each data-parallel rank trains on {preset['micro_batch'] * TP_DEGREE} sequences "
+            f"(global batch / {dp}), the same on both ranks of its TP group, so the global "
+            "batch, and the loss, are those of every other mode"
+        )
     if meta.get("note"):
         notes.append(f"- note: {meta['note']}")
     if low and not meta["native_bf16"]:
@@ -329,7 +351,10 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
         "`all_to_all_single` of the input and a local sum (marked all-to-all), see "
         "flatshard/comm.py. Sent: bytes one rank puts on the wire per step for the algorithms "
         "gloo runs, (N-1)/N x (all-gather + all-to-all + 2 x all-reduce + 2 x reduce-scatter, "
-        "as gloo's reduce-scatter all-reduces its whole input) + point-to-point sends. "
+        "as gloo's reduce-scatter all-reduces its whole input) + point-to-point sends, N the "
+        "size of the group each collective went over (the world, or an HSDP, hpZ, TP or "
+        "data-parallel group). DTensor's collectives (TP's all-reduces) are counted at "
+        "`torch.distributed._functional_collectives`. "
         "DDP all-reduces in C++ gradient buckets that Python never sees: its all-reduce bytes "
         "are analytic (= trainable parameter bytes in the reduce dtype, fp32). Padding: "
         "flatshard's layout padding over used elements, all units. Loss Δ: max over steps and "
@@ -371,12 +396,13 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
     if narrow:
         parts = ", ".join(
             f"{MODE_NAMES[m]} {_fmt_bytes(summary[m]['narrow'])} of "
-            f"{_fmt_bytes(sum(summary[m]['comm'].values()))}"
+            f"{_fmt_bytes(sum(summary[m]['comm'][k] for k in COMM_KINDS))}"
             for m in narrow
         )
         explain.append(
             f"\nCounted bytes per step on groups smaller than all {world} ranks (hpZ's node "
-            f"groups, HSDP's replica and shard groups): {parts}."
+            f"groups, HSDP's replica and shard groups, TP's data-parallel and tensor-parallel "
+            f"groups): {parts}."
         )
     if "hsdp3" in summary and "fsdp2-hsdp" in summary:
         wall = _paired_ratio(summary, "hsdp3", "fsdp2-hsdp")
@@ -385,6 +411,14 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
             f"\nHSDP ({HSDP_REPLICAS} replicas x {world // HSDP_REPLICAS} shards): flatshard "
             f"HSDP ZeRO-3 step x FSDP2 HSDP {_fmt_ratio(wall)} (CPU {_fmt_ratio(cpu)}), "
             "step-paired medians as above."
+        )
+    if "tp3" in summary and "fsdp2-tp" in summary:
+        wall = _paired_ratio(summary, "tp3", "fsdp2-tp")
+        cpu = _paired_ratio(summary, "tp3", "fsdp2-tp", "cpu_times")
+        explain.append(
+            f"\nTP ({world // TP_DEGREE} data-parallel x {TP_DEGREE} tensor-parallel): "
+            f"flatshard TP ZeRO-3 vs FSDP2 TP: step x {_fmt_ratio(wall)} "
+            f"(CPU {_fmt_ratio(cpu)}), step-paired medians as above."
         )
     zero3 = summary.get("zero3")
     if zero3 and zero3["zero3_wire"]:

@@ -3,6 +3,7 @@ and the bytes each rank puts on the wire for the algorithms gloo runs."""
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -27,16 +28,32 @@ COUNTED_NAME = {
 }
 
 
+def _by_group_size(comm: dict, kind: str, world: int) -> dict[int, float]:
+    """A kind's counted bytes by the size of the group they went over: as counted
+    (`comm["group_sizes"]`), or all over the world (an analytic count, an older result)."""
+    split = (comm.get("group_sizes") or {}).get(kind)
+    if not split or not math.isclose(sum(split.values()), comm[kind], rel_tol=1e-9):
+        return {world: comm[kind]}
+    return {int(n): b for n, b in split.items()}
+
+
 def wire_bytes(comm: dict, world: int) -> float:
-    """Bytes one rank sends per step: the collectives (see WIRE_FACTOR) and its sends."""
-    collectives = sum(WIRE_FACTOR[k] * comm[k] for k in WIRE_FACTOR) * (world - 1) / world
+    """Bytes one rank sends per step: the collectives (see WIRE_FACTOR; (N-1)/N with N the
+    size of the group each went over: the world, or a TP, HSDP or hpZ group) and its
+    sends."""
+    collectives = sum(
+        WIRE_FACTOR[kind] * b * (n - 1) / n
+        for kind in WIRE_FACTOR
+        for n, b in _by_group_size(comm, kind, world).items()
+    )
     return collectives + comm["send"]
 
 
 def gathered_bytes(comm: dict, world: int) -> float:
     """All-gathered bytes: by `all_gather_single`, or by point-to-point sends of a shard to
-    each of the N-1 peers (flatshard on gloo, see flatshard/comm.py)."""
-    return comm["all_gather"] + (comm["send"] * world / (world - 1) if world > 1 else 0)
+    each of the N-1 peers of its group (flatshard on gloo, see flatshard/comm.py)."""
+    sent = _by_group_size(comm, "send", world)
+    return comm["all_gather"] + sum(b * n / (n - 1) for n, b in sent.items() if n > 1)
 
 
 def reduced_bytes(comm: dict) -> float:
@@ -52,7 +69,9 @@ class CommCounter:
     that is reduced; all-reduce: bytes of the tensor; all-to-all: bytes of the input (flatshard
     reduce-scatters that way on gloo); send: bytes of each `isend` (flatshard all-gathers that
     way on gloo). Nested calls (a deprecated name that forwards to its `*_single`
-    replacement) count once.
+    replacement) count once. DTensor's collectives (tensor parallelism's all-reduces) go
+    through `torch.distributed._functional_collectives`, counted as well. Bytes are also
+    kept by the size of the group they went over (`group_sizes`), for the bytes sent.
     """
 
     # name: (kind, position of the counted tensor, its keyword)
@@ -71,9 +90,18 @@ class CommCounter:
         self._local = threading.local()
         self.reset()
 
+    # functional collectives (DTensor's redistributions): name: (kind, position of the
+    # group among the arguments); the input is counted (all-gather: its output, N x)
+    FUNCTIONAL = {
+        "all_reduce": ("all_reduce", 2),
+        "all_gather_single": ("all_gather", 2),
+        "reduce_scatter_single": ("reduce_scatter", 3),
+    }
+
     def reset(self) -> None:
         self.bytes = dict.fromkeys(COMM_KINDS, 0)
         self.calls = dict.fromkeys(COMM_KINDS, 0)
+        self.group_sizes = {kind: {} for kind in COMM_KINDS}
         # counted bytes of collectives on groups smaller than the world (hpZ's, HSDP's)
         self.narrow_bytes = 0
 
@@ -85,6 +113,32 @@ class CommCounter:
             for namespace in (dist, c10d):
                 if getattr(namespace, name, None) is original:
                     setattr(namespace, name, wrapper)
+        from torch.distributed import _functional_collectives as funcol
+
+        for name, (kind, position) in self.FUNCTIONAL.items():
+            setattr(funcol, name, self._wrap_functional(getattr(funcol, name), kind, position))
+
+    def _count(self, kind: str, tensor: torch.Tensor, size: int, multiple: int = 1) -> None:
+        counted = nbytes(tensor) * multiple
+        self.bytes[kind] += counted
+        self.group_sizes[kind][size] = self.group_sizes[kind].get(size, 0) + counted
+        if size < dist.get_world_size():
+            self.narrow_bytes += counted
+
+    def _wrap_functional(self, original, kind: str, position: int):
+        counter = self
+
+        def counted(tensor, *args, **kwargs):
+            if counter.active and isinstance(tensor, torch.Tensor):
+                group = args[position - 1] if len(args) >= position else kwargs.get("group")
+                size = _functional_group_size(group)
+                counter._count(kind, tensor, size, size if kind == "all_gather" else 1)
+                counter.calls[kind] += 1
+            return original(tensor, *args, **kwargs)
+
+        counted.__wrapped__ = original
+        counted.__name__ = original.__name__
+        return counted
 
     def _wrap(self, original, kind: str, position: int, keyword: str):
         counter = self
@@ -94,10 +148,8 @@ class CommCounter:
             if counter.active and depth == 0:
                 tensor = args[position] if len(args) > position else kwargs.get(keyword)
                 if isinstance(tensor, torch.Tensor):
-                    counter.bytes[kind] += nbytes(tensor)
                     group = kwargs.get("group")
-                    if group is not None and dist.get_world_size(group) < dist.get_world_size():
-                        counter.narrow_bytes += nbytes(tensor)
+                    counter._count(kind, tensor, dist.get_world_size(group))
                 counter.calls[kind] += 1
             counter._local.depth = depth + 1
             try:
@@ -110,4 +162,21 @@ class CommCounter:
         return counted
 
 
+def _functional_group_size(group) -> int:
+    """The number of ranks of a functional collective's group: a process group, a 1-D
+    DeviceMesh, (mesh, mesh dim), a list of ranks or a group name."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, dist.ProcessGroup):
+        return group.size()
+    if isinstance(group, DeviceMesh):
+        return group.size()
+    if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
+        return group[0].size(group[1])
+    if isinstance(group, list):
+        return len(group)
+    return c10d._resolve_process_group(group).size()
+
+
+c10d = dist.distributed_c10d
 COUNTER = CommCounter()

@@ -8,6 +8,11 @@ every mode, inside one set of spawned worker processes (one gloo process group):
     FSDP2    torch.distributed.fsdp.fully_shard per block, then the root
     ZeRO-3/2/1  flatshard.fully_shard(..., zero_stage=3|2|1) per block, then the root
 
+and on request (--modes) HSDP, hpZ, and tensor parallelism (`fsdp2-tp`, `tp3`:
+flatshard.parallel.parallelize_llama over 2 ranks, then FSDP2's or flatshard's fully_shard
+over the data-parallel dim of a (world / 2, 2) mesh; every rank of a TP group trains on its
+data-parallel rank's slice of the same global batch).
+
 Modes are interleaved so that a drift of a shared machine hits all of them alike; every
 other round runs them in reverse order. `--interleave modes` (default): in every round each
 mode is built fresh, trained for warm-up + timed steps and freed, so its peak memory is its
@@ -50,12 +55,17 @@ from bench_modes import (
     MODE_NAMES,
     MODES,
     PRESETS,
+    TP_DEGREE,
+    TP_MODES,
     make_config,
     make_data,
 )
 from bench_report import cpu_model, cpu_vector_isa, git_revision, mem_total_gib, render, summarize
 from comm_counter import COUNTER
 from mode_run import ModeRun
+
+from flatshard.errors import MeshError
+from flatshard.parallel import check_tp
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXACT_MEMORY_MMAP_THRESHOLD = 65536
@@ -175,12 +185,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.steps is None:
         args.steps = PRESETS[args.preset]["steps"]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    known = MODES + HSDP_MODES
+    known = MODES + HSDP_MODES + TP_MODES
     unknown = sorted(set(modes) - set(known))
     if unknown or not modes:
         parser.error(f"unknown modes {unknown}; choose from {known}")
     if set(modes) & set(HSDP_MODES) and args.world % 2:
         parser.error("the HSDP and hpZ modes need an even --world (groups of 2)")
+    if set(modes) & set(TP_MODES):
+        if args.world % TP_DEGREE:
+            parser.error(f"the TP modes need a --world divisible by {TP_DEGREE} (the TP degree)")
+        try:
+            check_tp(make_config(args.preset), TP_DEGREE)
+        except MeshError as error:
+            parser.error(f"the TP modes: preset {args.preset}: {error} (try --preset tiny-tp)")
     args.modes = [m for m in known if m in modes]
     if args.world < 1 or args.steps < 1 or args.rounds < 1 or args.warmup < 0:
         parser.error("--world, --steps and --rounds must be >= 1, --warmup >= 0")

@@ -14,7 +14,15 @@ import time
 
 import torch
 import torch.distributed as dist
-from bench_modes import DTYPES, FLATSHARD_STAGES, LR, WEIGHT_DECAY, LlamaConfig, build_mode
+from bench_modes import (
+    DTYPES,
+    FLATSHARD_STAGES,
+    LR,
+    WEIGHT_DECAY,
+    LlamaConfig,
+    build_mode,
+    data_slice,
+)
 from comm_counter import COUNTER, nbytes
 
 from flatshard.runtime.gather_policy import LOOKUP_PLAN_BYTES, all_gathers_per_step, lookup_payloads
@@ -185,15 +193,18 @@ class ModeRun:
             self.model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY
         )
         self.build_s = time.perf_counter() - t_build
+        # which part of each global batch this rank trains on (TP: its data-parallel rank's)
+        self.data_rank, self.data_world = data_slice(mode)
 
     def step(self, tokens: torch.Tensor, timed: bool, last: bool) -> None:
         """One training step on the global batch `tokens` (this rank's slice of it, but for
-        the single process). Every rank of a distributed mode calls it together."""
+        the single process; in the TP modes its data-parallel rank's slice, the same on every
+        rank of a TP group). Every rank of a distributed mode calls it together."""
         if self.idle:
             return
         if self.mode != "single":
-            per_rank = tokens.shape[0] // self.world
-            tokens = tokens[self.rank * per_rank : (self.rank + 1) * per_rank]
+            per_rank = tokens.shape[0] // self.data_world
+            tokens = tokens[self.data_rank * per_rank : (self.data_rank + 1) * per_rank]
             dist.barrier()  # every rank starts the step together
         COUNTER.reset()
         COUNTER.active = timed
@@ -217,7 +228,12 @@ class ModeRun:
             self.phases.append((t1 - t0, t2 - t1, (t3 - t2) + (t5 - t4)))
             self.cpu_seconds.append(cpu)
             self.comm.append(
-                dict(COUNTER.bytes) | {"calls": dict(COUNTER.calls), "narrow": COUNTER.narrow_bytes}
+                dict(COUNTER.bytes)
+                | {
+                    "calls": dict(COUNTER.calls),
+                    "narrow": COUNTER.narrow_bytes,
+                    "group_sizes": {k: dict(v) for k, v in COUNTER.group_sizes.items()},
+                }
             )
 
     def finish(self) -> dict:
@@ -257,7 +273,9 @@ class ModeRun:
                 result["ddp_bucket_sizes"] = None
         del self.model, self.optimizer, self.forward_loss, self.backward, model
         if self.mode != "single":
-            # Global mean loss of every step (outside the counted window).
+            # Global mean loss of every step (outside the counted window). TP ranks of a
+            # group hold the same loss (replicated logits), so the mean over every rank is
+            # the mean over the data-parallel ranks.
             total = torch.tensor(result["losses"], dtype=torch.float64)
             dist.all_reduce(total)
             result["losses"] = (total / self.world).tolist()

@@ -142,3 +142,27 @@ def test_compare_hsdp_and_hpz_modes(tmp_path):
     assert float(ours["loss Δ vs single"]) <= 1e-6
     assert ours["all-reduce /step"] == peer["all-reduce /step"] != "0 B"
     assert re.search(r"flatshard HSDP ZeRO-3 step x FSDP2 HSDP [0-9.]+ \(CPU [0-9.]+\)", text)
+
+
+def test_compare_tp_modes(tmp_path):
+    """World 4, 2 data-parallel x 2 tensor-parallel (preset tiny-tp: ffn 44 splits over 2):
+    FSDP2 and flatshard ZeRO-3 over the same parallelize_llama plan train like one process
+    (each TP group on its data-parallel rank's slice), all-reduce the same TP activations
+    (counted at DTensor's functional collectives), send per rank (N-1)/N of groups of 2, and
+    the report gives flatshard's step-paired ratio to FSDP2 TP."""
+    modes = "single,fsdp2-tp,tp3"
+    text = _run_compare(
+        tmp_path, "--preset", "tiny-tp", "--world", "4", "--modes", modes, "--interleave", "steps"
+    )
+    ours, peer = _row(text, "flatshard TP ZeRO-3"), _row(text, "FSDP2 TP")
+    for row in (ours, peer):
+        assert float(row["loss Δ vs single"]) <= 1e-6, row
+    assert ours["all-reduce /step"] == peer["all-reduce /step"] != "0 B"
+    # FSDP2's collectives all go over groups of 2 ranks: sent = 1/2 x (ag + 2 rs + 2 ar)
+    expected = (
+        _kib(peer["all-gather /step"])
+        + 2 * _kib(peer["reduce-scatter /step"])
+        + 2 * _kib(peer["all-reduce /step"])
+    ) / 2
+    assert abs(_kib(peer["sent /step"]) / expected - 1) < 0.02, (peer, expected)
+    assert re.search(r"flatshard TP ZeRO-3 vs FSDP2 TP: step x [0-9.]+ \(CPU [0-9.]+\)", text)
