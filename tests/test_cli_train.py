@@ -250,3 +250,18 @@ def test_expert_parallel_run_trains_like_data_parallel_and_resumes_at_another_ep
     assert measured["all_to_all_bytes"] == communication["ep_all_to_all"] > 0
     assert measured["all_gather_bytes"] == communication["all_gather"]
     assert measured["reduce_scatter_bytes"] == communication["reduce_scatter"]
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--tp", 3], "dp_replicate x tp (1 x 3) must divide world_size (4)"),
+        (["--tp", 4], "n_kv_heads (2) is not"),
+        (["--ep", 2, "--global-batch", 8], "train.ep > 1 needs a mixture-of-experts model"),
+        (["--ep", 3, "--global-batch", 8, "--model", "moe-tiny"], "ep (3) must divide"),
+    ],
+    ids=["tp-world", "tp-heads", "ep-dense", "ep-world"],
+)
+def test_bad_parallel_degrees_are_one_line_errors_on_every_rank(tmp_path, args, expected):
+    result = flatshard("train", *TINY, "--steps", 1, "--nproc", 4, "--out", tmp_path / "run", *args)
+    assert expected in one_line_error(result)

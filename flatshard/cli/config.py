@@ -413,10 +413,11 @@ def check(config: RunConfig, world_size: int | None = None) -> None:
             )
         if train.global_batch % (train.micro_batch * dims.dp):
             per_step = train.micro_batch * dims.dp
+            shared = f"; the {train.tp} TP ranks of a group share a batch" if train.tp > 1 else ""
             raise ConfigError(
                 f"train.global_batch ({train.global_batch}) must be a multiple of "
                 f"train.micro_batch x data-parallel ranks ({train.micro_batch} x {dims.dp} = "
-                f"{per_step}; the {train.tp} TP ranks of a group share a batch)"
+                f"{per_step}{shared})"
             )
     model, seq_len = config.model, config.data.seq_len
     if model.max_seq_len and model.max_seq_len < seq_len:
