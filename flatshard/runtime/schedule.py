@@ -86,8 +86,7 @@ class RootContext:
     def stays_gathered(self, unit) -> bool:
         """Whether `unit` stays gathered from forward into backward (gather_policy.py), by
         last step's forward order (before the first step: root parts only)."""
-        root = self.root.modules
-        root_part = lambda u: u is self.root or any(u.first_use_of is m for m in root)
+        root_part = lambda u: u.root_part or u is self.root
         order = self.previous_pre_forward_order
         if unit not in order:  # its place is not known yet
             return len(self.units) > 1 and root_part(unit)

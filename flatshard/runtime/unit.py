@@ -111,6 +111,16 @@ class Unit:
         self.post_backward_at_end = False  # a call had no such inputs (see hooks.py)
 
     @property
+    def root_part(self) -> bool:
+        """Whether this is a first-use group of its model's root (before the first forward
+        names the root: of any module)."""
+        if self.first_use_of is None:
+            return False
+        if self.context is None:
+            return True
+        return any(self.first_use_of is module for module in self.context.root.modules)
+
+    @property
     def group(self):
         return self.mesh.shard_group
 
