@@ -1,6 +1,7 @@
 """The benchmark's modes and model: presets, the same model, data and loss for every mode, and
-how each mode (one process, DDP, FSDP2, flatshard ZeRO-3/2/1, and on request HSDP, hpZ and
-tensor parallelism with either) wraps it."""
+how each mode (one process, DDP, FSDP2, flatshard ZeRO-3/2/1, and on request HSDP, hpZ,
+tensor parallelism with either, and a mixture-of-experts model with FSDP2, flatshard ZeRO-3
+or flatshard ZeRO-3 with expert parallelism) wraps it."""
 
 from __future__ import annotations
 
@@ -16,8 +17,14 @@ if _ROOT not in sys.path:  # `import flatshard` from a checkout without an insta
     sys.path.insert(0, _ROOT)
 
 import flatshard  # noqa: E402
-from flatshard.models import Llama, LlamaConfig  # noqa: E402
-from flatshard.parallel import parallelize_llama  # noqa: E402
+from flatshard.models import (  # noqa: E402
+    Llama,
+    LlamaConfig,
+    MoE,
+    MoEConfig,
+    load_balancing_loss,
+)
+from flatshard.parallel import ExpertParallel, parallelize_llama  # noqa: E402
 
 PRESETS = {
     # LlamaConfig.tiny(): mixed row counts (vocab 61, gate_up 90 rows) so padding shows.
@@ -45,6 +52,31 @@ PRESETS = {
         cfg=dict(
             vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=44, max_seq_len=64
         ),
+        seq=16,
+        micro_batch=2,
+        steps=3,
+    ),
+    # Mixture of experts (flatshard.models.MoE, Qwen3-MoE options: q/k norm, top-k weights
+    # renormalised), for the MoE modes: 4 experts top-2 (2 per rank at EP 2), expert ffn
+    # 48 (rows of 192 bytes, as torch._grouped_mm needs), aux loss weight 0.1 so the
+    # losses see it.
+    "tiny-moe": dict(
+        moe=True,
+        cfg=dict(
+            vocab_size=61,
+            dim=32,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            ffn_dim=64,
+            max_seq_len=64,
+            n_experts=4,
+            top_k=2,
+            expert_ffn_dim=48,
+            aux_loss_coef=0.1,
+            qk_norm=True,
+            norm_topk_prob=True,
+        ),  # fmt: skip
         seq=16,
         micro_batch=2,
         steps=3,
@@ -79,6 +111,29 @@ PRESETS = {
         micro_batch=4,
         steps=4,
     ),
+    # MoE, 17.6M parameters (12.6M of them experts; 8.1M active per token): dim 256, 4
+    # layers, 8 experts top-2 of ffn 512 each (torch._grouped_mm), 8k vocab, aux weight 0.01.
+    "moe-small": dict(
+        moe=True,
+        cfg=dict(
+            vocab_size=8192,
+            dim=256,
+            n_layers=4,
+            n_heads=8,
+            n_kv_heads=4,
+            ffn_dim=1024,
+            max_seq_len=128,
+            n_experts=8,
+            top_k=2,
+            expert_ffn_dim=512,
+            aux_loss_coef=0.01,
+            qk_norm=True,
+            norm_topk_prob=True,
+        ),  # fmt: skip
+        seq=128,
+        micro_batch=4,
+        steps=6,
+    ),
 }
 
 MODES = ["single", "ddp", "fsdp2", "zero3", "zero2", "zero1"]
@@ -89,6 +144,12 @@ HSDP_MODES = ["fsdp2-hsdp", "hsdp3", "fsdp2-hpz", "hpz3"]
 # with FSDP2's / flatshard's fully_shard over the data-parallel dim of a (world / TP_DEGREE,
 # TP_DEGREE) mesh, run when asked for with --modes
 TP_MODES = ["fsdp2-tp", "tp3"]
+# The MoE model (presets with moe=True; with them only these and `single`): FSDP2's or
+# flatshard's fully_shard per block and root, no expert parallelism; and flatshard ZeRO-3
+# with flatshard.parallel.ExpertParallel over EP_DEGREE ranks, the experts sharded over the
+# world / EP_DEGREE expert-data-parallel ranks. Every rank trains on its own slice; the
+# loss adds the load-balancing loss over the world (the data-parallel group).
+MOE_MODES = ["fsdp2-moe", "moe3", "ep3"]
 MODE_NAMES = {
     "single": "single process",
     "ddp": "DDP",
@@ -102,11 +163,17 @@ MODE_NAMES = {
     "hpz3": "flatshard hpZ",
     "fsdp2-tp": "FSDP2 TP",
     "tp3": "flatshard TP ZeRO-3",
+    "fsdp2-moe": "FSDP2 (no EP)",
+    "moe3": "flatshard ZeRO-3 (no EP)",
+    "ep3": "flatshard EP ZeRO-3",
 }
-FLATSHARD_STAGES = {"zero3": 3, "zero2": 2, "zero1": 1, "hsdp3": 3, "hpz3": 3, "tp3": 3}
+FLATSHARD_STAGES = {
+    "zero3": 3, "zero2": 2, "zero1": 1, "hsdp3": 3, "hpz3": 3, "tp3": 3, "moe3": 3, "ep3": 3,
+}  # fmt: skip
 HPZ_GROUP = 2
 HSDP_REPLICAS = 2
 TP_DEGREE = 2
+EP_DEGREE = 2
 
 
 def hsdp_mesh():
@@ -134,6 +201,25 @@ def tp_mesh():
     return _TP_MESH[0]
 
 
+_EP_MESH = []
+
+
+def ep_mesh():
+    """(world / EP_DEGREE expert-data-parallel, EP_DEGREE expert-parallel), named as
+    torchtitan's; built once per worker, as `tp_mesh`."""
+    if not _EP_MESH:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        efsdp = dist.get_world_size() // EP_DEGREE
+        _EP_MESH.append(init_device_mesh("cpu", (efsdp, EP_DEGREE), mesh_dim_names=("efsdp", "ep")))
+    return _EP_MESH[0]
+
+
+def is_moe(preset: str) -> bool:
+    return bool(PRESETS[preset].get("moe"))
+
+
 def data_slice(mode: str) -> tuple[int, int]:
     """(this rank's index, number of slices) of the global batch: the rank and the world,
     but in the TP modes the data-parallel rank and size (every rank of a TP group takes the
@@ -152,7 +238,8 @@ LR, WEIGHT_DECAY = 1e-3, 0.1
 
 
 def make_config(preset: str) -> LlamaConfig:
-    return LlamaConfig(**PRESETS[preset]["cfg"])
+    """The preset's LlamaConfig, or MoEConfig (a LlamaConfig) for an MoE preset."""
+    return (MoEConfig if is_moe(preset) else LlamaConfig)(**PRESETS[preset]["cfg"])
 
 
 def make_data(cfg: LlamaConfig, steps: int, global_batch: int, seq: int) -> list[torch.Tensor]:
@@ -168,9 +255,30 @@ def lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
-def build_model(cfg: LlamaConfig) -> Llama:
+def moe_loss(model, tokens: torch.Tensor, group, coef: float) -> torch.Tensor:
+    """Next-token cross-entropy plus `coef` (aux_loss_coef) x the load-balancing loss of this
+    forward's router statistics, with its counts summed over `group`, the ranks that split
+    the batch (None: one process), as tests/test_moe_training.py: the mean over the ranks
+    (and its gradient) is the global batch's loss."""
+    logits, stats = model(tokens[:, :-1], return_router_stats=True)
+    lm = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    return lm + coef * load_balancing_loss(stats, group)
+
+
+def loss_for(cfg: LlamaConfig, distributed: bool):
+    """`loss(model, tokens)` for the config: the LM loss, or for an MoE model with the
+    load-balancing loss over the world (every MoE mode is data-parallel over all ranks)."""
+    if not isinstance(cfg, MoEConfig):
+        return lm_loss
+    import torch.distributed as dist
+
+    group = dist.group.WORLD if distributed else None
+    return lambda model, tokens: moe_loss(model, tokens, group, cfg.aux_loss_coef)
+
+
+def build_model(cfg: LlamaConfig) -> Llama | MoE:
     torch.manual_seed(MODEL_SEED)
-    return Llama(cfg)
+    return MoE(cfg) if isinstance(cfg, MoEConfig) else Llama(cfg)
 
 
 class SingleProcess:
@@ -179,6 +287,7 @@ class SingleProcess:
     compute copy refreshed every step, gradients cast back to fp32."""
 
     def __init__(self, cfg: LlamaConfig, param_dtype: torch.dtype) -> None:
+        self.loss = loss_for(cfg, distributed=False)
         self.main = build_model(cfg)
         self.compute = None
         if param_dtype != torch.float32:
@@ -191,11 +300,11 @@ class SingleProcess:
 
     def forward_loss(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.compute is None:
-            return lm_loss(self.main, tokens)
+            return self.loss(self.main, tokens)
         with torch.no_grad():
             for low, full in zip(self.compute.parameters(), self.main.parameters()):
                 low.copy_(full)
-        return lm_loss(self.compute, tokens)
+        return self.loss(self.compute, tokens)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -211,6 +320,7 @@ def build_mode(mode: str, cfg: LlamaConfig, param_dtype: torch.dtype):
         model = SingleProcess(cfg, param_dtype)
         return model, model.forward_loss, model.backward
     model = build_model(cfg)
+    loss = loss_for(cfg, distributed=True)
     low = param_dtype != torch.float32
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -221,10 +331,10 @@ def build_mode(mode: str, cfg: LlamaConfig, param_dtype: torch.dtype):
             # (fp32 weights and gradients, matmuls in param_dtype).
             def autocast_loss(tokens):
                 with torch.autocast("cpu", dtype=param_dtype):
-                    return lm_loss(model, tokens)
+                    return loss(model, tokens)
 
             return model, autocast_loss, (lambda loss: loss.backward())
-    elif mode in ("fsdp2", "fsdp2-hsdp", "fsdp2-hpz", "fsdp2-tp"):
+    elif mode in ("fsdp2", "fsdp2-hsdp", "fsdp2-hpz", "fsdp2-tp", "fsdp2-moe"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
@@ -249,7 +359,18 @@ def build_mode(mode: str, cfg: LlamaConfig, param_dtype: torch.dtype):
             parallelize_llama(model, tp_mesh()["tp"])
             mesh = tp_mesh()["dp_shard"]
         extra = {"reshard_after_forward": HPZ_GROUP} if mode == "hpz3" else {"zero_stage": stage}
+        if mode == "ep3":
+            # each EP rank owns its experts (Shard(0) over ep), sharded over efsdp
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            for layer in model.layers:
+                experts = getattr(layer.mlp, "experts", None)
+                if experts is not None:
+                    parallelize_module(experts, ep_mesh()["ep"], ExpertParallel())
+                    flatshard.fully_shard(
+                        experts, mp_policy=policy, mesh=ep_mesh()["efsdp"], **extra
+                    )
         for layer in model.layers:
             flatshard.fully_shard(layer, mp_policy=policy, mesh=mesh, **extra)
         flatshard.fully_shard(model, mp_policy=policy, mesh=mesh, **extra)
-    return model, (lambda tokens: lm_loss(model, tokens)), (lambda loss: loss.backward())
+    return model, (lambda tokens: loss(model, tokens)), (lambda value: value.backward())

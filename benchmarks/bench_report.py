@@ -10,10 +10,12 @@ import subprocess
 
 import torch
 from bench_modes import (
+    EP_DEGREE,
     FLATSHARD_STAGES,
     HSDP_REPLICAS,
     LR,
     MODE_NAMES,
+    MOE_MODES,
     PRESETS,
     TP_DEGREE,
     TP_MODES,
@@ -155,6 +157,8 @@ def summarize(gathered: list[dict], modes: list[str]) -> dict[str, dict]:
             for kind in COMM_KINDS
         }
         narrow = statistics.mean(c["narrow"] for c in comm_steps) if comm_steps else 0
+        for key in ("ep_offrank", "ep_rows", "ep_traffic"):  # expert parallelism's
+            comm[key] = statistics.mean(c.get(key, 0) for c in comm_steps) if comm_steps else 0
         # bytes by the size of the group they went over (JSON made the sizes strings)
         comm["group_sizes"] = {
             kind: {
@@ -214,13 +218,19 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
     preset = PRESETS[opts["preset"]]
     world = opts["world"]
     single_losses = summary.get("single", {}).get("losses")
-    fsdp2_losses = summary.get("fsdp2", {}).get("losses")
+    # the ×FSDP2 columns: FSDP2, or over the MoE model FSDP2 (no EP)
+    fsdp2 = "fsdp2-moe" if "fsdp2" not in summary and "fsdp2-moe" in summary else "fsdp2"
+    fsdp2_losses = summary.get(fsdp2, {}).get("losses")
+    # expert parallelism's all-to-alls get their own column when an EP mode ran
+    with_ep = "ep3" in opts["modes"]
+    kinds = [k for k in COMM_KINDS if with_ep or k != "ep_all_to_all"]
     header = (
         "| mode | step ms (median) | ×FSDP2 | ×DDP | fwd ms | bwd ms | opt ms "
         "| CPU s/step (all ranks) | CPU ×FSDP2 | CPU ×DDP "
         "| peak RSS MiB per rank (growth) | state per rank (p+g+opt) "
         "| all-gather /step | reduce-scatter /step | all-reduce /step "
-        "| sent /step | padding % | loss Δ vs single | loss Δ vs FSDP2 |"
+        + ("| EP all-to-all /step " if with_ep else "")
+        + "| sent /step | padding % | loss Δ vs single | loss Δ vs FSDP2 |"
     )
     lines = [header, _rule(header)]
     for mode in opts["modes"]:
@@ -247,19 +257,21 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
         all_reduce = _fmt_bytes(comm["all_reduce"])
         if mode == "ddp":
             all_reduce += " (analytic)"
+        if with_ep:
+            all_reduce += f" | {_fmt_bytes(comm['ep_all_to_all'])}"
         vs_single = None
         if mode != "single" and single_losses:
             vs_single = _max_rel(s["losses"], single_losses)
         vs_fsdp2 = None
-        if mode != "fsdp2" and fsdp2_losses:
+        if mode != fsdp2 and fsdp2_losses:
             vs_fsdp2 = _max_rel(s["losses"], fsdp2_losses)
         lines.append(
             f"| {MODE_NAMES[mode]} | {1000 * s['step']:.1f} "
-            f"| {_fmt_ratio(_paired_ratio(summary, mode, 'fsdp2'))} "
+            f"| {_fmt_ratio(_paired_ratio(summary, mode, fsdp2))} "
             f"| {_fmt_ratio(_paired_ratio(summary, mode, 'ddp'))} "
             f"| {1000 * s['fwd']:.1f} | {1000 * s['bwd']:.1f} "
             f"| {1000 * s['opt']:.1f} | {s['cpu']:.2f} "
-            f"| {_fmt_ratio(_paired_ratio(summary, mode, 'fsdp2', 'cpu_times'))} "
+            f"| {_fmt_ratio(_paired_ratio(summary, mode, fsdp2, 'cpu_times'))} "
             f"| {_fmt_ratio(_paired_ratio(summary, mode, 'ddp', 'cpu_times'))} "
             f"| {rss} | {state} "
             f"| {all_gather} | {reduce_scatter} | {all_reduce} "
@@ -270,6 +282,22 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
 
     low = opts["param_dtype"] != "fp32"
     n_params = cfg.num_params()
+    if opts["modes"] and set(opts["modes"]) <= set(MOE_MODES) | {"single"}:
+        moe_layers = cfg.n_layers - cfg.first_k_dense
+        inactive = moe_layers * (cfg.n_experts - cfg.top_k) * 3 * cfg.dim * cfg.expert_ffn_dim
+        model_line = (
+            f"- model: MoE preset `{opts['preset']}` ({n_params:,} parameters, "
+            f"{n_params - inactive:,} active per token: dim {cfg.dim}, {cfg.n_layers} layers, "
+            f"{cfg.n_heads}/{cfg.n_kv_heads} heads, {cfg.n_experts} experts top-{cfg.top_k} "
+            f"of ffn {cfg.expert_ffn_dim}, vocab {cfg.vocab_size}; loss = LM + "
+            f"{cfg.aux_loss_coef} x load-balancing loss)"
+        )
+    else:
+        model_line = (
+            f"- model: Llama preset `{opts['preset']}` ({n_params:,} parameters: "
+            f"dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads}/{cfg.n_kv_heads} heads, "
+            f"ffn {cfg.ffn_dim}, vocab {cfg.vocab_size})"
+        )
     first_loss = summary[opts["modes"][0]]["losses"][0][0]
     steps = f"{opts['warmup']} warm-up + {opts['steps_per_round']} timed steps"
     schedule = (
@@ -288,9 +316,7 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
         f"load average {meta['load_start']} at start, {meta['load_end']} at end",
         f"- software: torch {torch.__version__}, Python {platform.python_version()}, "
         f"flatshard {meta['git']}",
-        f"- model: Llama preset `{opts['preset']}` ({n_params:,} parameters: "
-        f"dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads}/{cfg.n_kv_heads} heads, "
-        f"ffn {cfg.ffn_dim}, vocab {cfg.vocab_size}); seq {preset['seq']}, micro-batch "
+        f"{model_line}; seq {preset['seq']}, micro-batch "
         f"{preset['micro_batch']} per rank (global batch {preset['micro_batch'] * world}, "
         "which the single process runs at once); AdamW "
         f"(lr {LR}, weight decay {WEIGHT_DECAY}) on fp32 weights; param dtype "
@@ -310,6 +336,21 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
             f"each data-parallel rank trains on {preset['micro_batch'] * TP_DEGREE} sequences "
             f"(global batch / {dp}), the same on both ranks of its TP group, so the global "
             "batch, and the loss, are those of every other mode"
+        )
+    if set(opts["modes"]) & set(MOE_MODES):
+        efsdp = world // EP_DEGREE
+        notes.append(
+            "- MoE modes: every rank trains on its own slice of the global batch (EP ranks "
+            "see different tokens); the load-balancing loss sums the router counts over all "
+            f"{world} ranks (`load_balancing_loss(stats, group=WORLD)`), so the mean loss and "
+            "gradient are the global batch's, as in one process. FSDP2 (no EP) and flatshard "
+            "ZeRO-3 (no EP): `fully_shard` per block and on the root over all ranks (each "
+            f"block's experts sharded with it). flatshard EP ZeRO-3: a ({efsdp} efsdp, "
+            f"{EP_DEGREE} ep) mesh; each block's experts `parallelize_module(experts, "
+            "mesh['ep'], ExpertParallel())` (each EP rank owns "
+            f"{cfg.n_experts // EP_DEGREE} of {cfg.n_experts} experts, tokens travel by "
+            "all-to-all) and `flatshard.fully_shard(experts, mesh=mesh['efsdp'])`, then "
+            "`fully_shard` per block and on the root over all ranks"
         )
     if meta.get("note"):
         notes.append(f"- note: {meta['note']}")
@@ -353,7 +394,9 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
         "gloo runs, (N-1)/N x (all-gather + all-to-all + 2 x all-reduce + 2 x reduce-scatter, "
         "as gloo's reduce-scatter all-reduces its whole input) + point-to-point sends, N the "
         "size of the group each collective went over (the world, or an HSDP, hpZ, TP or "
-        "data-parallel group). DTensor's collectives (TP's all-reduces) are counted at "
+        "data-parallel group), + expert parallelism's all-to-all bytes bound for other ranks "
+        "(EP all-to-all: input bytes of its token rows and per-expert counts). DTensor's "
+        "collectives (TP's all-reduces) are counted at "
         "`torch.distributed._functional_collectives`. "
         "DDP all-reduces in C++ gradient buckets that Python never sees: its all-reduce bytes "
         "are analytic (= trainable parameter bytes in the reduce dtype, fp32). Padding: "
@@ -387,7 +430,7 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
         )
     calls = "; ".join(
         f"{MODE_NAMES[m]} "
-        + ", ".join(f"{COUNTED_NAME[k]} {summary[m]['calls'][k]:.0f}" for k in COMM_KINDS)
+        + ", ".join(f"{COUNTED_NAME[k]} {summary[m]['calls'][k]:.0f}" for k in kinds)
         for m in opts["modes"]
         if m != "single"
     )
@@ -402,7 +445,7 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
         explain.append(
             f"\nCounted bytes per step on groups smaller than all {world} ranks (hpZ's node "
             f"groups, HSDP's replica and shard groups, TP's data-parallel and tensor-parallel "
-            f"groups): {parts}."
+            f"groups, EP's efsdp and ep groups): {parts}."
         )
     if "hsdp3" in summary and "fsdp2-hsdp" in summary:
         wall = _paired_ratio(summary, "hsdp3", "fsdp2-hsdp")
@@ -419,6 +462,29 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
             f"\nTP ({world // TP_DEGREE} data-parallel x {TP_DEGREE} tensor-parallel): "
             f"flatshard TP ZeRO-3 vs FSDP2 TP: step x {_fmt_ratio(wall)} "
             f"(CPU {_fmt_ratio(cpu)}), step-paired medians as above."
+        )
+    if "fsdp2-moe" in summary:
+        pairs = [
+            f"{MODE_NAMES[m]} vs FSDP2 (no EP): step x "
+            f"{_fmt_ratio(_paired_ratio(summary, m, 'fsdp2-moe'))} "
+            f"(CPU {_fmt_ratio(_paired_ratio(summary, m, 'fsdp2-moe', 'cpu_times'))})"
+            for m in ("ep3", "moe3")
+            if m in summary
+        ]
+        if pairs:
+            explain.append(f"\nMoE: {'; '.join(pairs)}, step-paired medians as above.")
+    ep = summary.get("ep3")
+    if ep:
+        c = ep["comm"]
+        explain.append(
+            f"\nflatshard EP ZeRO-3 all-to-all per rank per step (ep {EP_DEGREE}): "
+            f"{_fmt_bytes(c['ep_all_to_all'])} of input, of which token rows "
+            f"{_fmt_bytes(c['ep_rows'])} (forward rows out and back, backward their "
+            f"gradients; flatshard.comm.traffic.all_to_all counts "
+            f"{_fmt_bytes(c['ep_traffic'])}) and per-expert counts "
+            f"{_fmt_bytes(c['ep_all_to_all'] - c['ep_rows'])}; "
+            f"{_fmt_bytes(c['ep_offrank'])} of it bound for the other EP rank (in sent); "
+            f"{summary['ep3']['calls']['ep_all_to_all']:.0f} calls."
         )
     zero3 = summary.get("zero3")
     if zero3 and zero3["zero3_wire"]:
@@ -471,7 +537,7 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
 
 
 def _round_ratio_spread(summary: dict[str, dict], modes: list[str]) -> str:
-    peers = [p for p in ("fsdp2", "ddp") if p in summary]
+    peers = [p for p in ("fsdp2", "fsdp2-moe", "ddp") if p in summary]
     parts = []
     for mode in modes:
         if mode not in FLATSHARD_STAGES or len(summary[mode]["round_steps"]) < 2:

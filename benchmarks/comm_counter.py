@@ -14,7 +14,7 @@ def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send")
+COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send", "ep_all_to_all")
 # Bytes each rank sends per counted byte of a collective, as (N-1)/N multiples, for the
 # algorithms gloo runs: ring all-gather, all-to-all and ring all-reduce (reduce-scatter +
 # all-gather); gloo's reduce-scatter clones its input and all-reduces all of it.
@@ -25,6 +25,7 @@ COUNTED_NAME = {
     "all_reduce": "all_reduce",
     "all_to_all": "all_to_all_single",
     "send": "isend",
+    "ep_all_to_all": "all_to_all_single (EP)",
 }
 
 
@@ -39,14 +40,15 @@ def _by_group_size(comm: dict, kind: str, world: int) -> dict[int, float]:
 
 def wire_bytes(comm: dict, world: int) -> float:
     """Bytes one rank sends per step: the collectives (see WIRE_FACTOR; (N-1)/N with N the
-    size of the group each went over: the world, or a TP, HSDP or hpZ group) and its
-    sends."""
+    size of the group each went over: the world, or a TP, HSDP or hpZ group), its sends,
+    and expert parallelism's all-to-alls (the bytes of their input bound for other ranks,
+    counted exactly: the splits are uneven)."""
     collectives = sum(
         WIRE_FACTOR[kind] * b * (n - 1) / n
         for kind in WIRE_FACTOR
         for n, b in _by_group_size(comm, kind, world).items()
     )
-    return collectives + comm["send"]
+    return collectives + comm["send"] + comm.get("ep_offrank", 0)
 
 
 def gathered_bytes(comm: dict, world: int) -> float:
@@ -69,8 +71,13 @@ class CommCounter:
     that is reduced; all-reduce: bytes of the tensor; all-to-all: bytes of the input (flatshard
     reduce-scatters that way on gloo); send: bytes of each `isend` (flatshard all-gathers that
     way on gloo). Nested calls (a deprecated name that forwards to its `*_single`
-    replacement) count once. DTensor's collectives (tensor parallelism's all-reduces) go
-    through `torch.distributed._functional_collectives`, counted as well. Bytes are also
+    replacement) count once. The `all_to_all_single` calls of expert parallelism (its
+    token rows, forward and backward, in `flatshard.comm._send_rows`, and its per-expert
+    counts, in `flatshard.parallel.expert_parallel._exchange_counts`) count apart, as
+    `ep_all_to_all` (input bytes), with `ep_offrank` the bytes of the input bound for other
+    ranks and `ep_rows` the token rows alone. DTensor's collectives (tensor parallelism's
+    all-reduces) go through `torch.distributed._functional_collectives`, counted as well.
+    Bytes are also
     kept by the size of the group they went over (`group_sizes`), for the bytes sent.
     """
 
@@ -99,6 +106,8 @@ class CommCounter:
     }
 
     def reset(self) -> None:
+        self.ep_offrank = 0
+        self.ep_rows = 0
         self.bytes = dict.fromkeys(COMM_KINDS, 0)
         self.calls = dict.fromkeys(COMM_KINDS, 0)
         self.group_sizes = {kind: {} for kind in COMM_KINDS}
@@ -115,6 +124,13 @@ class CommCounter:
                     setattr(namespace, name, wrapper)
         from torch.distributed import _functional_collectives as funcol
 
+        import flatshard.comm
+        import flatshard.parallel.expert_parallel as expert_parallel
+
+        # looked up as module globals at each call
+        flatshard.comm._send_rows = self._mark_ep(flatshard.comm._send_rows, rows=True)
+        expert_parallel._exchange_counts = self._mark_ep(expert_parallel._exchange_counts)
+
         for name, (kind, position) in self.FUNCTIONAL.items():
             setattr(funcol, name, self._wrap_functional(getattr(funcol, name), kind, position))
 
@@ -124,6 +140,38 @@ class CommCounter:
         self.group_sizes[kind][size] = self.group_sizes[kind].get(size, 0) + counted
         if size < dist.get_world_size():
             self.narrow_bytes += counted
+
+    def _mark_ep(self, original, rows: bool = False):
+        """`original`'s all-to-alls are expert parallelism's (`rows`: its token rows)."""
+        counter = self
+
+        def marked(*args, **kwargs):
+            previous = getattr(counter._local, "ep", None)
+            counter._local.ep = "rows" if rows else "counts"
+            try:
+                return original(*args, **kwargs)
+            finally:
+                counter._local.ep = previous
+
+        marked.__wrapped__ = original
+        marked.__name__ = original.__name__
+        return marked
+
+    def _count_ep(self, tensor: torch.Tensor, args, kwargs) -> None:
+        """An EP all-to-all's input bytes, and those bound for other ranks (its input
+        splits, or equal pieces)."""
+        group = args[4] if len(args) > 4 else kwargs.get("group")
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        total = nbytes(tensor)
+        splits = args[3] if len(args) > 3 else kwargs.get("input_split_sizes")
+        if splits:
+            own = total * splits[rank] // max(sum(splits), 1)
+        else:
+            own = total // size
+        self._count("ep_all_to_all", tensor, size)
+        self.ep_offrank += total - own
+        if self._local.ep == "rows":
+            self.ep_rows += total
 
     def _wrap_functional(self, original, kind: str, position: int):
         counter = self
@@ -147,10 +195,15 @@ class CommCounter:
             depth = getattr(counter._local, "depth", 0)
             if counter.active and depth == 0:
                 tensor = args[position] if len(args) > position else kwargs.get(keyword)
-                if isinstance(tensor, torch.Tensor):
+                counted_kind = kind
+                if kind == "all_to_all" and getattr(counter._local, "ep", None):
+                    counted_kind = "ep_all_to_all"
+                    if isinstance(tensor, torch.Tensor):
+                        counter._count_ep(tensor, args, kwargs)
+                elif isinstance(tensor, torch.Tensor):
                     group = kwargs.get("group")
                     counter._count(kind, tensor, dist.get_world_size(group))
-                counter.calls[kind] += 1
+                counter.calls[counted_kind] += 1
             counter._local.depth = depth + 1
             try:
                 return original(*args, **kwargs)

@@ -11,7 +11,11 @@ every mode, inside one set of spawned worker processes (one gloo process group):
 and on request (--modes) HSDP, hpZ, and tensor parallelism (`fsdp2-tp`, `tp3`:
 flatshard.parallel.parallelize_llama over 2 ranks, then FSDP2's or flatshard's fully_shard
 over the data-parallel dim of a (world / 2, 2) mesh; every rank of a TP group trains on its
-data-parallel rank's slice of the same global batch).
+data-parallel rank's slice of the same global batch), and with an MoE preset (`tiny-moe`,
+`moe-small`) the MoE modes: `fsdp2-moe` and `moe3` (FSDP2's or flatshard's fully_shard per
+block and root, no expert parallelism) and `ep3` (flatshard ZeRO-3 with
+flatshard.parallel.ExpertParallel over 2 ranks, experts sharded over world / 2); every rank
+trains on its own slice, the loss adds the load-balancing loss over all ranks.
 
 Modes are interleaved so that a drift of a shared machine hits all of them alike; every
 other round runs them in reverse order. `--interleave modes` (default): in every round each
@@ -26,6 +30,7 @@ first. Each rank runs torch with one thread.
     python benchmarks/compare.py --preset 35m --steps 6
     python benchmarks/compare.py --preset 35m --steps 12 --rounds 4 --interleave steps
     python benchmarks/compare.py --preset 35m --steps 6 --param-dtype bf16 --append
+    python benchmarks/compare.py --world 4 --preset moe-small --modes fsdp2-moe,moe3,ep3
 
 It writes a markdown section (machine, torch version, date, exact command, table, notes)
 to --out and prints it. The modes and model are in bench_modes.py, the counting of
@@ -51,12 +56,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from bench_modes import (
     DTYPES,
+    EP_DEGREE,
     HSDP_MODES,
     MODE_NAMES,
     MODES,
+    MOE_MODES,
     PRESETS,
     TP_DEGREE,
     TP_MODES,
+    is_moe,
     make_config,
     make_data,
 )
@@ -171,7 +179,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "every mode built, one step of each in turn (timings on a noisy machine)",
     )
     parser.add_argument("--param-dtype", choices=sorted(DTYPES), default="fp32")
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset")
+    parser.add_argument(
+        "--modes",
+        help="comma-separated subset (default: the Llama modes, or with an MoE preset "
+        "single and the MoE modes)",
+    )
     parser.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "RESULTS.md"))
     parser.add_argument("--append", action="store_true", help="append to --out")
     parser.add_argument("--note", help="a line to add to the report (e.g. machine sharing)")
@@ -184,11 +196,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps is None:
         args.steps = PRESETS[args.preset]["steps"]
+    moe = is_moe(args.preset)
+    if args.modes is None:
+        args.modes = ",".join(["single", *MOE_MODES] if moe else MODES)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    known = MODES + HSDP_MODES + TP_MODES
+    known = MODES + HSDP_MODES + TP_MODES + MOE_MODES
     unknown = sorted(set(modes) - set(known))
     if unknown or not modes:
         parser.error(f"unknown modes {unknown}; choose from {known}")
+    moe_ok = {"single", *MOE_MODES}
+    if moe and set(modes) - moe_ok:
+        parser.error(f"MoE preset {args.preset}: choose --modes from {sorted(moe_ok)}")
+    if not moe and set(modes) & set(MOE_MODES):
+        parser.error("the MoE modes need an MoE preset (--preset tiny-moe or moe-small)")
+    if "ep3" in modes:
+        n_experts = make_config(args.preset).n_experts
+        if args.world % EP_DEGREE or n_experts % EP_DEGREE:
+            parser.error(
+                f"ep3 needs --world and the preset's experts ({n_experts}) divisible by "
+                f"{EP_DEGREE} (the EP degree)"
+            )
     if set(modes) & set(HSDP_MODES) and args.world % 2:
         parser.error("the HSDP and hpZ modes need an even --world (groups of 2)")
     if set(modes) & set(TP_MODES):

@@ -25,6 +25,7 @@ from bench_modes import (
 )
 from comm_counter import COUNTER, nbytes
 
+from flatshard import comm as flatshard_comm
 from flatshard.runtime.gather_policy import LOOKUP_PLAN_BYTES, all_gathers_per_step, lookup_payloads
 
 # --- memory ----------------------------------------------------------------------------
@@ -107,7 +108,7 @@ def zero3_wire_bytes(model, world: int) -> dict:
     analytic = textbook = kept = table = lookups = 0.0
     for unit in _units(model):
         # an embedding looked up from its shards would, gathered, stay as a root part
-        stays = unit.kept_for_backward or unit.root_part
+        stays = unit.kept_for_backward or _root_part(unit)
         gathered = sum(b.layout.padded_size * b.param_dtype.itemsize for b in unit.buckets)
         reduced = sum(
             b.layout.padded_size * b.reduce_dtype.itemsize
@@ -129,6 +130,13 @@ def zero3_wire_bytes(model, world: int) -> dict:
         "table": table,
         "lookups": lookups,
     }
+
+
+def _root_part(unit) -> bool:
+    """Whether `unit` is the model root or one of its first-use groups (what
+    flatshard/runtime/schedule.py keeps gathered through backward)."""
+    root = unit.context.root if unit.context is not None else unit
+    return unit is root or any(unit.first_use_of is m for m in root.modules)
 
 
 def _lookup_bytes(lookup, share: float) -> float:
@@ -208,6 +216,7 @@ class ModeRun:
             dist.barrier()  # every rank starts the step together
         COUNTER.reset()
         COUNTER.active = timed
+        ep_rows0 = flatshard_comm.traffic.all_to_all
         cpu0 = time.process_time()
         t0 = time.perf_counter()
         loss = self.forward_loss(tokens)
@@ -223,6 +232,7 @@ class ModeRun:
         t5 = time.perf_counter()
         cpu = time.process_time() - cpu0
         COUNTER.active = False
+        ep_rows = flatshard_comm.traffic.all_to_all - ep_rows0
         self.losses.append(loss.item())
         if timed:
             self.phases.append((t1 - t0, t2 - t1, (t3 - t2) + (t5 - t4)))
@@ -232,6 +242,11 @@ class ModeRun:
                 | {
                     "calls": dict(COUNTER.calls),
                     "narrow": COUNTER.narrow_bytes,
+                    # expert parallelism: bytes bound for other ranks, the token rows
+                    # counted here and as flatshard counts them (comm.traffic.all_to_all)
+                    "ep_offrank": COUNTER.ep_offrank,
+                    "ep_rows": COUNTER.ep_rows,
+                    "ep_traffic": ep_rows,
                     "group_sizes": {k: dict(v) for k, v in COUNTER.group_sizes.items()},
                 }
             )

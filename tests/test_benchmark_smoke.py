@@ -166,3 +166,24 @@ def test_compare_tp_modes(tmp_path):
     ) / 2
     assert abs(_kib(peer["sent /step"]) / expected - 1) < 0.02, (peer, expected)
     assert re.search(r"flatshard TP ZeRO-3 vs FSDP2 TP: step x [0-9.]+ \(CPU [0-9.]+\)", text)
+
+
+def test_compare_moe_modes(tmp_path):
+    """World 4, MoE preset tiny-moe (4 experts, top-2, aux loss in the loss): FSDP2 and
+    flatshard ZeRO-3 without EP and flatshard ZeRO-3 with EP 2 (experts over efsdp 2) train
+    like one process; only EP moves tokens by all-to-all, counted as flatshard counts its
+    token rows, and the report gives its step-paired ratio to FSDP2 (no EP)."""
+    modes = "single,fsdp2-moe,moe3,ep3"
+    text = _run_compare(
+        tmp_path, "--preset", "tiny-moe", "--world", "4", "--modes", modes,
+        "--interleave", "steps", "--rounds", "1",
+    )  # fmt: skip
+    for mode in ("FSDP2 (no EP)", "flatshard ZeRO-3 (no EP)", "flatshard EP ZeRO-3"):
+        row = _row(text, mode)
+        assert float(row["loss Δ vs single"]) <= 1e-6, row
+        assert (row["EP all-to-all /step"] == "0 B") == (mode != "flatshard EP ZeRO-3"), row
+    rows = re.search(r"token rows (\S+ \S+) .*?all_to_all counts (\S+ \S+)\)", text)
+    assert rows and rows[1] == rows[2] and _kib(rows[1]) > 0, text
+    assert re.search(
+        r"flatshard EP ZeRO-3 vs FSDP2 \(no EP\): step x [0-9.]+ \(CPU [0-9.]+\)", text
+    )
