@@ -108,7 +108,7 @@ def zero3_wire_bytes(model, world: int) -> dict:
     analytic = textbook = kept = table = lookups = 0.0
     for unit in _units(model):
         # an embedding looked up from its shards would, gathered, stay as a root part
-        stays = unit.kept_for_backward or _root_part(unit)
+        stays = unit.kept_for_backward or unit.root_part
         gathered = sum(b.layout.padded_size * b.param_dtype.itemsize for b in unit.buckets)
         reduced = sum(
             b.layout.padded_size * b.reduce_dtype.itemsize
@@ -130,13 +130,6 @@ def zero3_wire_bytes(model, world: int) -> dict:
         "table": table,
         "lookups": lookups,
     }
-
-
-def _root_part(unit) -> bool:
-    """Whether `unit` is the model root or one of its first-use groups (what
-    flatshard/runtime/schedule.py keeps gathered through backward)."""
-    root = unit.context.root if unit.context is not None else unit
-    return unit is root or any(unit.first_use_of is m for m in root.modules)
 
 
 def _lookup_bytes(lookup, share: float) -> float:
