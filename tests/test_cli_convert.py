@@ -66,3 +66,33 @@ def test_moe_checkpoint_export_is_refused(tmp_path, capsys):
     assert main(["convert", "checkpoint-to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 2
     assert "holds an MoE model" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()
+
+
+def test_tied_round_trip_in_one_process(tmp_path, capsys):
+    """A tied model (SmolLM-style) exported in one process keeps its tie: no lm_head.weight
+    in the export, which is bitwise the original and imports again; sampling reads it."""
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(
+        vocab_size=61, hidden_size=32, intermediate_size=45, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.2)
+    model.save_pretrained(tmp_path / "hf")
+    hf, ckpt, out = (str(tmp_path / name) for name in ("hf", "ckpt", "out"))
+    assert main(["convert", "hf-to-checkpoint", hf, ckpt]) == 0
+    assert main(["convert", "checkpoint-to-hf", ckpt, out]) == 0
+    original = load_file(tmp_path / "hf" / "model.safetensors")
+    exported = load_file(tmp_path / "out" / "model.safetensors")
+    assert "lm_head.weight" not in exported and original.keys() == exported.keys()
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+    assert main(["convert", "hf-to-checkpoint", out, str(tmp_path / "again")]) == 0
+    capsys.readouterr()
+    assert main(["sample", "--checkpoint", ckpt, "--prompt-ids", "5,6",
+                 "--tokens", "2", "--temperature", "0"]) == 0  # fmt: skip
+    greedy = [int(i) for i in capsys.readouterr().out.split()]
+    with torch.no_grad():
+        assert greedy[2] == int(model(torch.tensor([[5, 6]])).logits[0, -1].argmax())

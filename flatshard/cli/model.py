@@ -133,7 +133,12 @@ def build_plain(cfg: LlamaConfig, device: torch.device | str = "cpu") -> Llama |
     """An unsharded model with uninitialised weights, to load a checkpoint into."""
     with torch.device("meta"):
         model = reference_model(cfg)
-    return model.to_empty(device=device)
+    model = model.to_empty(device=device)
+    if cfg.tie_embeddings:
+        # to_empty gives every module a tensor of its own, so the tie is lost: an untied
+        # model would load both names and export a lm_head.weight HF's tied model lacks
+        model.lm_head.weight = model.embed_tokens.weight
+    return model
 
 
 def config_from_dict(values: dict) -> LlamaConfig:
