@@ -38,9 +38,16 @@ SIZES = dict(
     num_key_value_heads=2,
     max_position_embeddings=64,
 )
+LLAMA3_ROPE = dict(
+    rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+    high_freq_factor=8.0, original_max_position_embeddings=256,
+)  # fmt: skip
 ARCHS = {
     "llama": lambda: transformers.LlamaConfig(**SIZES, rope_theta=5000.0, rms_norm_eps=1e-5),
     "llama_tied": lambda: transformers.LlamaConfig(**SIZES, tie_word_embeddings=True),
+    # Llama 3.1 RoPE scaling; with head_dim 8 its 4 frequencies meet all three cases: kept
+    # (wavelength < 256/8), smoothed, and divided by factor (> 256/1)
+    "llama31": lambda: transformers.LlamaConfig(**SIZES, rope_parameters=LLAMA3_ROPE),
     "qwen2": lambda: transformers.Qwen2Config(**SIZES, rope_theta=20000.0),
     # head_dim 16 != hidden / heads: q_proj is wider than the model
     "qwen3": lambda: transformers.Qwen3Config(**SIZES, head_dim=16),
@@ -445,6 +452,12 @@ def test_config_fields():
     assert not (llama.tie_embeddings or llama.qk_norm or llama.attention_bias)
     assert hf.hf_to_config(hf_dict("llama_tied")).tie_embeddings
     assert hf.hf_to_config(hf_dict("qwen2")).attention_bias
+    llama31 = hf.hf_to_config(hf_dict("llama31"))
+    assert (llama31.rope_type, llama31.rope_factor, llama31.rope_high_freq_factor) == (
+        "llama3", 8.0, 8.0,
+    )  # fmt: skip
+    assert (llama31.rope_original_max_seq_len, llama31.rope_theta) == (256, 500000.0)
+    assert hf.hf_to_config(hf_dict("llama")).rope_type == "default"
     qwen3 = hf.hf_to_config(hf_dict("qwen3"))
     assert qwen3.qk_norm and qwen3.head_dim == 16 and not qwen3.attention_bias
 
@@ -475,7 +488,10 @@ def test_config_legacy_rope_and_missing_fields():
 @pytest.mark.parametrize(
     "arch, changes, field",
     [
-        ("llama", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "rope_type"),
+        ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 8.0}}, "rope_type"),
+        ("llama", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
+        ("llama31", {"rope_parameters": {**LLAMA3_ROPE, "beta_fast": 2}}, "beta_fast"),
+        ("llama31", {"rope_parameters": {**LLAMA3_ROPE, "factor": 0.5}}, "factor"),
         ("llama", {"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
         ("llama", {"rope_parameters": {"rope_type": "default", "factor": 2.0}}, "factor"),
         ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
@@ -579,3 +595,16 @@ def test_unmapped_parameter_is_reported(checkpoints):
     )
     with pytest.raises(hf.HFCheckpointError, match="missing.*\n.*model.layers.0.extra.weight"):
         hf.load_pretrained(model, path, rules=rules)
+
+
+def test_llama3_rope_frequencies_equal_transformers():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from flatshard.models.llama import rope_inv_freq
+
+    config = ARCHS["llama31"]()
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](config, torch.device("cpu"))
+    ours = rope_inv_freq(hf.hf_to_config(hf_dict("llama31")), torch.device("cpu"))
+    assert torch.equal(ours, theirs)
+    plain = rope_inv_freq(hf.hf_to_config(hf_dict("llama")), torch.device("cpu"))
+    assert not torch.equal(ours, plain) and torch.equal(ours[0], plain[0])  # kept, scaled

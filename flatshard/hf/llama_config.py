@@ -91,9 +91,19 @@ _HF_NAMES = {
     "vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers",
     "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
     "ffn_dim": "intermediate_size", "norm_eps": "rms_norm_eps",
-    "max_seq_len": "max_position_embeddings",
+    "max_seq_len": "max_position_embeddings", "rope_factor": "rope_parameters.factor",
+    "rope_low_freq_factor": "rope_parameters.low_freq_factor",
+    "rope_high_freq_factor": "rope_parameters.high_freq_factor",
+    "rope_original_max_seq_len": "rope_parameters.original_max_position_embeddings",
 }  # fmt: skip
 _ROPE_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+# Llama 3.1-3.3 frequency scaling: config.json key -> LlamaConfig field
+_LLAMA3_KEYS = {
+    "factor": "rope_factor",
+    "low_freq_factor": "rope_low_freq_factor",
+    "high_freq_factor": "rope_high_freq_factor",
+    "original_max_position_embeddings": "rope_original_max_seq_len",
+}
 
 
 def hf_to_config(hf: dict) -> LlamaConfig:
@@ -114,7 +124,7 @@ def hf_to_config(hf: dict) -> LlamaConfig:
             head_dim=get("head_dim"),  # None: hidden_size // heads, as HF
             ffn_dim=get("intermediate_size"),
             norm_eps=float(get("rms_norm_eps")),
-            rope_theta=_rope_theta(hf),
+            **_rope(hf, get("max_position_embeddings")),
             max_seq_len=get("max_position_embeddings"),
             tie_embeddings=bool(get("tie_word_embeddings")),
             qk_norm=model_type == "qwen3",
@@ -155,7 +165,7 @@ def config_to_hf(config: LlamaConfig, dtype: torch.dtype | None = None) -> dict:
         "hidden_act": "silu",
         "max_position_embeddings": config.max_seq_len,
         "rms_norm_eps": config.norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "rope_parameters": _rope_parameters(config),
         "tie_word_embeddings": config.tie_embeddings,
         "attention_dropout": 0.0,
     }
@@ -223,24 +233,49 @@ def _check_layer_types(hf: dict) -> None:
         )
 
 
-def _rope_theta(hf: dict) -> float:
-    """RoPE base from `rope_parameters` (transformers 5) or the 4.x `rope_scaling`/`rope_theta`."""
+def _rope_parameters(config: LlamaConfig) -> dict:
+    params = {"rope_type": config.rope_type, "rope_theta": config.rope_theta}
+    if config.rope_type == "llama3":
+        params.update({key: getattr(config, field) for key, field in _LLAMA3_KEYS.items()})
+    return params
+
+
+def _rope(hf: dict, max_position_embeddings: int) -> dict:
+    """LlamaConfig's RoPE fields from `rope_parameters` (transformers 5) or the 4.x
+    `rope_scaling`/`rope_theta`: plain RoPE, or Llama 3.1's "llama3" scaling."""
     field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     params = hf.get(field) or {}
     if not isinstance(params, dict):
         raise HFConfigError(f"config.json field {field!r} must be an object, got {params!r}")
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
+    if rope_type not in ("default", "llama3"):
         raise HFConfigError(
-            f"config.json field '{field}.rope_type' is {rope_type!r}; flatshard supports only "
-            "rope_type 'default' (plain RoPE without scaling such as llama3, yarn or linear)"
+            f"config.json field '{field}.rope_type' is {rope_type!r}; flatshard supports "
+            "rope_type 'default' (plain RoPE) and 'llama3' (Llama 3.1 scaling), not scalings "
+            "such as yarn, linear, dynamic or longrope"
         )
-    extra = sorted(set(params) - _ROPE_KEYS)
+    known = _ROPE_KEYS | (set(_LLAMA3_KEYS) if rope_type == "llama3" else set())
+    extra = sorted(set(params) - known)
     if extra:
         raise HFConfigError(
-            f"config.json field {field!r} has key(s) {extra} that plain RoPE does not use; "
-            "flatshard supports only rope_type 'default' with rope_theta"
+            f"config.json field {field!r} has key(s) {extra} that rope_type {rope_type!r} does "
+            f"not use; flatshard reads only {sorted(known)} there"
         )
+    fields = {"rope_theta": _rope_theta(hf, params), "rope_type": rope_type}
+    if rope_type == "llama3":
+        missing = sorted(set(_LLAMA3_KEYS) - set(params) - {"original_max_position_embeddings"})
+        if missing:
+            raise HFConfigError(
+                f"config.json field {field!r} has rope_type 'llama3' but lacks {missing}; "
+                "Llama 3.1 scaling needs factor, low_freq_factor and high_freq_factor"
+            )
+        # transformers defaults the pretraining context to max_position_embeddings
+        values = {"original_max_position_embeddings": max_position_embeddings, **params}
+        fields.update({f: values[key] for key, f in _LLAMA3_KEYS.items()})
+    return fields
+
+
+def _rope_theta(hf: dict, params: dict) -> float:
     factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if factor not in (None, 1.0):
         raise HFConfigError(

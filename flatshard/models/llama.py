@@ -16,6 +16,7 @@ building on the meta device, allocating each module's tensors and calling
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,11 @@ class LlamaConfig:
     `n_kv_heads` defaults to `n_heads` (plain multi-head attention) and `head_dim` to
     `dim // n_heads`; both are filled in by `__post_init__`, so after construction they
     are always ints.
+
+    RoPE: `rope_type` "default" rotates by `rope_theta` alone; "llama3" (Llama 3.1-3.3)
+    also rescales the frequencies: wavelengths longer than `rope_original_max_seq_len /
+    rope_low_freq_factor` are divided by `rope_factor`, shorter than `.../
+    rope_high_freq_factor` kept, and those between interpolated smoothly.
     """
 
     vocab_size: int
@@ -49,6 +55,11 @@ class LlamaConfig:
     tie_embeddings: bool = False
     qk_norm: bool = False
     attention_bias: bool = False
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "max_seq_len"):
@@ -77,6 +88,23 @@ class LlamaConfig:
             raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
         if not self.rope_theta > 0:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+        self._check_rope_scaling()
+
+    def _check_rope_scaling(self) -> None:
+        if self.rope_type not in ("default", "llama3"):
+            raise ValueError(f"rope_type must be 'default' or 'llama3', got {self.rope_type!r}")
+        if self.rope_type == "default":
+            return
+        if not self.rope_factor >= 1.0:
+            raise ValueError(
+                f"rope_factor must be >= 1 (it divides frequencies), got {self.rope_factor}"
+            )
+        if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise ValueError(
+                f"rope_low_freq_factor ({self.rope_low_freq_factor}) must be > 0 and below "
+                f"rope_high_freq_factor ({self.rope_high_freq_factor})"
+            )
+        _check_positive_int("rope_original_max_seq_len", self.rope_original_max_seq_len)
 
     @classmethod
     def tiny(cls, **overrides) -> LlamaConfig:
@@ -151,17 +179,37 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
+def rope_inv_freq(cfg: LlamaConfig, device: torch.device) -> torch.Tensor:
+    """RoPE's inverse frequencies [head_dim / 2], scaled as `cfg.rope_type` says (the
+    same float32 operations as transformers, so the tables agree bitwise)."""
+    head_dim = cfg.head_dim
+    steps = torch.arange(0, head_dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float)
+    inv_freq = 1.0 / cfg.rope_theta ** (steps / head_dim)
+    if cfg.rope_type == "default":
+        return inv_freq
+    factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    context = cfg.rope_original_max_seq_len
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < context / high) * ~(wavelen > context / low)
+    return torch.where(medium, smoothed, scaled)
+
+
 def rope_cos_sin(
-    seq_len: int, head_dim: int, theta: float, device: torch.device
+    seq_len: int, head_dim: int, theta: float, device: torch.device, inv_freq=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [seq_len, head_dim] for rotate-half RoPE.
+    """cos and sin tables [seq_len, head_dim] for rotate-half RoPE (`inv_freq`: scaled
+    frequencies from `rope_inv_freq`; default plain RoPE with base `theta`).
 
     Computed on the fly from positions rather than stored in a buffer: it is cheap, and
     it leaves nothing to re-create when the model was built on the meta device.
     """
-    inv_freq = 1.0 / theta ** (
-        torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
-    )
+    if inv_freq is None:
+        inv_freq = 1.0 / theta ** (
+            torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+        )
     freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     # Frequencies repeat over the two halves (not interleaved), matching HF's layout.
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -274,7 +322,9 @@ class Llama(nn.Module):
         _, t = tokens.shape
         if t > self.config.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds max_seq_len ({self.config.max_seq_len})")
-        cos, sin = rope_cos_sin(t, self.config.head_dim, self.config.rope_theta, tokens.device)
+        cfg = self.config
+        inv_freq = rope_inv_freq(cfg, tokens.device)
+        cos, sin = rope_cos_sin(t, cfg.head_dim, cfg.rope_theta, tokens.device, inv_freq)
         h = self.embed_tokens(tokens)
         for layer in self.layers:
             h = layer(h, cos, sin)
