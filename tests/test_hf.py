@@ -540,7 +540,7 @@ def _transformers_in_place(path, out, tokens):
     for layer in model.model.layers:
         flatshard.fully_shard(layer)
     flatshard.fully_shard(model)
-    assert hf.adapter_for(model) is hf.GENERIC
+    assert hf.adapter_for(model) is hf.TRANSFORMERS
     hf.load_pretrained(model, path)
     with torch.no_grad():
         logits = model(tokens).logits.detach().clone()

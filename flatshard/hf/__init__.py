@@ -5,7 +5,9 @@ flatshard.hf.load_pretrained(model, path)                          # into an exi
 flatshard.hf.save_pretrained(model, out_path, max_shard_size="5GB")
 
 flatshard's reference Llama (Llama, Qwen2, Qwen3 checkpoints) has an adapter (llama.py);
-a model whose parameter names are the HF names (a transformers model) needs none.
+any transformers causal LM is built and sharded in place (transformers_model.py), its disk
+tensors mapped by transformers' own conversion rules (conversion.py, tiles.py); a model
+whose parameter names are the HF names needs no adapter (GENERIC).
 """
 
 from flatshard.hf.adapter import GENERIC, StateDictAdapter, adapter_for, adapter_for_config
@@ -17,6 +19,7 @@ from flatshard.hf.load import LoadStats, load_pretrained
 from flatshard.hf.names import NameRule, TensorMapping, plan_tensors
 from flatshard.hf.pretrained import from_pretrained
 from flatshard.hf.save import save_pretrained
+from flatshard.hf.transformers_model import TRANSFORMERS, build_causal_lm, shard_decoder_layers
 
 __all__ = [
     "GENERIC",
@@ -28,9 +31,11 @@ __all__ = [
     "LoadStats",
     "NameRule",
     "StateDictAdapter",
+    "TRANSFORMERS",
     "TensorMapping",
     "adapter_for",
     "adapter_for_config",
+    "build_causal_lm",
     "config_to_hf",
     "from_pretrained",
     "hf_to_config",
@@ -38,4 +43,5 @@ __all__ = [
     "plan_tensors",
     "read_hf_config",
     "save_pretrained",
+    "shard_decoder_layers",
 ]

@@ -41,7 +41,11 @@ class StateDictAdapter:
         """(the HF tensors of `model` in parameter order, the parameters nothing maps)."""
         return plan_tensors(model, self.rules)
 
-    def build(self, hf_config: dict) -> nn.Module:
+    def tensors(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The model's tensors a checkpoint holds, by name (tied parameters once)."""
+        return dict(model.named_parameters())
+
+    def build(self, hf_config: dict, dtype: torch.dtype | None = None) -> nn.Module:
         """The model `hf_config` describes, built on the current (e.g. meta) device."""
         archs = hf_config.get("architectures")
         raise HFConfigError(
@@ -49,6 +53,16 @@ class StateDictAdapter:
             f"{', '.join(supported_architectures())}. For another transformers model, build it "
             "with transformers, fully_shard it and call flatshard.hf.load_pretrained."
         )
+
+    def allocate(self, model: nn.Module, device: torch.device) -> None:
+        """Real storage for a model built on meta and sharded, before a load fills it."""
+        from flatshard.hf.pretrained import allocate_and_materialize
+
+        allocate_and_materialize(model, device)
+
+    def export_files(self, model: nn.Module) -> dict[str, dict]:
+        """JSON files to write beside config.json (name -> content)."""
+        return {}
 
     def check_config(self, model: nn.Module, path: Path) -> None:
         """Raise if `path/config.json` describes another model than `model` (shapes alone

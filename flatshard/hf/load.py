@@ -26,6 +26,7 @@ from flatshard.hf.adapter import StateDictAdapter, adapter_for
 from flatshard.hf.checkpoint import TensorInfo, checkpoint_tensors
 from flatshard.hf.errors import HFCheckpointError
 from flatshard.hf.names import NameRule, TensorMapping
+from flatshard.hf.tiles import Tile
 from flatshard.layout import ShardSpec
 
 
@@ -67,7 +68,7 @@ def load_pretrained(
     if problem:
         raise HFCheckpointError(f"checkpoint {path} does not match the model:\n{problem}")
 
-    params = dict(model.named_parameters())
+    params = adapter.tensors(model)
     bytes_read = slices = 0
     with torch.no_grad():
         for file, group in _by_file(mappings, tensors).items():
@@ -89,6 +90,8 @@ def local_tensor(param: torch.Tensor) -> torch.Tensor:
 
 def copy_piece(f, mapping: TensorMapping, spec: ShardSpec, local: torch.Tensor) -> int:
     """Copy what this rank holds of HF tensor `mapping` into `local`; returns bytes read."""
+    if mapping.tile is not None:
+        return _copy_tile(f, mapping.tile, spec, local)
     if mapping.component is None:
         blocks = spec.pieces
     else:
@@ -100,6 +103,19 @@ def copy_piece(f, mapping: TensorMapping, spec: ShardSpec, local: torch.Tensor) 
         local[into.slices].copy_(data)
         read += data.numel() * data.element_size()
     return read
+
+
+def _copy_tile(f, tile: Tile, spec: ShardSpec, local: torch.Tensor) -> int:
+    """The part of `tile` (a block of the parameter, from one HF tensor) inside this rank's
+    piece: only those elements of the HF tensor are read."""
+    piece = spec.global_box
+    mine = tile.clip(piece)
+    if mine is None:
+        return 0
+    data = f.get_slice(tile.origin)[mine.box.slices]
+    into = tuple(slice(o - p, o - p + n) for o, p, n in zip(mine.offset, piece.offset, mine.shape))
+    local[into].copy_(mine.take(data))
+    return data.numel() * data.element_size()
 
 
 def _by_file(mappings, tensors: dict[str, TensorInfo]) -> dict[Path, list[TensorMapping]]:

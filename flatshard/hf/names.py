@@ -20,6 +20,7 @@ from torch import nn
 
 from flatshard.dtensor.row_shard import param_spec
 from flatshard.hf.errors import HFCheckpointError
+from flatshard.hf.tiles import Tile
 from flatshard.layout import ParamInfo
 
 
@@ -59,6 +60,9 @@ class TensorMapping:
     param_name: str
     component: str | None
     shape: tuple[int, ...]  # the HF tensor's shape
+    # or: the block of the parameter it fills (origin: the HF tensor), as transformers'
+    # conversions place it (e.g. expert 3's gate_proj in the fused gate_up_proj)
+    tile: Tile | None = None
 
 
 def plan_tensors(

@@ -28,26 +28,39 @@ def from_pretrained(
     shard: Callable[[nn.Module], object] | None = None,
     device: torch.device | str | None = None,
     adapter: StateDictAdapter | None = None,
+    dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Build the model `path/config.json` describes, apply `shard` (e.g. fully_shard each
     block, then the root; None keeps it unsharded) and load the weights. Call on every rank.
+
+    Llama, Qwen2 and Qwen3 checkpoints build flatshard's reference Llama; any other
+    transformers causal LM (or any, with adapter=flatshard.hf.TRANSFORMERS) builds the
+    transformers model itself, parameters in `dtype` (default float32), sharded in place:
+    pass shard=flatshard.hf.shard_decoder_layers to shard each decoder layer and the root.
     """
     hf_config = read_hf_config(path)
     adapter = adapter or adapter_for_config(hf_config)
     device = torch.device(device) if device else default_device()
     with torch.device("meta"):
-        model = adapter.build(hf_config)  # config errors before anything is allocated
+        # config errors before anything is allocated
+        model = adapter.build(hf_config) if dtype is None else adapter.build(hf_config, dtype)
     if shard is not None:
         shard(model)
-    _allocate_unsharded(model, device)
-    # materialize draws an init that the load overwrites: leave the caller's RNG as it was
-    with torch.random.fork_rng(devices=[]):
-        materialize(model, device)
+    adapter.allocate(model, device)
     load_pretrained(model, path, adapter=adapter)
     return model
 
 
-def _allocate_unsharded(model: nn.Module, device: torch.device) -> None:
+def allocate_and_materialize(model: nn.Module, device: torch.device) -> None:
+    """Empty storage for unsharded meta parameters, an init for the shards (flatshard's
+    own models, whose modules all have reset_parameters)."""
+    allocate_unsharded(model, device)
+    # materialize draws an init that the load overwrites: leave the caller's RNG as it was
+    with torch.random.fork_rng(devices=[]):
+        materialize(model, device)
+
+
+def allocate_unsharded(model: nn.Module, device: torch.device) -> None:
     """Give parameters that no fully_shard manages (still meta) empty storage, keeping ties.
 
     Their values would only be overwritten by the load, so no init is drawn for them (and

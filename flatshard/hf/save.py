@@ -51,12 +51,20 @@ def save_pretrained(
     if rules is not None:
         adapter = adapter.with_rules(rules)
     config = adapter.export_config(model, dtype, dict(extra_config or {}))  # same on all ranks
+    files = {"config.json": config, **adapter.export_files(model)}
     mappings, unmapped = adapter.plan(model)
     if unmapped:
         raise HFCheckpointError(
             f"no Hugging Face name for parameter(s) {unmapped}; add a NameRule for them"
         )
-    params = dict(model.named_parameters())
+    params = adapter.tensors(model)
+    names = [m.hf_name for m in mappings]
+    if len(set(names)) != len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise HFCheckpointError(
+            f"Hugging Face tensor(s) {twice[:5]} are assembled from several parameters or "
+            "blocks; flatshard's export writes each from one block of one parameter"
+        )
     infos = {name: param_spec(model, name, param).info for name, param in params.items()}
     out_dtype = {m.hf_name: dtype or params[m.param_name].dtype for m in mappings}
     shards = _plan_shards(mappings, out_dtype, _parse_size(max_shard_size))
@@ -76,9 +84,12 @@ def save_pretrained(
                     piece = full
                     if mapping.component is not None:
                         piece = infos[name].component(mapping.component).select_global(full)
+                    elif mapping.tile is not None:
+                        block = mapping.tile.inverse(mapping.hf_name)  # parameter -> HF
+                        piece = block.take(full[block.box.slices])
                     writer.write(mapping.hf_name, piece.to(out_dtype[mapping.hf_name]))
             del full  # at most one gathered parameter alive at a time
-    problem = writer.finish(config) if writer is not None else None
+    problem = writer.finish(files) if writer is not None else None
     comm.agree(problem, group, HFCheckpointError)  # also the barrier: files exist after it
 
 
@@ -155,14 +166,15 @@ class _ShardWriter:
         self.current = StreamingSafetensorsWriter(self.path / self.names[self.index], entries)
         self.left_in_shard = len(shard)
 
-    def finish(self, config: dict) -> str | None:
+    def finish(self, files: dict[str, dict]) -> str | None:
         if self.problem:
             return self.problem
         try:
             self._remove_stale_weights()
             if len(self.shards) > 1:
                 _write_json(self.path / INDEX_FILE, self._index())
-            _write_json(self.path / "config.json", config)
+            for name, content in files.items():
+                _write_json(self.path / name, content)
         except Exception as e:
             return f"writing {self.path}: {e!r}"
         return None

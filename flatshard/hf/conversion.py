@@ -1,0 +1,71 @@
+"""The on-disk tensors of a transformers model, by transformers' own conversion rules.
+
+transformers 5 keeps the mapping between a model's parameters and the tensors its
+`save_pretrained` writes in `conversion_mapping.get_model_conversion_mapping(model)` (per
+`model_type`: renamings, and converters such as per-expert MoE weights <-> one fused
+tensor), and applies it on save with `core_model_loading.revert_weight_conversion`. Here
+that same function runs on stand-ins (`tiles.Tiled`), so the result says, for every disk
+tensor, which block of which parameter it is; loading reads those blocks back. Models
+without a conversion (Llama, Mistral, Phi-3's fused qkv/gate_up, ...) map one to one.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import nn
+
+from flatshard.dtensor.row_shard import param_spec
+from flatshard.hf.errors import HFCheckpointError
+from flatshard.hf.names import TensorMapping
+from flatshard.hf.tiles import Tiled
+
+
+def model_tensors(model: nn.Module) -> dict[str, object]:
+    """What a checkpoint of `model` stores: parameters (tied ones once, under their first
+    name, as transformers omits the tied copy) and persistent buffers."""
+    tensors = dict(model.named_parameters())
+    non_persistent = {
+        f"{prefix}{'.' if prefix else ''}{name}"
+        for prefix, module in model.named_modules()
+        for name in module._non_persistent_buffers_set
+    }
+    for name, buffer in model.named_buffers():
+        if name not in non_persistent:
+            tensors.setdefault(name, buffer)
+    return tensors
+
+
+def disk_mappings(model: nn.Module) -> tuple[list[TensorMapping], list[str]]:
+    """(the disk tensors of `model` in parameter order, each with the block of its
+    parameter it fills; the tensors nothing on disk fills)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    tensors = model_tensors(model)
+    shapes = {name: _global_shape(model, name, t) for name, t in tensors.items()}
+    stand_ins = {name: Tiled.leaf(name, shape) for name, shape in shapes.items()}
+    disk = revert_weight_conversion(model, stand_ins)
+    order = {name: i for i, name in enumerate(tensors)}
+    mappings, covered = [], dict.fromkeys(tensors, 0)
+    for hf_name, tiled in disk.items():
+        if not isinstance(tiled, Tiled):
+            raise HFCheckpointError(
+                f"transformers' conversion for {type(model).__name__} produced {hf_name!r} "
+                "from data rather than by rearranging parameters; flatshard cannot map it"
+            )
+        for tile in tiled.tiles:
+            covered[tile.origin] += tile.numel
+            back = tile.inverse(hf_name)  # disk tensor -> its block of the parameter
+            mappings.append(TensorMapping(hf_name, tile.origin, None, tuple(tiled.shape), back))
+    for name, numel in covered.items():
+        if numel not in (0, math.prod(shapes[name])):
+            raise HFCheckpointError(
+                f"transformers' conversion for {type(model).__name__} writes {numel} of the "
+                f"{math.prod(shapes[name])} elements of {name!r}; flatshard cannot map it"
+            )
+    mappings.sort(key=lambda m: order[m.param_name])  # stable: disk order within a parameter
+    return mappings, [name for name, numel in covered.items() if numel == 0]
+
+
+def _global_shape(model: nn.Module, name: str, tensor) -> tuple[int, ...]:
+    return tuple(param_spec(model, name, tensor).info.global_shape)

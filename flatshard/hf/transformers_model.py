@@ -1,0 +1,188 @@
+"""Any transformers causal LM, sharded in place: the adapter that builds it from its
+config.json on the meta device, shards its decoder layers, and maps its parameters to the
+tensors on disk by transformers' own conversion rules (conversion.py).
+
+Parameters are created on the meta device and buffers for real, as their constructors
+compute them (RoPE's `inv_freq`, Gemma's `embed_scale`): non-persistent buffers are never
+in a checkpoint, so building them is the only way to get them right; they are small.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import flatshard
+from flatshard.hf.adapter import StateDictAdapter, register
+from flatshard.hf.checkpoint import read_hf_config
+from flatshard.hf.conversion import disk_mappings, model_tensors
+from flatshard.hf.errors import HFCheckpointError, HFConfigError
+
+# config.json fields that mean the weights are not plain tensors of the model's own code
+_REFUSED_FIELDS = {
+    "quantization_config": "the weights are quantized; import the unquantized checkpoint",
+    "auto_map": "the model's code comes with the checkpoint (trust_remote_code); flatshard "
+    "builds only models that transformers itself implements",
+}
+
+
+class TransformersAdapter(StateDictAdapter):
+    """A `transformers.PreTrainedModel`: parameter names are its own, disk names follow
+    transformers' conversion mapping for its model_type."""
+
+    def handles(self, model: nn.Module) -> bool:
+        transformers = _transformers()
+        return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+
+    def handles_config(self, hf_config: dict) -> bool:
+        return _transformers() is not None and "model_type" in hf_config
+
+    def plan(self, model: nn.Module):
+        return disk_mappings(model)
+
+    def tensors(self, model: nn.Module) -> dict:
+        return model_tensors(model)
+
+    def build(self, hf_config: dict, dtype: torch.dtype | None = None) -> nn.Module:
+        return build_causal_lm(hf_config, dtype)
+
+    def allocate(self, model: nn.Module, device: torch.device) -> None:
+        """Real storage for what is still on meta (the load fills every parameter): the
+        units' shards (as to_empty), unsharded parameters (ties kept); buffers move."""
+        from flatshard.hf.pretrained import allocate_unsharded
+
+        for module in model.modules():
+            unit = getattr(module, "_flatshard_unit", None)
+            if unit is not None:
+                unit.allocate(unit.mesh.device)
+        allocate_unsharded(model, device)
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.device != device:
+                    module._buffers[name] = buffer.to(device)
+
+    def check_config(self, model: nn.Module, path: Path) -> None:
+        if not (path / "config.json").is_file():
+            return
+        theirs = read_hf_config(path).get("model_type")
+        ours = getattr(getattr(model, "config", None), "model_type", None)
+        if theirs != ours:
+            raise HFCheckpointError(
+                f"{path / 'config.json'} field 'model_type' is {theirs!r} but the model is "
+                f"{ours!r}; build the model from that config (flatshard.hf.from_pretrained)"
+            )
+
+    def export_config(self, model: nn.Module, dtype: torch.dtype | None, extra: dict) -> dict:
+        hf = model.config.to_diff_dict()  # what transformers writes: fields off the defaults
+        hf["architectures"] = [_model_class(model).__name__]
+        dtypes = {p.dtype for p in model.parameters()}
+        dtype = dtype or (dtypes.pop() if len(dtypes) == 1 else None)
+        if dtype is not None:
+            hf["dtype"] = str(dtype).removeprefix("torch.")
+        return {**hf, **extra}
+
+    def export_files(self, model: nn.Module) -> dict[str, dict]:
+        """Other JSON files transformers' save_pretrained writes beside config.json."""
+        generation = getattr(model, "generation_config", None)
+        if generation is None or not model.can_generate():
+            return {}
+        return {"generation_config.json": generation.to_diff_dict()}
+
+    def mismatch_hints(self, model: nn.Module, unexpected: list[str]) -> list[str]:
+        if "lm_head.weight" in unexpected and model.config.tie_word_embeddings:
+            return [
+                "  (the config ties lm_head to embed_tokens but the checkpoint stores "
+                "lm_head.weight: set tie_word_embeddings to false in config.json)"
+            ]
+        return []
+
+
+def build_causal_lm(hf_config: dict, dtype: torch.dtype | None = None) -> nn.Module:
+    """The transformers causal LM `hf_config` (a config.json dict) describes, parameters on
+    the meta device, buffers computed on the CPU. dtype: of the parameters (default float32)."""
+    transformers = _transformers()
+    if transformers is None:
+        raise HFConfigError("building a Hugging Face model needs transformers (pip install it)")
+    for field, why in _REFUSED_FIELDS.items():
+        if hf_config.get(field):
+            raise HFConfigError(f"config.json field {field!r} is set: {why}")
+    model_type = hf_config.get("model_type")
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise HFConfigError(
+            f"config.json field 'model_type' is {model_type!r}, which transformers "
+            f"{transformers.__version__} does not know"
+        )
+    config = transformers.CONFIG_MAPPING[model_type].from_dict(hf_config)
+    try:
+        # buffers on the CPU even inside a meta device context (from_pretrained's)
+        with torch.device("cpu"), parameters_on_meta():
+            model = transformers.AutoModelForCausalLM.from_config(
+                config, dtype=dtype or torch.float32
+            )
+    except ValueError as e:  # the auto class has no causal LM for this config
+        raise HFConfigError(
+            f"config.json model_type {model_type!r} (architectures "
+            f"{hf_config.get('architectures')!r}) is not a causal language model transformers "
+            f"can build: {e}"
+        ) from None
+    return model.eval()
+
+
+def shard_decoder_layers(model: nn.Module, **fully_shard_kwargs) -> nn.Module:
+    """fully_shard every decoder layer (the classes its `_no_split_modules` names), then the
+    root: what `from_pretrained(..., shard=...)` needs for a transformers model."""
+    classes = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if m is not model and type(m).__name__ in classes]
+    if not layers:
+        raise HFConfigError(
+            f"{type(model).__name__}._no_split_modules is {sorted(classes)}: no module of the "
+            "model is of those classes, so flatshard cannot tell its decoder layers; pass a "
+            "sharding function of your own"
+        )
+    for layer in layers:
+        flatshard.fully_shard(layer, **fully_shard_kwargs)
+    flatshard.fully_shard(model, **fully_shard_kwargs)
+    return model
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Modules built inside put their parameters on the meta device (allocated empty, then
+    replaced, so nothing is initialised); buffers are built as the code says."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _model_class(model: nn.Module) -> type:
+    """The model's own class (fully_shard puts a FlatShard subclass in front of it)."""
+    from flatshard import FlatShardModule
+
+    return (
+        next(c for c in type(model).__mro__[1:] if not issubclass(c, FlatShardModule))
+        if isinstance(model, FlatShardModule)
+        else type(model)
+    )
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        return None
+    return transformers
+
+
+TRANSFORMERS = register(TransformersAdapter())

@@ -1,0 +1,239 @@
+"""Any transformers causal LM, sharded in place (flatshard.hf.TRANSFORMERS), against
+transformers itself: eleven families built offline from config objects with random weights,
+saved by transformers, imported into `fully_shard`-ed transformers models at world 1, 2 and
+3 (each rank reading only its rows, MoE experts from their per-expert tensors on disk),
+exported back, and trained five steps against the same model trained in one process.
+
+One worker call per world size runs every family, to keep the suite fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from distributed import run_distributed
+from reference import rel_diff, rel_losses
+from safetensors.torch import load_file
+
+from flatshard import hf
+from flatshard.hf.checkpoint import checkpoint_tensors
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach the network
+transformers = pytest.importorskip("transformers")
+
+TOLERANCE = 1e-5  # logits, relative to transformers'
+TRAIN_TOLERANCE = 1e-6  # losses and weights after training, relative to one process
+STEPS, BATCH, SEQ = 5, 6, 9  # batch 6 splits evenly over 1, 2 and 3 ranks
+
+SIZES = dict(
+    vocab_size=61,  # prime: embedding rows never split evenly
+    hidden_size=32,
+    intermediate_size=48,  # rows of 48 fp32 = 192 bytes: transformers' MoE needs 16-byte rows
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+LLAMA3_ROPE = dict(
+    rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+    high_freq_factor=8.0, original_max_position_embeddings=256,
+)  # fmt: skip
+MOE = dict(num_experts_per_tok=2)
+ARCHS = {
+    "llama3": lambda: transformers.LlamaConfig(**SIZES, rope_theta=500000.0),
+    "llama31": lambda: transformers.LlamaConfig(**SIZES, rope_parameters=LLAMA3_ROPE),
+    "smollm_tied": lambda: transformers.LlamaConfig(**SIZES, tie_word_embeddings=True),
+    "qwen2": lambda: transformers.Qwen2Config(**SIZES),
+    "qwen3": lambda: transformers.Qwen3Config(**SIZES, head_dim=16),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **SIZES, **MOE, num_experts=4, moe_intermediate_size=32
+    ),
+    "mixtral": lambda: transformers.MixtralConfig(**SIZES, **MOE, num_local_experts=4),
+    "mistral": lambda: transformers.MistralConfig(**SIZES, sliding_window=None),
+    "gemma": lambda: transformers.GemmaConfig(**SIZES, head_dim=8),
+    "phi3": lambda: transformers.Phi3Config(**SIZES, pad_token_id=0),
+    "olmo2": lambda: transformers.Olmo2Config(**SIZES),
+}
+
+
+def rel(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((ours.float() - reference.float()).norm() / reference.float().norm()).item()
+
+
+def lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1]).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def train(model, data, rank: int = 0, world: int = 1) -> list[float]:
+    """AdamW on each rank's slice of every global batch; the global mean loss per step."""
+    model.train()
+    # SGD, not Adam: Adam turns gradients that are zero in exact arithmetic (Qwen2's k_proj
+    # bias: softmax ignores a constant added to every key) into full-size steps along their
+    # rounding noise, which differs with the summation order of any two correct runs
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.1)
+    losses = []
+    for tokens in data:
+        per_rank = tokens.shape[0] // world
+        loss = lm_loss(model, tokens[rank * per_rank : (rank + 1) * per_rank])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        value = torch.tensor([loss.item()])
+        if dist.is_initialized():
+            dist.all_reduce(value)
+        losses.append(value.item() / world)
+    return losses
+
+
+# --------------------------------------------------------------------------------------------
+# References (built once, in the parent process)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """arch -> dict(path, tokens, logits, data, losses, weights) from transformers alone."""
+    out = {}
+    for seed, (arch, make_config) in enumerate(ARCHS.items()):
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(make_config()).float()
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:  # not the trivial ones (Gemma adds 1 itself)
+                    param.copy_(1.0 + 0.3 * torch.randn_like(param))
+                else:
+                    param.normal_(0.0, 0.2)
+        path = tmp_path_factory.mktemp(arch)
+        model.save_pretrained(path)
+        tokens = torch.randint(0, SIZES["vocab_size"], (2, 11))
+        data = [torch.randint(0, SIZES["vocab_size"], (BATCH, SEQ)) for _ in range(STEPS)]
+        reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        with torch.no_grad():
+            logits = reference.eval()(tokens).logits
+        losses = train(reference, data)
+        weights = {n: p.detach().clone() for n, p in reference.named_parameters()}
+        out[arch] = dict(path=str(path), tokens=tokens, logits=logits, data=data)
+        out[arch].update(losses=losses, weights=weights)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Worker side (module level: run_distributed sends it by reference)
+# --------------------------------------------------------------------------------------------
+
+
+def _every_family(cases: dict, out_root: str) -> dict:
+    """For each family: import sharded, logits, bytes read, export, five training steps."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = {}
+    for arch, case in cases.items():
+        model = hf.from_pretrained(
+            case["path"], shard=hf.shard_decoder_layers, adapter=hf.TRANSFORMERS
+        )
+        with torch.no_grad():
+            logits = model(case["tokens"]).logits.detach().clone()
+        read = hf.load_pretrained(model, case["path"]).bytes_read  # again, to count it
+        share = sum(
+            p.to_local().numel() * p.element_size() for p in hf.TRANSFORMERS.tensors(model).values()
+        )
+        hf.save_pretrained(model, os.path.join(out_root, arch))
+        losses = train(model, case["data"], rank, world)
+        weights = {n: p.full_tensor() for n, p in model.named_parameters()}
+        tied = model.lm_head.weight is model.model.embed_tokens.weight
+        results[arch] = dict(logits=logits, read=read, share=share, losses=losses)
+        results[arch].update(weights=weights, tied=tied)
+    return results
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(checkpoints, tmp_path_factory):
+    """world -> (results per rank, export directory)."""
+    cases = {
+        arch: {k: case[k] for k in ("path", "tokens", "data")} for arch, case in checkpoints.items()
+    }
+    runs = {}
+    for world in (1, 2, 3):
+        out = str(tmp_path_factory.mktemp(f"export-w{world}"))
+        runs[world] = (run_distributed(_every_family, world, cases, out, timeout=300), out)
+    return runs
+
+
+# --------------------------------------------------------------------------------------------
+# Import, export, training: every family at world 1, 2 and 3
+# --------------------------------------------------------------------------------------------
+
+WORLDS = pytest.mark.parametrize("world", [1, 2, 3])
+FAMILIES = pytest.mark.parametrize("arch", list(ARCHS))
+
+
+@WORLDS
+@FAMILIES
+def test_logits_equal_transformers(checkpoints, sharded_runs, arch, world):
+    for rank_results in sharded_runs[world][0]:
+        assert rel(rank_results[arch]["logits"], checkpoints[arch]["logits"]) <= TOLERANCE
+
+
+@WORLDS
+@FAMILIES
+def test_each_rank_reads_only_its_share(checkpoints, sharded_runs, arch, world):
+    results = [r[arch] for r in sharded_runs[world][0]]
+    for rank_results in results:  # every byte a rank reads is a byte it holds
+        assert rank_results["read"] == rank_results["share"]
+    total = sum(
+        t.numel() * t.element_size()
+        for t in load_file(os.path.join(checkpoints[arch]["path"], "model.safetensors")).values()
+    )
+    assert sum(r["read"] for r in results) == total  # and every byte once
+
+
+@WORLDS
+@FAMILIES
+def test_training_equals_one_process(checkpoints, sharded_runs, arch, world):
+    reference = checkpoints[arch]
+    for rank_results in sharded_runs[world][0]:
+        ours = rank_results[arch]
+        assert ours["tied"] == (arch in ("smollm_tied", "gemma"))
+        assert rel_losses(ours["losses"], reference["losses"]) <= TRAIN_TOLERANCE
+        assert rel_diff(ours["weights"], reference["weights"]) <= TRAIN_TOLERANCE
+
+
+@WORLDS
+@FAMILIES
+def test_export_is_what_transformers_writes(checkpoints, sharded_runs, arch, world):
+    original, out = checkpoints[arch]["path"], os.path.join(sharded_runs[world][1], arch)
+    assert sorted(os.listdir(out)) == sorted(os.listdir(original))
+    theirs, ours = (load_file(os.path.join(p, "model.safetensors")) for p in (original, out))
+    assert sorted(ours) == sorted(theirs)
+    for name, tensor in theirs.items():  # bitwise, dtype and shape included
+        assert ours[name].dtype == tensor.dtype and ours[name].shape == tensor.shape, name
+        assert torch.equal(ours[name].view(torch.uint8), tensor.view(torch.uint8)), name
+    for file in ("config.json", "generation_config.json"):  # the same JSON, field by field
+        theirs, ours = (json.loads(open(os.path.join(p, file)).read()) for p in (original, out))
+        assert ours == theirs, file
+    if world == 3:  # transformers loads the export as the very same model
+        model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        with torch.no_grad():
+            logits = model.eval()(checkpoints[arch]["tokens"]).logits
+        assert torch.equal(logits, checkpoints[arch]["logits"])
+
+
+def test_moe_experts_are_read_from_per_expert_tensors(checkpoints):
+    """The checkpoints hold transformers 5's on-disk form: one tensor per expert, which the
+    import fuses into (E, 2I, H) and (E, H, I) by transformers' conversion rules."""
+    for arch, gate in (
+        ("qwen3_moe", "mlp.experts.3.gate_proj"),
+        ("mixtral", "block_sparse_moe.experts.3.w1"),
+    ):
+        names = checkpoint_tensors(checkpoints[arch]["path"])
+        assert f"model.layers.1.{gate}.weight" in names
+        assert not any(name.endswith("gate_up_proj") for name in names)
+        with torch.device("meta"):
+            model = hf.build_causal_lm(hf.read_hf_config(checkpoints[arch]["path"]))
+        mappings, unmapped = hf.TRANSFORMERS.plan(model)
+        assert not unmapped and sorted({m.hf_name for m in mappings}) == sorted(names)
