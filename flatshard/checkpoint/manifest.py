@@ -41,6 +41,11 @@ def files_of_rank(directory: str, rank: int) -> list[str]:
 
 def model_config(model) -> dict | None:
     config = getattr(model, "config", None)
+    if callable(getattr(config, "to_json_string", None)):
+        # a transformers config (also a dataclass in transformers 5): its own JSON, read back
+        # so that it compares equal to a saved one (asdict keeps a torch.dtype, which json
+        # cannot write, and int keys that come back as strings)
+        return json.loads(config.to_json_string(use_diff=False))
     if dataclasses.is_dataclass(config):
         return dataclasses.asdict(config)
     return None

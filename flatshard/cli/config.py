@@ -74,6 +74,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("model.norm_topk_prob", True, "MoE: renormalise the top-k routing weights to one"),
     Option("model.aux_loss_coef", 0.001, "MoE: weight of the load-balancing loss in the loss",
            check=_non_negative),
+    Option("model.hf", "", "Hugging Face model directory to fine-tune instead (config.json + "
+           "safetensors; the other model.* keys are then unused)"),
     # data
     Option("data.path", "", "text file or directory, JSONL, or token memmap ('': bundled corpus)"),
     Option("data.format", "auto", "how to read data.path",
@@ -373,7 +375,7 @@ def resume_conflicts(
         if key not in given or not key.startswith(FIXED_ON_RESUME):
             continue
         a, b = run_value(key), given[key]
-        if key == "data.path":
+        if key in ("data.path", "model.hf"):
             a, b = os.path.normpath(a) if a else a, os.path.normpath(b) if b else b
         if a != b:
             conflicts.append(f"{key}: run {toml_value(run_value(key))}, given {toml_value(b)}")

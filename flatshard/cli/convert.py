@@ -1,4 +1,6 @@
-"""`flatshard convert`: Hugging Face model directory <-> flatshard checkpoint.
+"""`flatshard convert`: Hugging Face model directory <-> flatshard checkpoint, for every
+model flatshard.hf.from_pretrained builds (flatshard's Llama for Llama/Qwen2/Qwen3, the
+transformers model for any other causal LM).
 
 In one process the model is plain (unsharded); under torchrun it is sharded over the
 ranks, so each rank reads and writes only its rows. Weights only: a checkpoint made from a
@@ -9,11 +11,16 @@ from __future__ import annotations
 
 import torch
 
-import flatshard
 from flatshard import checkpoint, hf
 from flatshard.cli.errors import RunError
 from flatshard.cli.launch import init_distributed, run, under_launcher
-from flatshard.cli.model import build_plain, build_sharded, saved_model_config
+from flatshard.cli.model import (
+    build_plain,
+    build_sharded,
+    build_transformers,
+    is_transformers_config,
+    saved_model_config,
+)
 from flatshard.models import MoEConfig
 
 HF_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -27,12 +34,6 @@ def convert_command(args) -> int:
     return 0
 
 
-def _shard(model) -> None:
-    for block in model.layers:
-        flatshard.fully_shard(block)
-    flatshard.fully_shard(model)
-
-
 def _say(sharded: bool, text: str) -> None:
     if not sharded or torch.distributed.get_rank() == 0:
         print(text, flush=True)
@@ -43,10 +44,12 @@ def hf_to_checkpoint(args, sharded: bool) -> None:
         raise RunError(f"--step must be >= 0, got {args.step}")
     if sharded:
         init_distributed()
-    model = hf.from_pretrained(args.source, shard=_shard if sharded else None)
+    shard = hf.shard_decoder_layers if sharded else None
+    model = hf.from_pretrained(args.source, shard=shard)
     handle = checkpoint.save(args.target, model=model, step=args.step, source=str(args.source))
     path = handle.wait()
-    _say(sharded, f"wrote {path} ({model.config.num_params():,} parameters, no optimizer state)")
+    count = sum(p.numel() for p in model.parameters())  # global numel, tied ones once
+    _say(sharded, f"wrote {path} ({count:,} parameters, no optimizer state)")
 
 
 def checkpoint_to_hf(args, sharded: bool) -> None:
@@ -58,11 +61,14 @@ def checkpoint_to_hf(args, sharded: bool) -> None:
             f"{path} holds an MoE model; exporting it to Hugging Face is not supported yet "
             "(only Llama, Qwen2 and Qwen3 are)"
         )
-    if sharded:
+    if is_transformers_config(cfg):
+        model = build_transformers(cfg, sharded=sharded, device=ranks.device if sharded else "cpu")
+    elif sharded:
         model = build_sharded(cfg, zero_stage=3, precision="fp32", seed=0, device=ranks.device)
     else:
         model = build_plain(cfg)
     checkpoint.load(root, model=model, step=step, verify=False)  # verified above
     dtype = HF_DTYPES[args.dtype] if args.dtype else None
     hf.save_pretrained(model, args.target, dtype=dtype, max_shard_size=args.max_shard_size)
-    _say(sharded, f"wrote {args.target} from {path} ({cfg.num_params():,} parameters)")
+    count = sum(p.numel() for p in model.parameters())
+    _say(sharded, f"wrote {args.target} from {path} ({count:,} parameters)")

@@ -27,7 +27,8 @@ def generate(
     ids = list(prompt)
     for _ in range(new_tokens):
         context = torch.tensor([ids[-max_seq_len:]], dtype=torch.long, device=device)
-        logits = model(context)[0, -1].float().cpu()
+        output = model(context)
+        logits = getattr(output, "logits", output)[0, -1].float().cpu()  # transformers: .logits
         chosen = torch.tensor([_choose(logits, temperature, top_k, generator)])
         if sharded:  # rounding may differ across ranks: rank 0's choice is everyone's
             chosen = chosen.to(comm.group_device(None))

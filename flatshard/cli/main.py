@@ -27,6 +27,7 @@ TRAIN_FLAGS = {
     "global_batch": ("train.global_batch", "N", "sequences per optimizer step"),
     "lr": ("train.lr", "LR", "peak learning rate"),
     "zero_stage": ("train.zero_stage", "N", "ZeRO stage 1, 2 or 3"),
+    "hf": ("model.hf", "PATH", "fine-tune this Hugging Face model directory"),
     "dp_replicate": ("train.dp_replicate", "N", "HSDP: replicas of the sharded model"),
     "tp": ("train.tp", "N", "tensor parallelism over N ranks (innermost)"),
     "ep": ("train.ep", "N", "expert parallelism over N ranks (MoE models)"),
@@ -196,12 +197,15 @@ def _train(args) -> int:
 
 def _check_data(config) -> None:
     from flatshard.cli.data import SequenceOrder, load_tokens
-    from flatshard.cli.model import llama_config
+    from flatshard.cli.model import check_hf_vocab, llama_config
 
     source = config.data
     data = load_tokens(source.path, source.format, source.text_field, source.glob)
     SequenceOrder(data.tokens, source.seq_len, config.train.seed)
-    llama_config(config, data.vocab_size)
+    if config.model.hf:
+        check_hf_vocab(config.model.hf, data.vocab_size)
+    else:
+        llama_config(config, data.vocab_size)
 
 
 def _resume_target(given: str, template: str) -> tuple[str, int]:

@@ -1,8 +1,11 @@
-"""The model of a run: the reference Llama, or the reference MoE when `model.n_experts` > 0,
-built on the meta device and sharded, or plain (one process, no sharding) for sampling and
+"""The model of a run: the reference Llama, the reference MoE (`model.n_experts` > 0) or a
+Hugging Face model (`model.hf`), built on the meta device and sharded, or plain (one
+process, no sharding) for sampling and
 conversion."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -10,6 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 import flatshard
+from flatshard import hf
 from flatshard.cli import runs
 from flatshard.cli.config import RunConfig
 from flatshard.cli.errors import ConfigError, RunError, warn
@@ -141,8 +145,97 @@ def build_plain(cfg: LlamaConfig, device: torch.device | str = "cpu") -> Llama |
     return model
 
 
-def config_from_dict(values: dict) -> LlamaConfig:
-    """A LlamaConfig (a MoEConfig if it has experts) from a checkpoint's `model_config`."""
+def build_hf(
+    path: str,
+    *,
+    zero_stage: int,
+    precision: str,
+    device: torch.device,
+    dp_replicate: int = 1,
+    tp: int = 1,
+    ep: int = 1,
+    hpz_group: int = 0,
+    load: bool = True,
+):
+    """The Hugging Face model at `path` (config.json + safetensors), every decoder layer and
+    the root `fully_shard`-ed as build_sharded does, each rank reading only its rows:
+    flatshard's Llama for Llama/Qwen2/Qwen3 checkpoints, the transformers model otherwise.
+    load False: allocated only (a checkpoint will fill it)."""
+    if tp > 1 or ep > 1:
+        raise ConfigError(
+            "model.hf with train.tp or train.ep > 1: a Hugging Face model has no tensor- or "
+            "expert-parallel plan in flatshard yet; use train.tp=1 and train.ep=1"
+        )
+    policy = mixed_precision(precision)
+    mesh = None
+    if dp_replicate > 1:
+        shards = dist.get_world_size() // dp_replicate
+        names = ("dp_replicate", "dp_shard")
+        mesh = init_device_mesh(device.type, (dp_replicate, shards), mesh_dim_names=names)
+    stage = {"reshard_after_forward": hpz_group} if hpz_group else {"zero_stage": zero_stage}
+    shard = functools.partial(hf.shard_decoder_layers, mp_policy=policy, mesh=mesh, **stage)
+    if load:
+        return hf.from_pretrained(path, shard=shard, device=device)
+    hf_config = hf.read_hf_config(path)
+    adapter = hf.adapter_for_config(hf_config)
+    with torch.device("meta"):
+        model = adapter.build(hf_config)
+    shard(model)
+    adapter.allocate(model, device)
+    return model
+
+
+def build_transformers(hf_config: dict, *, sharded: bool, device: torch.device | str = "cpu"):
+    """The transformers model a checkpoint's saved config describes (sharded: every decoder
+    layer and the root), allocated but not filled: a checkpoint load fills it."""
+    with torch.device("meta"):
+        model = hf.build_causal_lm(hf_config)
+    if sharded:
+        hf.shard_decoder_layers(model)
+    hf.TRANSFORMERS.allocate(model, torch.device(device))
+    return model
+
+
+def is_transformers_config(config) -> bool:
+    """Whether a saved model config is a transformers one (else a LlamaConfig)."""
+    return isinstance(config, dict)
+
+
+def vocab_size(config) -> int:
+    return config["vocab_size"] if is_transformers_config(config) else config.vocab_size
+
+
+def max_seq_len(config) -> int:
+    if is_transformers_config(config):
+        return config.get("max_position_embeddings") or 2048
+    return config.max_seq_len
+
+
+def check_hf_vocab(path: str, data_vocab_size: int) -> int:
+    """The vocabulary of the Hugging Face model at `path` (config.json), which must hold
+    every token of the data."""
+    try:
+        config = hf.read_hf_config(path)
+    except hf.HFCheckpointError as error:
+        raise ConfigError(f"model.hf: {error}") from None
+    size = config.get("vocab_size")
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise ConfigError(f"model.hf {path!r}: config.json has no positive int 'vocab_size'")
+    if size < data_vocab_size:
+        raise ConfigError(
+            f"model.hf {path!r} has vocab_size {size}, too small for the data, whose tokens "
+            f"need {data_vocab_size}; tokenise the data with the model's own tokenizer into a "
+            "token file (data.format = uint16 or uint32) or pick another model"
+        )
+    return size
+
+
+def config_from_dict(values: dict) -> LlamaConfig | dict:
+    """A LlamaConfig (a MoEConfig if it has experts) from a checkpoint's saved
+    `model_config`, or the transformers config dict (it has a model_type) of a model
+    fine-tuned from Hugging Face."""
+    if "model_type" in values:
+        return values
     try:
         return (MoEConfig if "n_experts" in values else LlamaConfig)(**values)
     except (TypeError, ValueError) as error:

@@ -13,7 +13,15 @@ from flatshard.cli import runs
 from flatshard.cli.errors import RunError
 from flatshard.cli.generate import generate
 from flatshard.cli.launch import init_distributed
-from flatshard.cli.model import build_plain, build_sharded, saved_model_config
+from flatshard.cli.model import (
+    build_plain,
+    build_sharded,
+    build_transformers,
+    is_transformers_config,
+    max_seq_len,
+    saved_model_config,
+    vocab_size,
+)
 from flatshard.cli.tokenizer import tokenizer_for
 
 
@@ -42,21 +50,30 @@ def sample_worker(request: SampleRequest, sharded: bool) -> None:
         )
     else:
         prompt = tokenizer.encode(request.prompt) or [tokenizer.end_of_text]
-    if max(prompt) >= cfg.vocab_size or min(prompt) < 0:
-        raise RunError(f"prompt token ids must be in [0, {cfg.vocab_size}) for this model")
+    vocab = vocab_size(cfg)
+    if max(prompt) >= vocab or min(prompt) < 0:
+        raise RunError(f"prompt token ids must be in [0, {vocab}) for this model")
     if sharded:
         device, is_main = ranks.device, ranks.is_main
-        model = build_sharded(cfg, zero_stage=3, precision="fp32", seed=0, device=device)
+        if is_transformers_config(cfg):
+            model = build_transformers(cfg, sharded=True, device=device)
+        else:
+            model = build_sharded(cfg, zero_stage=3, precision="fp32", seed=0, device=device)
     else:
         use_cuda = request.device == "cuda" or (request.device == "auto" and cuda_available())
         device, is_main = ("cuda" if use_cuda else "cpu"), True
-        model = build_plain(cfg, device)
+        plain = is_transformers_config(cfg)
+        model = (
+            build_transformers(cfg, sharded=False, device=device)
+            if plain
+            else build_plain(cfg, device)
+        )
     checkpoint.load(root, model=model, step=step, verify=False)  # verified above
     new = generate(
         model,
         prompt,
         new_tokens=request.tokens,
-        max_seq_len=cfg.max_seq_len,
+        max_seq_len=max_seq_len(cfg),
         temperature=request.temperature,
         top_k=request.top_k,
         seed=request.seed,

@@ -29,11 +29,12 @@ from flatshard.cli.errors import TrainingStopped
 from flatshard.cli.generate import generate
 from flatshard.cli.launch import EXIT_STOPPED, Ranks, init_distributed
 from flatshard.cli.meters import MemoryMeter, warm_up_runtime
-from flatshard.cli.model import build_sharded, llama_config
+from flatshard.cli.model import build_hf, build_sharded, check_hf_vocab, llama_config
 from flatshard.cli.progress import Progress
 from flatshard.cli.schedule import learning_rate
 from flatshard.cli.stop import StopRequest
 from flatshard.cli.tokenizer import tokenizer_for
+from flatshard.hf.transformers_model import model_class
 from flatshard.models import MoEConfig, load_balancing_loss
 
 
@@ -41,8 +42,9 @@ def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy; an MoE model adds its weighted load-balancing loss, whose
     router statistics are summed over all ranks (each holds another slice of the batch), so
     the loss and its gradients are the global batch's."""
-    if not isinstance(model.config, MoEConfig):
-        logits = model(batch[:, :-1])
+    if not isinstance(getattr(model, "config", None), MoEConfig):
+        output = model(batch[:, :-1])
+        logits = getattr(output, "logits", output)  # a transformers model returns an output
         return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
     logits, stats = model(batch[:, :-1], return_router_stats=True)
     loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
@@ -73,7 +75,11 @@ class Trainer:
         train, data = config.train, config.data
         self.data = load_tokens(data.path, data.format, data.text_field, data.glob)
         self.order = SequenceOrder(self.data.tokens, data.seq_len, train.seed)
-        self.model_config = llama_config(config, self.data.vocab_size)
+        if config.model.hf:  # a Hugging Face model: its config.json says what it is
+            check_hf_vocab(config.model.hf, self.data.vocab_size)
+            self.model_config = None
+        else:
+            self.model_config = llama_config(config, self.data.vocab_size)
         # the TP ranks of a group (consecutive ranks: TP is innermost) share a batch
         self.dp_world = ranks.world_size // train.tp
         self.dp_rank = ranks.rank // train.tp
@@ -81,17 +87,19 @@ class Trainer:
         warm_up_runtime(ranks.device)
         self.memory = MemoryMeter(ranks.device)  # from here on: what `flatshard plan` counts
         comm.traffic.take()  # count from here
-        self.model = build_sharded(
-            self.model_config,
+        sharding = dict(
             zero_stage=train.zero_stage,
             precision=train.precision,
-            seed=train.seed,
             device=ranks.device,
             dp_replicate=train.dp_replicate,
             tp=train.tp,
             ep=train.ep,
             hpz_group=train.hpz_group,
         )
+        if config.model.hf:  # on resume the checkpoint fills it: no need to read the HF files
+            self.model = build_hf(config.model.hf, load=resume_step is None, **sharding)
+        else:
+            self.model = build_sharded(self.model_config, seed=train.seed, **sharding)
         self.optimizer = torch.optim.AdamW(
             _parameter_groups(self.model, train.weight_decay),
             lr=train.lr,
@@ -124,7 +132,7 @@ class Trainer:
         self.position = result.extra["data_position"]
 
     def _print_header(self) -> None:
-        config, ranks, model = self.config, self.ranks, self.model_config
+        config, ranks = self.config, self.ranks
         backend = dist.get_backend()
         tokens_per_step = config.train.global_batch * config.data.seq_len
         effective = "\n".join(
@@ -138,9 +146,7 @@ class Trainer:
             f"flatshard train: {ranks.world_size} process(es), {backend} on {ranks.device.type}, "
             f"ZeRO-{config.train.zero_stage}, {config.train.precision}"
             + (f", tensor parallel over {config.train.tp}" if config.train.tp > 1 else ""),
-            f"model: {_describe(model)}, {model.num_params() / 1e6:.1f}M parameters (dim "
-            f"{model.dim}, {model.n_layers} layers, {model.n_heads} heads, ffn {model.ffn_dim}, "
-            f"vocab {model.vocab_size})",
+            self._describe_model(),
             f"data: {self.data.source}: {len(self.data.tokens):,} tokens, "
             f"{self.order.windows:,} sequences of {config.data.seq_len}",
             f"batch: {config.train.global_batch} sequences = {tokens_per_step:,} tokens per step "
@@ -153,6 +159,18 @@ class Trainer:
         if self.resumed_from is not None:
             lines.append(f"resuming from step {self.step} ({self.resumed_from})")
         print("\n".join(lines), flush=True)
+
+    def _describe_model(self) -> str:
+        model = self.model_config
+        if model is None:
+            kind = model_class(self.model).__name__  # not fully_shard's subclass
+            count = sum(p.numel() for p in self.model.parameters())
+            return f"model: {kind} from {self.config.model.hf}, {count / 1e6:.1f}M parameters"
+        return (
+            f"model: {_describe(model)}, {model.num_params() / 1e6:.1f}M parameters (dim "
+            f"{model.dim}, {model.n_layers} layers, {model.n_heads} heads, ffn {model.ffn_dim}, "
+            f"vocab {model.vocab_size})"
+        )
 
     # --- the loop ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -315,12 +333,13 @@ class Trainer:
         if tokenizer is None:
             return  # pre-tokenised data: no text to show
         prompt = self.config.run.sample_prompt
+        seq_len = self.config.data.seq_len  # a Hugging Face model: what it was trained on
         ids = tokenizer.encode(prompt) or [tokenizer.end_of_text]
         new = generate(
             self.model,
             ids,
             new_tokens=self.config.run.sample_tokens,
-            max_seq_len=self.model_config.max_seq_len,
+            max_seq_len=self.model_config.max_seq_len if self.model_config else seq_len,
             seed=self.config.train.seed,
             device=self.ranks.device,
         )

@@ -77,7 +77,7 @@ class TransformersAdapter(StateDictAdapter):
 
     def export_config(self, model: nn.Module, dtype: torch.dtype | None, extra: dict) -> dict:
         hf = model.config.to_diff_dict()  # what transformers writes: fields off the defaults
-        hf["architectures"] = [_model_class(model).__name__]
+        hf["architectures"] = [model_class(model).__name__]
         dtypes = {p.dtype for p in model.parameters()}
         dtype = dtype or (dtypes.pop() if len(dtypes) == 1 else None)
         if dtype is not None:
@@ -166,7 +166,7 @@ def parameters_on_meta():
         nn.Module.register_parameter = register
 
 
-def _model_class(model: nn.Module) -> type:
+def model_class(model: nn.Module) -> type:
     """The model's own class (fully_shard puts a FlatShard subclass in front of it)."""
     from flatshard import FlatShardModule
 

@@ -303,6 +303,9 @@ class TransformerBlock(nn.Module):
 class Llama(nn.Module):
     """Decoder-only language model: tokens [B, T] -> logits [B, T, vocab_size]."""
 
+    # the decoder layers, named as transformers names them (flatshard.hf.shard_decoder_layers)
+    _no_split_modules = ("TransformerBlock",)
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.config = cfg

@@ -1,0 +1,118 @@
+"""`flatshard train --hf` and `flatshard convert` on a transformers model flatshard has no
+model of its own for (Mixtral: MoE experts fused in memory, per-expert on disk): the first
+step's loss is transformers' own, a resumed run repeats an uninterrupted one bitwise, and
+its checkpoint converts back to a directory transformers loads; `sample` reads it."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from test_cli_helpers import check_ok, flatshard, metrics, one_line_error
+
+from flatshard.cli.data import SequenceOrder, load_tokens
+from flatshard.cli.main import main
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+SEQ, BATCH, STEPS = 16, 4, 4
+RUN = [
+    "--seq-len", SEQ, "--micro-batch", 2, "--global-batch", BATCH, "--set",
+    "train.warmup_steps=2", "--set", "run.sample_tokens=0", "--set", "run.log_interval=1",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=260,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )  # fmt: skip  (vocab 260 holds the bundled corpus's 257 byte tokens)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    path = tmp_path_factory.mktemp("mixtral")
+    model.save_pretrained(path)
+    return path, model
+
+
+def test_fine_tune_resume_convert_sample(mixtral, tmp_path, capsys):
+    path, model = mixtral
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    first = check_ok(flatshard("train", "--hf", path, *RUN, "--steps", STEPS, "--out", straight))
+    assert "MixtralForCausalLM from" in first.stdout and "2 process(es)" in first.stdout
+    expected = [r["loss"] for r in metrics(straight)]
+    assert len(expected) == STEPS
+
+    # step 1 is transformers' own loss of the imported model on the first global batch
+    data = load_tokens("", "auto", "text", "**/*.txt")
+    batch = SequenceOrder(data.tokens, SEQ, 0).batch(0, BATCH)
+    with torch.no_grad():
+        logits = model.eval()(batch[:, :-1]).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
+    assert abs(expected[0] - loss) <= 1e-5 * loss
+
+    # stopped after step 2, then resumed: the same losses bitwise
+    stop = ["--set", "run.stop_at_step=2"]
+    check_ok(flatshard("train", "--hf", path, *RUN, "--steps", STEPS, "--out", split, *stop))
+    resumed = check_ok(flatshard("train", "--resume", split))
+    assert "resuming from step 2" in resumed.stdout
+    assert [r["loss"] for r in metrics(split)] == expected
+
+    # the fine-tuned checkpoint back to Hugging Face (one process), loadable by transformers
+    out = tmp_path / "hf-out"
+    assert main(["convert", "checkpoint-to-hf", str(split), str(out)]) == 0
+    tuned = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert sorted(load_file(out / "model.safetensors")) == sorted(
+        load_file(path / "model.safetensors")
+    )  # per-expert tensors, as transformers writes them
+    with torch.no_grad():
+        greedy = int(tuned.eval()(torch.tensor([[5, 6]])).logits[0, -1].argmax())
+    capsys.readouterr()
+    assert main(["sample", "--checkpoint", str(split), "--prompt-ids", "5,6", "--tokens", "1",
+                 "--temperature", "0"]) == 0  # fmt: skip
+    assert [int(i) for i in capsys.readouterr().out.split()] == [5, 6, greedy]
+
+
+def test_convert_round_trip_of_a_transformers_model(mixtral, tmp_path):
+    path, _ = mixtral
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    assert main(["convert", "hf-to-checkpoint", str(path), ckpt]) == 0
+    assert main(["convert", "checkpoint-to-hf", ckpt, out]) == 0
+    original, exported = (load_file(os.path.join(p, "model.safetensors")) for p in (path, out))
+    assert original.keys() == exported.keys()
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+    with open(os.path.join(path, "config.json")) as a, open(os.path.join(out, "config.json")) as b:
+        assert json.load(a) == json.load(b)
+
+
+def test_unusable_models_are_one_line_errors(mixtral, tmp_path):
+    path, _ = mixtral
+    small = tmp_path / "small"
+    small.mkdir()
+    config = json.loads((path / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**config, "vocab_size": 100}))
+    message = one_line_error(flatshard("train", "--hf", small, *RUN, "--steps", 1))
+    assert "vocab_size 100" in message and "model.hf" in message
+    quantized = tmp_path / "quantized"
+    quantized.mkdir()
+    (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": {}}))
+    for name in os.listdir(path):
+        if name.endswith(".safetensors"):
+            os.symlink(path / name, quantized / name)
+    (quantized / "config.json").write_text(
+        json.dumps({**config, "quantization_config": {"quant_method": "bitsandbytes"}})
+    )
+    message = one_line_error(flatshard("convert", "hf-to-checkpoint", quantized, tmp_path / "x"))
+    assert "quantization_config" in message
