@@ -237,3 +237,18 @@ def test_moe_experts_are_read_from_per_expert_tensors(checkpoints):
             model = hf.build_causal_lm(hf.read_hf_config(checkpoints[arch]["path"]))
         mappings, unmapped = hf.TRANSFORMERS.plan(model)
         assert not unmapped and sorted({m.hf_name for m in mappings}) == sorted(names)
+
+
+def test_plain_import_in_another_dtype(checkpoints):
+    """No sharding, no process group, parameters in bf16: each expert's gate and up rows of
+    the fused tensor are the checkpoint's per-expert tensors, cast."""
+    path = checkpoints["qwen3_moe"]["path"]
+    model = hf.from_pretrained(path, dtype=torch.bfloat16)  # not a Llama: transformers' model
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    disk = load_file(os.path.join(path, "model.safetensors"))
+    fused = model.model.layers[1].mlp.experts.gate_up_proj
+    for e in range(4):
+        prefix = f"model.layers.1.mlp.experts.{e}."
+        gate, up = (disk[prefix + f"{part}_proj.weight"] for part in ("gate", "up"))
+        assert torch.equal(fused[e], torch.cat([gate, up]).to(torch.bfloat16))

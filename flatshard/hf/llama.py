@@ -50,8 +50,9 @@ class LlamaAdapter(StateDictAdapter):
     def handles_config(self, hf_config: dict) -> bool:
         return hf_config.get("architectures") in ([arch] for arch in ARCHITECTURES)
 
-    def build(self, hf_config: dict) -> nn.Module:
-        return Llama(hf_to_config(hf_config))
+    def build(self, hf_config: dict, dtype: torch.dtype | None = None) -> nn.Module:
+        model = Llama(hf_to_config(hf_config))
+        return model if dtype is None else model.to(dtype)
 
     def check_config(self, model: nn.Module, path: Path) -> None:
         if not (path / "config.json").is_file():

@@ -35,15 +35,16 @@ def from_pretrained(
 
     Llama, Qwen2 and Qwen3 checkpoints build flatshard's reference Llama; any other
     transformers causal LM (or any, with adapter=flatshard.hf.TRANSFORMERS) builds the
-    transformers model itself, parameters in `dtype` (default float32), sharded in place:
-    pass shard=flatshard.hf.shard_decoder_layers to shard each decoder layer and the root.
+    transformers model itself, sharded in place. shard=flatshard.hf.shard_decoder_layers
+    shards each decoder layer and the root of either. dtype: of the parameters (default
+    float32; the checkpoint's values are cast to it).
     """
     hf_config = read_hf_config(path)
     adapter = adapter or adapter_for_config(hf_config)
     device = torch.device(device) if device else default_device()
     with torch.device("meta"):
         # config errors before anything is allocated
-        model = adapter.build(hf_config) if dtype is None else adapter.build(hf_config, dtype)
+        model = adapter.build(hf_config, dtype)
     if shard is not None:
         shard(model)
     adapter.allocate(model, device)
