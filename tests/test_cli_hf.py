@@ -116,3 +116,27 @@ def test_unusable_models_are_one_line_errors(mixtral, tmp_path):
     )
     message = one_line_error(flatshard("convert", "hf-to-checkpoint", quantized, tmp_path / "x"))
     assert "quantization_config" in message
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_plan_counts_what_train_hf_would_train(tmp_path, capsys, arch):
+    """`flatshard plan --set model.hf=DIR` plans the Hugging Face model (transformers 5's
+    config.json names Qwen3-MoE's experts num_local_experts), not the reference Llama."""
+    sizes = dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
+    sizes.update(num_key_value_heads=2, num_experts_per_tok=2)
+    if arch == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**sizes, num_experts=4, moe_intermediate_size=32)
+    else:
+        config = transformers.MixtralConfig(**sizes, num_local_experts=4, intermediate_size=48)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path)
+    assert main(["plan", "--set", f"model.hf={tmp_path}", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["num_params"] == sum(p.numel() for p in model.parameters())
+
+
+def test_plan_names_a_model_it_cannot_describe(tmp_path, capsys):
+    config = transformers.GemmaConfig(vocab_size=61, hidden_size=32, num_hidden_layers=1)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    assert main(["plan", "--set", f"model.hf={tmp_path}"]) == 2
+    assert "model_type 'gemma'" in capsys.readouterr().err

@@ -142,6 +142,8 @@ def _model_and_defaults(args):
         grad_accum=max(1, train.global_batch // (train.micro_batch * world // train.tp)),
         backend="nccl" if _uses_cuda(config.run.device) else "gloo",
     )
+    if config.model.hf:  # the Hugging Face model train --hf would fine-tune
+        return zoo.resolve(config.model.hf), defaults
     return zoo.from_llama_config(_run_model(config), "the training config's model"), defaults
 
 

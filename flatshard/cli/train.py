@@ -165,7 +165,7 @@ class Trainer:
         if model is None:
             kind = model_class(self.model).__name__  # not fully_shard's subclass
             count = sum(p.numel() for p in self.model.parameters())
-            return f"model: {kind} from {self.config.model.hf}, {count / 1e6:.1f}M parameters"
+            return f"model: {kind} from {self.config.model.hf}, {count:,} parameters"
         return (
             f"model: {_describe(model)}, {model.num_params() / 1e6:.1f}M parameters (dim "
             f"{model.dim}, {model.n_layers} layers, {model.n_heads} heads, ffn {model.ffn_dim}, "

@@ -124,10 +124,9 @@ def resolve(name_or_path: str) -> ModelSpec:
 
 def from_hf_config(hf: dict, name: str) -> ModelSpec:
     model_type = hf.get("model_type")
-    if model_type == "qwen3_moe":
-        return _moe(
-            hf, name, experts=hf["num_experts"], ffn=hf["moe_intermediate_size"], qk_norm=True
-        )
+    if model_type == "qwen3_moe":  # transformers 5 writes num_local_experts, 4.x num_experts
+        experts = hf.get("num_local_experts", hf.get("num_experts"))
+        return _moe(hf, name, experts=experts, ffn=hf["moe_intermediate_size"], qk_norm=True)
     if model_type == "mixtral":
         return _moe(
             hf, name, experts=hf["num_local_experts"], ffn=hf["intermediate_size"], qk_norm=False
@@ -135,7 +134,13 @@ def from_hf_config(hf: dict, name: str) -> ModelSpec:
     if model_type == "deepseek_v3":
         return _deepseek_v3(hf, name)
     from flatshard.hf import hf_to_config  # Llama, Qwen2, Qwen3: the reference model
+    from flatshard.hf.llama_config import ARCHITECTURES
 
+    if model_type not in (None, *ARCHITECTURES.values()):
+        raise ConfigError(
+            f"{name}: model_type {model_type!r} is not one the planner models (llama, qwen2, "
+            "qwen3, qwen3_moe, mixtral, deepseek_v3); flatshard train --hf still trains it"
+        )
     return from_llama_config(hf_to_config(hf), name)
 
 
@@ -261,7 +266,7 @@ def _moe(hf: dict, name: str, experts: int, ffn: int, qk_norm: bool) -> ModelSpe
     """A Qwen3-MoE (q/k norms) or Mixtral layer stack: attention, a router and grouped
     experts in every layer."""
     d, h, kv = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"]
-    hd, top_k = hf["head_dim"], hf["num_experts_per_tok"]
+    hd, top_k = hf.get("head_dim") or d // h, hf["num_experts_per_tok"]
     layers, vocab = hf["num_hidden_layers"], hf["vocab_size"]
     attention = [
         _p("self_attn.q_proj.weight", h * hd, d),
