@@ -252,3 +252,26 @@ def test_plain_import_in_another_dtype(checkpoints):
         prefix = f"model.layers.1.mlp.experts.{e}."
         gate, up = (disk[prefix + f"{part}_proj.weight"] for part in ("gate", "up"))
         assert torch.equal(fused[e], torch.cat([gate, up]).to(torch.bfloat16))
+
+
+def _import_logits_and_bytes(path, tokens):
+    model = hf.from_pretrained(path, shard=hf.shard_decoder_layers, adapter=hf.TRANSFORMERS)
+    with torch.no_grad():
+        logits = model(tokens).logits.detach().clone()
+    return logits, hf.load_pretrained(model, path).bytes_read
+
+
+def test_checkpoint_in_the_in_memory_layout(checkpoints, tmp_path):
+    """save_pretrained(save_original_format=False) keeps the fused experts as in memory;
+    transformers loads that too, and so does flatshard, each rank reading its experts."""
+    case = checkpoints["qwen3_moe"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(case["path"], dtype=torch.float32)
+    model.save_pretrained(tmp_path, save_original_format=False)
+    names = load_file(os.path.join(tmp_path, "model.safetensors"))
+    assert "model.layers.0.mlp.experts.gate_up_proj" in names
+    results = run_distributed(_import_logits_and_bytes, 2, str(tmp_path), case["tokens"])
+    for logits, _ in results:
+        assert rel(logits, case["logits"]) <= TOLERANCE
+    assert sum(read for _, read in results) == sum(
+        t.numel() * t.element_size() for t in names.values()
+    )

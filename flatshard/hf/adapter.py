@@ -41,6 +41,11 @@ class StateDictAdapter:
         """(the HF tensors of `model` in parameter order, the parameters nothing maps)."""
         return plan_tensors(model, self.rules)
 
+    def plan_for_checkpoint(self, model: nn.Module, names: set[str]):
+        """plan(), for loading a checkpoint holding tensors `names` (an adapter that knows
+        several layouts picks the checkpoint's)."""
+        return self.plan(model)
+
     def tensors(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The model's tensors a checkpoint holds, by name (tied parameters once)."""
         return dict(model.named_parameters())

@@ -63,7 +63,7 @@ def load_pretrained(
     if check_config:
         adapter.check_config(model, path)
     tensors = checkpoint_tensors(path)
-    mappings, unmapped = adapter.plan(model)
+    mappings, unmapped = adapter.plan_for_checkpoint(model, set(tensors))
     problem = _mismatch_report(adapter, model, mappings, unmapped, tensors)
     if problem:
         raise HFCheckpointError(f"checkpoint {path} does not match the model:\n{problem}")

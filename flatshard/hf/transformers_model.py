@@ -16,10 +16,12 @@ import torch
 from torch import nn
 
 import flatshard
+from flatshard.dtensor.row_shard import param_spec
 from flatshard.hf.adapter import StateDictAdapter, register
 from flatshard.hf.checkpoint import read_hf_config
 from flatshard.hf.conversion import disk_mappings, model_tensors
 from flatshard.hf.errors import HFCheckpointError, HFConfigError
+from flatshard.hf.names import TensorMapping
 
 # config.json fields that mean the weights are not plain tensors of the model's own code
 _REFUSED_FIELDS = {
@@ -42,6 +44,21 @@ class TransformersAdapter(StateDictAdapter):
 
     def plan(self, model: nn.Module):
         return disk_mappings(model)
+
+    def plan_for_checkpoint(self, model: nn.Module, names: set[str]):
+        """transformers' on-disk layout, or the in-memory one (a checkpoint written with
+        save_pretrained(save_original_format=False): fused experts as they are in memory),
+        whichever the checkpoint holds; transformers loads both."""
+        mappings, unmapped = self.plan(model)
+        if {m.hf_name for m in mappings} == names:
+            return mappings, unmapped
+        direct = [
+            TensorMapping(name, name, None, tuple(param_spec(model, name, t).info.global_shape))
+            for name, t in model_tensors(model).items()
+        ]
+        if {m.hf_name for m in direct} == names:
+            return direct, []
+        return mappings, unmapped  # the mismatch report speaks of the on-disk layout
 
     def tensors(self, model: nn.Module) -> dict:
         return model_tensors(model)
