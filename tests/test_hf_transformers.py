@@ -275,3 +275,25 @@ def test_checkpoint_in_the_in_memory_layout(checkpoints, tmp_path):
     assert sum(read for _, read in results) == sum(
         t.numel() * t.element_size() for t in names.values()
     )
+
+
+def _export(path, out, max_shard_size):
+    model = hf.from_pretrained(path, shard=hf.shard_decoder_layers, adapter=hf.TRANSFORMERS)
+    hf.save_pretrained(model, out, max_shard_size=max_shard_size)
+
+
+def test_sharded_export_is_cut_as_transformers_cuts_it(checkpoints, tmp_path):
+    """Several files: the same files, each with the same tensors, and the same index."""
+    path = checkpoints["mistral"]["path"]
+    theirs, ours = tmp_path / "theirs", tmp_path / "ours"
+    transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).save_pretrained(
+        theirs, max_shard_size="20KB"
+    )
+    run_distributed(_export, 2, path, str(ours), "20KB")
+    assert sorted(os.listdir(ours)) == sorted(os.listdir(theirs))
+    index = "model.safetensors.index.json"
+    assert json.loads((ours / index).read_text()) == json.loads((theirs / index).read_text())
+    for file in os.listdir(theirs):
+        if file.endswith(".safetensors"):
+            a, b = load_file(theirs / file), load_file(ours / file)
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), file

@@ -1,9 +1,12 @@
 """`save_pretrained`: write a model as a Hugging Face checkpoint, from any world size.
 
-Parameters are gathered one at a time (`full_tensor()`, which every rank calls in the same
-order), split into their HF tensors (gate_up_proj -> gate_proj, up_proj) and streamed by
-rank 0 into safetensors shards whose headers were planned up front, so each rank holds at
-most one full parameter at a time. A write failure on rank 0 does not leave the other ranks
+The HF tensors are written in the order transformers writes them (`natural_key`) into the
+files its save_pretrained would cut; each is cut from its parameter (gate_up_proj ->
+gate_proj, up_proj; a fused expert tensor -> one tensor per expert), which every rank
+gathers (`full_tensor()`, in the same order) when its first tensor comes and drops after
+its last: a rank holds the parameters of the tensors being written (one, or for a MoE
+layer its experts' two), streamed by rank 0 into safetensors files whose headers were
+planned up front. A write failure on rank 0 does not leave the other ranks
 waiting in a collective: rank 0 stops writing, keeps gathering, and all ranks raise together.
 """
 
@@ -70,27 +73,54 @@ def save_pretrained(
     shards = _plan_shards(mappings, out_dtype, _parse_size(max_shard_size))
     group = dist.group.WORLD if dist.is_initialized() else None
     writer = (
-        _ShardWriter(path, shards, out_dtype) if group is None or dist.get_rank() == 0 else None
+        _ShardWriter(path, shards, out_dtype, sum(p.numel() for p in model.parameters()))
+        if group is None or dist.get_rank() == 0
+        else None
     )
 
-    by_param: dict[str, list[TensorMapping]] = {}
-    for mapping in mappings:
-        by_param.setdefault(mapping.param_name, []).append(mapping)
+    ordered = [m for shard in shards for m in shard]  # the order the files are written in
+    last_use = {m.param_name: i for i, m in enumerate(ordered)}
+    gathered: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        for name, param in params.items():
-            full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
-            for mapping in by_param[name]:
-                if writer is not None:
-                    piece = full
-                    if mapping.component is not None:
-                        piece = infos[name].component(mapping.component).select_global(full)
-                    elif mapping.tile is not None:
-                        block = mapping.tile.inverse(mapping.hf_name)  # parameter -> HF
-                        piece = block.take(full[block.box.slices])
-                    writer.write(mapping.hf_name, piece.to(out_dtype[mapping.hf_name]))
-            del full  # at most one gathered parameter alive at a time
+        for i, mapping in enumerate(ordered):
+            name = mapping.param_name
+            if name not in gathered:  # every rank gathers in the same (planned) order
+                param = params[name]
+                gathered[name] = (
+                    param.full_tensor() if isinstance(param, DTensor) else param.detach()
+                )
+            if writer is not None:
+                piece = _hf_tensor(mapping, infos[name], gathered[name])
+                writer.write(mapping.hf_name, piece.to(out_dtype[mapping.hf_name]))
+            if last_use[name] == i:
+                del gathered[name]  # only the parameters of the tensors being written are alive
     problem = writer.finish(files) if writer is not None else None
     comm.agree(problem, group, HFCheckpointError)  # also the barrier: files exist after it
+
+
+def _hf_tensor(mapping: TensorMapping, info, full: torch.Tensor) -> torch.Tensor:
+    """HF tensor `mapping` cut from its parameter's full value `full`."""
+    if mapping.component is not None:
+        return info.component(mapping.component).select_global(full)
+    if mapping.tile is not None:
+        block = mapping.tile.inverse(mapping.hf_name)  # parameter -> HF
+        return block.take(full[block.box.slices])
+    return full
+
+
+def natural_key(name: str) -> list[tuple]:
+    """Sort key of a tensor name as transformers orders a state dict before saving it: by
+    dot-separated parts, numbers numerically (layers.2 before layers.10) and before words,
+    a word's trailing digits numerically too."""
+    key = []
+    for part in name.split("."):
+        if part.isdigit():
+            key.append((0, int(part)))
+            continue
+        word = part.rstrip("0123456789")
+        digits = part[len(word) :]
+        key.append((1, word, int(digits)) if digits else (1, word))
+    return key
 
 
 def _parse_size(size: int | str) -> int:
@@ -108,24 +138,34 @@ def _parse_size(size: int | str) -> int:
 
 
 def _plan_shards(mappings, out_dtype, max_bytes: int) -> list[list[TensorMapping]]:
-    """Consecutive tensors packed into files of at most max_bytes (a bigger tensor alone)."""
-    shards: list[list[TensorMapping]] = [[]]
+    """Files as transformers' save_pretrained (huggingface_hub's splitter) cuts them: the
+    tensors in natural_key order fill a file until the next would pass max_bytes; a tensor
+    bigger than that gets a file of its own, numbered where it comes, while the file being
+    filled stays open."""
+    shards: list[list[TensorMapping]] = []
+    current: list[TensorMapping] = []
     used = 0
-    for mapping in mappings:
+    for mapping in sorted(mappings, key=lambda m: natural_key(m.hf_name)):
         size = tensor_bytes(mapping.shape, out_dtype[mapping.hf_name])
-        if shards[-1] and used + size > max_bytes:
-            shards.append([])
-            used = 0
-        shards[-1].append(mapping)
+        if size > max_bytes:
+            shards.append([mapping])
+            continue
+        if used + size > max_bytes:
+            shards.append(current)
+            current, used = [], 0
+        current.append(mapping)
         used += size
+    if current or not shards:
+        shards.append(current)
     return shards
 
 
 class _ShardWriter:
     """Rank 0's side: shard files in stream order; remembers the first failure."""
 
-    def __init__(self, path: Path, shards, out_dtype):
+    def __init__(self, path: Path, shards, out_dtype, total_parameters: int):
         self.path = path
+        self.total_parameters = total_parameters  # the index says it, as transformers
         self.shards = shards
         self.out_dtype = out_dtype
         n = len(shards)
@@ -186,7 +226,8 @@ class _ShardWriter:
         total = sum(
             tensor_bytes(m.shape, self.out_dtype[m.hf_name]) for s in self.shards for m in s
         )
-        return {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        metadata = {"total_parameters": self.total_parameters, "total_size": total}
+        return {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}
 
     def _remove_stale_weights(self) -> None:
         # A weights file from an earlier save would shadow or mix with this one on load.
