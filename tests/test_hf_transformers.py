@@ -297,3 +297,22 @@ def test_sharded_export_is_cut_as_transformers_cuts_it(checkpoints, tmp_path):
         if file.endswith(".safetensors"):
             a, b = load_file(theirs / file), load_file(ours / file)
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), file
+
+
+def test_bf16_checkpoint_round_trip(checkpoints, tmp_path):
+    """A bf16 checkpoint imports exactly into fp32 parameters (the default) and exports
+    back to the very bytes with dtype=bfloat16; config.json keeps saying bfloat16."""
+    path = checkpoints["mixtral"]["path"]
+    original = tmp_path / "bf16"
+    transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).save_pretrained(
+        original
+    )
+    model = hf.from_pretrained(original)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    hf.save_pretrained(model, tmp_path / "out", dtype=torch.bfloat16)
+    theirs, ours = (load_file(p / "model.safetensors") for p in (original, tmp_path / "out"))
+    assert theirs.keys() == ours.keys()
+    for name, tensor in theirs.items():
+        assert tensor.dtype == ours[name].dtype == torch.bfloat16
+        assert torch.equal(tensor.view(torch.uint8), ours[name].view(torch.uint8)), name
+    assert hf.read_hf_config(tmp_path / "out")["dtype"] == "bfloat16"
