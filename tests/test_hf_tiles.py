@@ -109,3 +109,16 @@ def test_decoder_layers_must_be_named():
     model._no_split_modules = ["NoSuchLayer"]
     with pytest.raises(hf.HFConfigError, match="_no_split_modules"):
         hf.shard_decoder_layers(model)
+
+
+def test_a_conversion_flatshard_cannot_slice_names_the_model():
+    """A conversion that interleaves rows (not a block rearrangement) is refused by name."""
+    from transformers.core_model_loading import Interleave, WeightConverter
+
+    with torch.device("meta"):
+        model = hf.build_causal_lm(_config())
+    model._weight_conversions = [
+        WeightConverter("mlp.gate_proj.weight", "mlp.gate_proj.weight", [Interleave(dim=0)])
+    ]
+    with pytest.raises(hf.HFCheckpointError, match="LlamaForCausalLM.*'llama'.*rearrange"):
+        hf.TRANSFORMERS.plan(model)

@@ -44,7 +44,14 @@ def disk_mappings(model: nn.Module) -> tuple[list[TensorMapping], list[str]]:
     tensors = model_tensors(model)
     shapes = {name: _global_shape(model, name, t) for name, t in tensors.items()}
     stand_ins = {name: Tiled.leaf(name, shape) for name, shape in shapes.items()}
-    disk = revert_weight_conversion(model, stand_ins)
+    try:
+        disk = revert_weight_conversion(model, stand_ins)
+    except (AttributeError, TypeError, NotImplementedError) as e:  # an op Tiled lacks
+        raise HFCheckpointError(
+            f"transformers' checkpoint conversion for {type(model).__name__} (model_type "
+            f"{model.config.model_type!r}) does more than rearrange blocks of parameters "
+            f"({e}); flatshard cannot map its tensors row by row"
+        ) from None
     order = {name: i for i, name in enumerate(tensors)}
     mappings, covered = [], dict.fromkeys(tensors, 0)
     for hf_name, tiled in disk.items():
