@@ -282,9 +282,11 @@ def _export(path, out, max_shard_size):
     hf.save_pretrained(model, out, max_shard_size=max_shard_size)
 
 
-def test_sharded_export_is_cut_as_transformers_cuts_it(checkpoints, tmp_path):
-    """Several files: the same files, each with the same tensors, and the same index."""
-    path = checkpoints["mistral"]["path"]
+@pytest.mark.parametrize("arch", ["mistral", "qwen3_moe", "mixtral"])
+def test_sharded_export_is_cut_as_transformers_cuts_it(checkpoints, tmp_path, arch):
+    """Several files: the same files, each with the same tensors, and the same index (MoE:
+    transformers keeps the per-expert views of one fused tensor in one file)."""
+    path = checkpoints[arch]["path"]
     theirs, ours = tmp_path / "theirs", tmp_path / "ours"
     transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).save_pretrained(
         theirs, max_shard_size="20KB"

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from flatshard.hf.errors import HFCheckpointError, HFConfigError
-from flatshard.hf.names import NameRule, TensorMapping, plan_tensors
+from flatshard.hf.names import NameRule, TensorMapping, natural_key, plan_tensors
 
 
 class StateDictAdapter:
@@ -40,6 +40,11 @@ class StateDictAdapter:
     def plan(self, model: nn.Module) -> tuple[list[TensorMapping], list[str]]:
         """(the HF tensors of `model` in parameter order, the parameters nothing maps)."""
         return plan_tensors(model, self.rules)
+
+    def save_order(self, mappings: list[TensorMapping]) -> list[TensorMapping]:
+        """The order transformers' save_pretrained writes these tensors in: a model loaded
+        with from_pretrained, without conversions, saves its state dict by natural_key."""
+        return sorted(mappings, key=lambda m: natural_key(m.hf_name))
 
     def plan_for_checkpoint(self, model: nn.Module, names: set[str]):
         """plan(), for loading a checkpoint holding tensors `names` (an adapter that knows

@@ -17,7 +17,7 @@ from torch import nn
 
 from flatshard.dtensor.row_shard import param_spec
 from flatshard.hf.errors import HFCheckpointError
-from flatshard.hf.names import TensorMapping
+from flatshard.hf.names import TensorMapping, natural_key
 from flatshard.hf.tiles import Tiled
 
 
@@ -37,13 +37,16 @@ def model_tensors(model: nn.Module) -> dict[str, object]:
 
 
 def disk_mappings(model: nn.Module) -> tuple[list[TensorMapping], list[str]]:
-    """(the disk tensors of `model` in parameter order, each with the block of its
-    parameter it fills; the tensors nothing on disk fills)."""
+    """(the disk tensors of `model` in the order transformers saves them, each with the
+    block of its parameter it fills; the tensors nothing on disk fills)."""
     from transformers.core_model_loading import revert_weight_conversion
 
     tensors = model_tensors(model)
     shapes = {name: _global_shape(model, name, t) for name, t in tensors.items()}
-    stand_ins = {name: Tiled.leaf(name, shape) for name, shape in shapes.items()}
+    # by natural_key, as transformers' save sorts a state dict (which it leaves unsorted
+    # when the model has no conversion but was not loaded by from_pretrained)
+    ordered = sorted(shapes, key=natural_key)
+    stand_ins = {name: Tiled.leaf(name, shapes[name]) for name in ordered}
     try:
         disk = revert_weight_conversion(model, stand_ins)
     except (AttributeError, TypeError, NotImplementedError) as e:  # an op Tiled lacks
@@ -52,7 +55,6 @@ def disk_mappings(model: nn.Module) -> tuple[list[TensorMapping], list[str]]:
             f"{model.config.model_type!r}) does more than rearrange blocks of parameters "
             f"({e}); flatshard cannot map its tensors row by row"
         ) from None
-    order = {name: i for i, name in enumerate(tensors)}
     mappings, covered = [], dict.fromkeys(tensors, 0)
     for hf_name, tiled in disk.items():
         if not isinstance(tiled, Tiled):
@@ -60,17 +62,18 @@ def disk_mappings(model: nn.Module) -> tuple[list[TensorMapping], list[str]]:
                 f"transformers' conversion for {type(model).__name__} produced {hf_name!r} "
                 "from data rather than by rearranging parameters; flatshard cannot map it"
             )
+        storage = (tiled.storage.key, tiled.storage.numel)
         for tile in tiled.tiles:
             covered[tile.origin] += tile.numel
             back = tile.inverse(hf_name)  # disk tensor -> its block of the parameter
-            mappings.append(TensorMapping(hf_name, tile.origin, None, tuple(tiled.shape), back))
+            shape = tuple(tiled.shape)
+            mappings.append(TensorMapping(hf_name, tile.origin, None, shape, back, storage))
     for name, numel in covered.items():
         if numel not in (0, math.prod(shapes[name])):
             raise HFCheckpointError(
                 f"transformers' conversion for {type(model).__name__} writes {numel} of the "
                 f"{math.prod(shapes[name])} elements of {name!r}; flatshard cannot map it"
             )
-    mappings.sort(key=lambda m: order[m.param_name])  # stable: disk order within a parameter
     return mappings, [name for name, numel in covered.items() if numel == 0]
 
 

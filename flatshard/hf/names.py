@@ -63,6 +63,9 @@ class TensorMapping:
     # or: the block of the parameter it fills (origin: the HF tensor), as transformers'
     # conversions place it (e.g. expert 3's gate_proj in the fused gate_up_proj)
     tile: Tile | None = None
+    # the storage (key, elements) transformers' save would hold it in, when it shares one
+    # with other HF tensors (a fused parameter's per-expert views): they go to one file
+    storage: tuple[object, int] | None = None
 
 
 def plan_tensors(
@@ -105,3 +108,18 @@ def _component_mappings(name: str, info: ParamInfo, matches) -> list[TensorMappi
     return [
         TensorMapping(by_component[c.name], name, c.name, c.global_shape) for c in info.components
     ]
+
+
+def natural_key(name: str) -> list[tuple]:
+    """Sort key of a tensor name as transformers orders a state dict before saving it: by
+    dot-separated parts, numbers numerically (layers.2 before layers.10) and before words,
+    a word's trailing digits numerically too."""
+    key = []
+    for part in name.split("."):
+        if part.isdigit():
+            key.append((0, int(part)))
+            continue
+        word = part.rstrip("0123456789")
+        digits = part[len(word) :]
+        key.append((1, word, int(digits)) if digits else (1, word))
+    return key

@@ -1,18 +1,19 @@
 """`save_pretrained`: write a model as a Hugging Face checkpoint, from any world size.
 
-The HF tensors are written in the order transformers writes them (`natural_key`) into the
-files its save_pretrained would cut; each is cut from its parameter (gate_up_proj ->
-gate_proj, up_proj; a fused expert tensor -> one tensor per expert), which every rank
-gathers (`full_tensor()`, in the same order) when its first tensor comes and drops after
-its last: a rank holds the parameters of the tensors being written (one, or for a MoE
-layer its experts' two), streamed by rank 0 into safetensors files whose headers were
-planned up front. A write failure on rank 0 does not leave the other ranks
+The HF tensors are written in the order transformers writes them (the adapter's
+`save_order`) into the files its save_pretrained would cut; each is cut from its parameter
+(gate_up_proj -> gate_proj, up_proj; a fused expert tensor -> one tensor per expert),
+which every rank gathers (`full_tensor()`, in the same order) when its first tensor comes
+and drops after its last: a rank holds the parameters of the tensors being written (one,
+or for a MoE layer its experts' two), streamed by rank 0 into safetensors files whose
+headers were planned up front. A write failure on rank 0 does not leave the other ranks
 waiting in a collective: rank 0 stops writing, keeps gathering, and all ranks raise together.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -70,7 +71,7 @@ def save_pretrained(
         )
     infos = {name: param_spec(model, name, param).info for name, param in params.items()}
     out_dtype = {m.hf_name: dtype or params[m.param_name].dtype for m in mappings}
-    shards = _plan_shards(mappings, out_dtype, _parse_size(max_shard_size))
+    shards = _plan_shards(adapter.save_order(mappings), out_dtype, _parse_size(max_shard_size))
     group = dist.group.WORLD if dist.is_initialized() else None
     writer = (
         _ShardWriter(path, shards, out_dtype, sum(p.numel() for p in model.parameters()))
@@ -108,21 +109,6 @@ def _hf_tensor(mapping: TensorMapping, info, full: torch.Tensor) -> torch.Tensor
     return full
 
 
-def natural_key(name: str) -> list[tuple]:
-    """Sort key of a tensor name as transformers orders a state dict before saving it: by
-    dot-separated parts, numbers numerically (layers.2 before layers.10) and before words,
-    a word's trailing digits numerically too."""
-    key = []
-    for part in name.split("."):
-        if part.isdigit():
-            key.append((0, int(part)))
-            continue
-        word = part.rstrip("0123456789")
-        digits = part[len(word) :]
-        key.append((1, word, int(digits)) if digits else (1, word))
-    return key
-
-
 def _parse_size(size: int | str) -> int:
     """Bytes in `size`: an int, or "5GB" / "500MB" / "2GiB" (decimal and binary units as HF)."""
     if isinstance(size, int) and size > 0:
@@ -139,24 +125,34 @@ def _parse_size(size: int | str) -> int:
 
 def _plan_shards(mappings, out_dtype, max_bytes: int) -> list[list[TensorMapping]]:
     """Files as transformers' save_pretrained (huggingface_hub's splitter) cuts them: the
-    tensors in natural_key order fill a file until the next would pass max_bytes; a tensor
+    tensors, in the adapter's save order, fill a file until the next would pass max_bytes; a tensor
     bigger than that gets a file of its own, numbered where it comes, while the file being
-    filled stays open."""
+    filled stays open. Tensors that share a storage (views of one fused tensor) count its
+    size once, at the first of them, and all go to that one's file."""
     shards: list[list[TensorMapping]] = []
     current: list[TensorMapping] = []
     used = 0
-    for mapping in sorted(mappings, key=lambda m: natural_key(m.hf_name)):
-        size = tensor_bytes(mapping.shape, out_dtype[mapping.hf_name])
+    groups: dict[object, tuple[list[TensorMapping], list[TensorMapping]]] = {}
+    for mapping in mappings:
+        key, numel = mapping.storage or (("tensor", mapping.hf_name), math.prod(mapping.shape))
+        if key in groups:
+            groups[key][1].append(mapping)  # placed with the first of its storage, below
+            continue
+        size = numel * out_dtype[mapping.hf_name].itemsize
         if size > max_bytes:
             shards.append([mapping])
+            groups[key] = (shards[-1], [])
             continue
         if used + size > max_bytes:
             shards.append(current)
             current, used = [], 0
         current.append(mapping)
         used += size
+        groups[key] = (current, [])
     if current or not shards:
         shards.append(current)
+    for shard, later in groups.values():
+        shard.extend(later)
     return shards
 
 

@@ -14,12 +14,15 @@ rearrangement of blocks (a reshape that interleaves, arithmetic) is refused by n
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass, replace
 
 import torch
 
 from flatshard.hf.errors import HFCheckpointError
 from flatshard.layout import Box
+from flatshard.layout.spec import contiguous_strides
 
 
 @dataclass(frozen=True)
@@ -91,22 +94,45 @@ class Tile:
         return Tile(name, Box(self.offset, self.shape), self.box.offset, tuple(dims))
 
 
+@dataclass(frozen=True)
+class Storage:
+    """What the real tensor made by the same operations would be a view of: storage `key`
+    of `numel` elements, at `offset` with `strides`. huggingface_hub's splitter puts the
+    tensors that share a storage into one file and counts the whole storage's size once."""
+
+    key: object
+    numel: int
+    offset: int
+    strides: tuple[int, ...]
+
+    @classmethod
+    def new(cls, key, shape) -> Storage:
+        return cls(key, math.prod(shape), 0, contiguous_strides(tuple(shape)))
+
+
+_fresh = itertools.count()  # keys of storages that operations allocate
+
+
 class Tiled:
     """A tensor of `shape` made of `tiles` (blocks of other tensors); no data.
 
     Supports what transformers' conversion operations call: torch.stack / cat / chunk /
-    transpose, and the methods squeeze, contiguous, size and shape.
+    transpose, and the methods squeeze, contiguous, size and shape. `storage` follows torch:
+    chunk, squeeze and transpose give views, cat, stack and contiguous() of a view that is
+    not contiguous give new storage.
     """
 
-    def __init__(self, shape, tiles):
+    def __init__(self, shape, tiles, storage: Storage | None = None):
         self.shape = torch.Size(shape)
         self.tiles = tuple(tiles)
+        self.storage = storage or Storage.new(("new", next(_fresh)), self.shape)
 
     @classmethod
     def leaf(cls, name: str, shape) -> Tiled:
         shape = tuple(shape)
         zeros = (0,) * len(shape)
-        return cls(shape, [Tile(name, Box(zeros, shape), zeros, tuple(range(len(shape))))])
+        tiles = [Tile(name, Box(zeros, shape), zeros, tuple(range(len(shape))))]
+        return cls(shape, tiles, Storage.new(("tensor", name), shape))
 
     def __repr__(self) -> str:
         return f"Tiled({tuple(self.shape)}, {len(self.tiles)} tiles)"
@@ -117,8 +143,12 @@ class Tiled:
     def size(self, dim: int | None = None):
         return self.shape if dim is None else self.shape[dim]
 
+    def is_contiguous(self) -> bool:
+        expected = contiguous_strides(tuple(self.shape))
+        return all(n == 1 or s == e for n, s, e in zip(self.shape, self.storage.strides, expected))
+
     def contiguous(self) -> Tiled:
-        return self
+        return self if self.is_contiguous() else Tiled(self.shape, self.tiles)
 
     def squeeze(self, dim: int | None = None) -> Tiled:
         drop = [
@@ -129,7 +159,8 @@ class Tiled:
             replace(t, offset=tuple(t.offset[d] for d in keep), dims=tuple(t.dims[d] for d in keep))
             for t in self.tiles
         ]
-        return Tiled([self.shape[d] for d in keep], tiles)
+        strides = tuple(self.storage.strides[d] for d in keep)
+        return Tiled([self.shape[d] for d in keep], tiles, replace(self.storage, strides=strides))
 
     def narrow(self, dim: int, start: int, length: int) -> Tiled:
         tiles = []
@@ -141,7 +172,8 @@ class Tiled:
                 tiles.append(replace(cut, offset=tuple(offset)))
         shape = list(self.shape)
         shape[dim] = length
-        return Tiled(shape, tiles)
+        offset = self.storage.offset + start * self.storage.strides[dim]
+        return Tiled(shape, tiles, replace(self.storage, offset=offset))
 
     def transpose(self, dim0: int, dim1: int) -> Tiled:
         order = list(range(self.dim()))
@@ -152,7 +184,8 @@ class Tiled:
             )
             for t in self.tiles
         ]
-        return Tiled([self.shape[d] for d in order], tiles)
+        strides = tuple(self.storage.strides[d] for d in order)
+        return Tiled([self.shape[d] for d in order], tiles, replace(self.storage, strides=strides))
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):

@@ -60,6 +60,9 @@ class TransformersAdapter(StateDictAdapter):
             return direct, []
         return mappings, unmapped  # the mismatch report speaks of the on-disk layout
 
+    def save_order(self, mappings: list[TensorMapping]) -> list[TensorMapping]:
+        return mappings  # already transformers' order: that of revert_weight_conversion
+
     def tensors(self, model: nn.Module) -> dict:
         return model_tensors(model)
 
