@@ -1,6 +1,6 @@
 """Hugging Face import/export through per-family state-dict adapters (adapter.py).
 
-model = flatshard.hf.from_pretrained(path, shard=my_sharding_fn)   # build + load
+model = flatshard.hf.from_pretrained(path, shard=flatshard.hf.shard_decoder_layers)  # build + load
 flatshard.hf.load_pretrained(model, path)                          # into an existing model
 flatshard.hf.save_pretrained(model, out_path, max_shard_size="5GB")
 
