@@ -16,6 +16,7 @@ from distributed import run_distributed
 from reference import batches, full_state, rank_slice, rel_diff, rel_losses, train
 from test_gradients import _full_grads, _per_tensor_errors
 from test_moe_training import moe_loss
+from test_tp_fsdp import _full_optimizer
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
@@ -117,14 +118,23 @@ def _save_ep(path, ep):
     loss_fn = partial(moe_loss, group=dist.group.WORLD)
     train(model, data, rank=rank, world=world, loss_fn=loss_fn, make_optimizer=lambda _: optimizer)
     checkpoint.save(path, model=model, optimizer=optimizer, step=2)
-    return full_state(model)
+    return full_state(model), _full_optimizer(model, optimizer)
 
 
 def _load_ep(path, ep):
+    """Load, then train the remaining steps with the loaded optimizer."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     model = ep_model(ep, seed=3) if ep else _plain_sharded(seed=3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     checkpoint.load(path, model=model, optimizer=optimizer)
-    return full_state(model)
+    loaded = full_state(model), _full_optimizer(model, optimizer)
+    data = batches(_config("qwen3_moe"), STEPS)[2:]
+    group = dist.group.WORLD if world > 1 else None
+    loss_fn = partial(moe_loss, group=group)
+    losses = train(
+        model, data, rank=rank, world=world, loss_fn=loss_fn, make_optimizer=lambda _: optimizer
+    )
+    return loaded, losses, full_state(model)
 
 
 def _plain_sharded(seed):
@@ -137,10 +147,20 @@ def _plain_sharded(seed):
 
 
 def test_ep_checkpoint_is_keyed_by_global_expert(tmp_path):
+    """Saved at ep 2 (world 4), loaded at ep 4, ep 1, world 2 with ep 2, in one process and
+    without EP: model and optimizer bitwise; the remaining steps equal uninterrupted
+    training in one process."""
+    reference, data = _reference("qwen3_moe", STEPS)
+    ref_losses = train(reference, data, loss_fn=moe_loss)
     path = str(tmp_path / "ep")
-    saved = run_distributed(_save_ep, 4, path, 2)[0]
+    saved_weights, saved_moments = run_distributed(_save_ep, 4, path, 2)[0]
     for world, ep in ((4, 4), (4, 1), (2, 2), (1, 0), (2, 0)):
-        assert rel_diff(run_distributed(_load_ep, world, path, ep)[0], saved) == 0.0, (world, ep)
+        (weights, moments), losses, final = run_distributed(_load_ep, world, path, ep)[0]
+        assert rel_diff(weights, saved_weights) == 0.0, (world, ep)
+        assert moments.keys() == saved_moments.keys(), (world, ep)
+        assert all(torch.equal(moments[k], saved_moments[k]) for k in moments), (world, ep)
+        assert rel_losses(losses, ref_losses[2:]) <= TOLERANCE, (world, ep)
+        assert rel_diff(final, reference.state_dict()) <= TOLERANCE, (world, ep)
 
 
 def _clip_norm(ep):
