@@ -17,8 +17,8 @@ from reference import batches, full_state, rank_slice, rel_diff, rel_losses, tra
 from test_gradients import _full_grads, _per_tensor_errors
 from test_moe_training import moe_loss
 from test_tp_fsdp import _full_optimizer
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import flatshard
 from flatshard import checkpoint
@@ -27,7 +27,7 @@ from flatshard.parallel import ExpertParallel
 
 STEPS = 5
 TOLERANCE = 1e-6
-STYLES = {"qwen3_moe": {}, "deepseek_v3": {"n_experts": 8}}
+STYLES = {"qwen3_moe": {}, "deepseek_v3": {"n_experts": 8}, "mixtral": {}}
 
 
 def _config(style):
@@ -207,3 +207,35 @@ def _bad_router_index():
 def test_out_of_range_expert_index_raises_on_every_rank():
     for message in run_distributed(_bad_router_index, 4):
         assert "rank(s) [2]" in message and "outside [0, 4)" in message, message
+
+
+def _tp_and_ep():
+    """Dense layers TP over pairs of ranks (attention split by heads), experts EP over the
+    ranks holding different data (the same TP index) and sharded over each TP pair."""
+    dp, tp = 2, 2
+    dense = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp_shard", "tp"))
+    # rank = dp index x tp + tp index; an EP group: one TP index, both data-parallel ranks
+    by_tp = torch.arange(dist.get_world_size()).view(dp, tp).t()
+    sparse = DeviceMesh("cpu", by_tp, mesh_dim_names=("efsdp", "ep"))
+    model = build("mixtral")
+    attention = {f"attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")}
+    attention["attn.o_proj"] = RowwiseParallel()
+    for block in model.layers:
+        parallelize_module(block, dense["tp"], attention)
+        parallelize_module(block.mlp.experts, sparse["ep"], ExpertParallel())
+        flatshard.fully_shard(block.mlp.experts, mesh=sparse["efsdp"])
+        flatshard.fully_shard(block, mesh=dense["dp_shard"])
+    flatshard.fully_shard(model, mesh=dense["dp_shard"])
+    data = batches(_config("mixtral"), STEPS)
+    group = dense["dp_shard"].get_group()
+    dp_rank = dense["dp_shard"].get_local_rank()
+    losses = train(model, data, rank=dp_rank, world=dp, loss_fn=partial(moe_loss, group=group))
+    return [loss / tp for loss in losses], full_state(model)  # train() summed tp copies
+
+
+def test_tensor_parallel_dense_layers_with_expert_parallel_experts():
+    reference, data = _reference("mixtral", STEPS)
+    ref_losses = train(reference, data, loss_fn=moe_loss)
+    for losses, weights in run_distributed(_tp_and_ep, 4):
+        assert rel_losses(losses, ref_losses) <= TOLERANCE
+        assert rel_diff(weights, reference.state_dict()) <= TOLERANCE

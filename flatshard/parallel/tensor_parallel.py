@@ -92,6 +92,12 @@ def check_tp(config, tp: int) -> None:
         "n_kv_heads": config.n_kv_heads,
         "ffn_dim": config.ffn_dim,
     }
+    if tp > 1 and getattr(config, "qk_norm", False):
+        raise MeshError(
+            "tensor parallelism with q/k norms (qk_norm, Qwen3) is not supported yet: each TP "
+            "rank normalises its own heads, so the norms' gradients would be partial sums; "
+            "use tp=1 for this model"
+        )
     bad = [f"{name} ({value})" for name, value in dims.items() if value % tp]
     if tp < 1 or bad:
         raise MeshError(
