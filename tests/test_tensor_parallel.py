@@ -60,5 +60,3 @@ def test_tp_config_errors_name_the_dimension():
         check_tp(config(), 4)  # tiny: 4 heads, 2 kv heads, ffn 45
     with pytest.raises(MeshError, match=r"ffn_dim \(45\)"):
         check_tp(config(), 2)
-    with pytest.raises(MeshError, match="qk_norm"):
-        check_tp(config(**CFG, qk_norm=True), 2)  # its norms' gradients would be partial

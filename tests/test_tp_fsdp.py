@@ -112,6 +112,38 @@ def test_tp_with_fully_shard_trains_like_one_process(case):
         assert placements["layers.0.attn_norm.weight"] == (*dp, Replicate())
 
 
+def _qk_norm_run(layout):
+    """The first gradients, then five AdamW steps' losses, of a model with q/k norms."""
+    replicate, shard, tp = layout
+    model, dp_rank = tp_model(replicate, shard, tp, qk_norm=True)
+    cfg = config(**CFG, qk_norm=True)
+    tokens = batches(cfg, 1, batch=12)[0]
+    _backward(model, tokens, 1, False, dp_rank, replicate * shard)
+    grads = _full_grads(model)
+    model.zero_grad()
+    losses = train_ranks(model, batches(cfg, STEPS), rank=dp_rank, world=replicate * shard)
+    counted = tp if replicate * shard > 1 else 1
+    return grads, [loss / counted for loss in losses]
+
+
+@pytest.mark.parametrize("layout", [(1, 2, 2), (1, 1, 4)], ids=str)
+def test_q_and_k_norms_under_tp(layout):
+    """Qwen3's q/k norms see each TP rank's own heads: their weights are replicated over TP
+    and their gradients summed over it (HeadNormParallel). Gradients per tensor and losses
+    equal one process (weights after AdamW are not compared: the norms' gradients are tiny
+    and Adam scales their rounding noise to full steps)."""
+    cfg = config(**CFG, qk_norm=True)
+    reference = build_model(cfg)
+    _backward(reference, batches(cfg, 1, batch=12)[0], 1, False)
+    expected = {name: p.grad.clone() for name, p in reference.named_parameters()}
+    reference.zero_grad()
+    ref_losses = train_ranks(reference, batches(cfg, STEPS))
+    for grads, losses in run_distributed(_qk_norm_run, layout[1] * layout[2], layout):
+        errors = _per_tensor_errors(grads, expected)
+        assert max(errors.values()) <= GRAD_TOLERANCE, errors
+        assert rel_losses(losses, ref_losses) <= TOLERANCE
+
+
 @pytest.mark.parametrize("layout", [(1, 2, 2), (1, 1, 4)], ids=str)
 def test_sequence_parallel_with_vocab_parallel_embedding_and_head(layout):
     """torchtitan's plan: norms and residual split by sequence, embedding and head by

@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch.nn.utils.stateless import _reparametrize_module
 
 from flatshard.errors import MeshError
 
@@ -69,6 +70,31 @@ class FusedColwiseParallel(ParallelStyle):
         return module
 
 
+class HeadNormParallel(ParallelStyle):
+    """A norm applied to each TP rank's own heads (Qwen3's q/k norms): its weight is the
+    same on every TP rank (a `Replicate` DTensor), but each rank's gradient covers only its
+    heads, so the gradient is summed over the TP ranks in backward."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            replicated = DTensor.from_local(
+                param.detach(), device_mesh, [Replicate()], run_check=False
+            )
+            module.register_parameter(name, nn.Parameter(replicated, param.requires_grad))
+        group, forward = device_mesh.get_group(), type(module).forward
+
+        def local_forward(x):
+            local = {
+                name: _SumGradient.apply(param.to_local(), group)
+                for name, param in module.named_parameters(recurse=False)
+            }
+            with _reparametrize_module(module, local):
+                return forward(module, x)
+
+        module.forward = local_forward
+        return module
+
+
 class _SumGradient(torch.autograd.Function):
     """Identity forward; backward sums the input gradient over the TP group (each rank's
     columns contribute a part of it)."""
@@ -92,12 +118,6 @@ def check_tp(config, tp: int) -> None:
         "n_kv_heads": config.n_kv_heads,
         "ffn_dim": config.ffn_dim,
     }
-    if tp > 1 and getattr(config, "qk_norm", False):
-        raise MeshError(
-            "tensor parallelism with q/k norms (qk_norm, Qwen3) is not supported yet: each TP "
-            "rank normalises its own heads, so the norms' gradients would be partial sums; "
-            "use tp=1 for this model"
-        )
     bad = [f"{name} ({value})" for name, value in dims.items() if value % tp]
     if tp < 1 or bad:
         raise MeshError(
@@ -135,6 +155,8 @@ def parallelize_llama(model, tp_mesh, sequence_parallel: bool = False) -> None:
     the loss sees full logits. Not with tied embeddings."""
     check_tp(model.config, tp_mesh.size())
     plan = {name: _style(kind) for name, kind in LLAMA_BLOCK_PLAN.items()}
+    if model.config.qk_norm:
+        plan.update({"attn.q_norm": HeadNormParallel(), "attn.k_norm": HeadNormParallel()})
     if sequence_parallel:
         if model.config.tie_embeddings:
             raise MeshError(
