@@ -252,6 +252,23 @@ def test_expert_parallel_run_trains_like_data_parallel_and_resumes_at_another_ep
     assert measured["reduce_scatter_bytes"] == communication["reduce_scatter"]
 
 
+def test_tensor_and_expert_parallel_moe_run_trains_like_data_parallel(tmp_path):
+    """`--model moe-tiny --tp 2 --ep 2` on 4 processes: attention split over TP pairs,
+    experts over the ranks holding different tokens; the losses of a plain 2-process run."""
+    sizes = ["--model", "moe-tiny", "--seq-len", "32", "--micro-batch", "2",
+             "--global-batch", "8", "--set", "run.sample_tokens=0",
+             "--set", "model.aux_loss_coef=0.1"]  # fmt: skip
+    plain, both = tmp_path / "plain", tmp_path / "both"
+    check_ok(flatshard("train", *sizes, "--steps", 3, "--nproc", 2, "--out", plain))
+    check_ok(
+        flatshard("train", *sizes, "--steps", 3, "--nproc", 4, "--tp", 2, "--ep", 2,
+                  "--out", both)
+    )  # fmt: skip
+    expected = [r["loss"] for r in metrics(plain)]
+    got = [r["loss"] for r in metrics(both)]
+    assert max(abs(a - b) / b for a, b in zip(got, expected)) <= 1e-5, (got, expected)
+
+
 @pytest.mark.parametrize(
     "args, expected",
     [
@@ -259,8 +276,9 @@ def test_expert_parallel_run_trains_like_data_parallel_and_resumes_at_another_ep
         (["--tp", 4], "n_kv_heads (2) is not"),
         (["--ep", 2, "--global-batch", 8], "train.ep > 1 needs a mixture-of-experts model"),
         (["--ep", 3, "--global-batch", 8, "--model", "moe-tiny"], "ep (3) must divide"),
+        (["--tp", 2, "--ep", 4, "--model", "moe-tiny"], "train.ep (4) must divide the data"),
     ],
-    ids=["tp-world", "tp-heads", "ep-dense", "ep-world"],
+    ids=["tp-world", "tp-heads", "ep-dense", "ep-world", "ep-with-tp"],
 )
 def test_bad_parallel_degrees_are_one_line_errors_on_every_rank(tmp_path, args, expected):
     result = flatshard("train", *TINY, "--steps", 1, "--nproc", 4, "--out", tmp_path / "run", *args)

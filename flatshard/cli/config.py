@@ -413,6 +413,11 @@ def check(config: RunConfig, world_size: int | None = None) -> None:
                 f"the processes "
                 f"({dims.dp_shard})"
             )
+        if train.tp > 1 and train.ep > 1 and dims.dp % train.ep:
+            raise ConfigError(
+                f"train.ep ({train.ep}) must divide the data-parallel ranks ({dims.dp}): "
+                "with TP, an EP group is made of ranks that hold different tokens"
+            )
         if train.global_batch % (train.micro_batch * dims.dp):
             per_step = train.micro_batch * dims.dp
             shared = f"; the {train.tp} TP ranks of a group share a batch" if train.tp > 1 else ""

@@ -9,7 +9,7 @@ import functools
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 import flatshard
@@ -19,7 +19,7 @@ from flatshard.cli.config import RunConfig
 from flatshard.cli.errors import ConfigError, RunError, warn
 from flatshard.errors import MeshError
 from flatshard.models import Llama, LlamaConfig, MoE, MoEConfig
-from flatshard.parallel import ExpertParallel, check_tp, parallelize_llama
+from flatshard.parallel import ExpertParallel, check_tp, parallelize_llama, parallelize_moe
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -84,17 +84,12 @@ def build_sharded(
     ep: int = 1,
     hpz_group: int = 0,
 ) -> Llama | MoE:
-    """Every block split over `tp` ranks (flatshard.parallel) or its experts over `ep`
-    ranks (sharded over the other world / ep), then every block and the root
+    """Every block's attention and dense MLP split over `tp` ranks (flatshard.parallel),
+    MoE experts over `ep` data-parallel ranks (sharded over the rest), then every block and the root
     `fully_shard`-ed (HSDP over `dp_replicate` replicas); weights equal
     `reference_model(cfg)` built eagerly after `torch.manual_seed(seed)`, at any layout, and
     no rank ever holds them all."""
     if tp > 1:
-        if isinstance(cfg, MoEConfig):
-            raise ConfigError(
-                "train.tp > 1 with a mixture-of-experts model: its experts are not split "
-                "over TP ranks yet; use train.tp=1"
-            )
         try:
             check_tp(cfg, tp)
         except MeshError as error:
@@ -108,10 +103,7 @@ def build_sharded(
     policy = mixed_precision(precision)
     stage = {"reshard_after_forward": hpz_group} if hpz_group else {"zero_stage": zero_stage}
     if ep > 1:  # experts over (efsdp, ep): their own units, before their blocks'
-        names = ("efsdp", "ep")
-        sparse = init_device_mesh(
-            device.type, (dist.get_world_size() // ep, ep), mesh_dim_names=names
-        )
+        sparse = expert_mesh(device.type, dist.get_world_size(), tp, ep)
         for block in model.layers:
             experts = getattr(block.mlp, "experts", None)
             if experts is not None:
@@ -123,7 +115,8 @@ def build_sharded(
         names = ("dp_replicate", "dp_shard", "tp")
         world = init_device_mesh(device.type, (dp_replicate, shards, tp), mesh_dim_names=names)
         if tp > 1:
-            parallelize_llama(model, world["tp"])
+            split = parallelize_moe if isinstance(cfg, MoEConfig) else parallelize_llama
+            split(model, world["tp"])
         mesh = world["dp_replicate", "dp_shard"] if dp_replicate > 1 else world["dp_shard"]
     for block in model.layers:
         flatshard.fully_shard(block, mp_policy=policy, mesh=mesh, **stage)
@@ -131,6 +124,14 @@ def build_sharded(
     torch.manual_seed(seed)
     flatshard.materialize(model, device)
     return model
+
+
+def expert_mesh(device_type: str, world: int, tp: int, ep: int) -> DeviceMesh:
+    """(efsdp, ep): an EP group is `ep` data-parallel ranks holding different tokens, at one
+    TP index (rank = data-parallel index x tp + TP index); the experts are sharded over the
+    rest, the TP ranks included (they compute the experts for the same tokens)."""
+    ranks = torch.arange(world).view(world // (ep * tp), ep, tp).permute(0, 2, 1)
+    return DeviceMesh(device_type, ranks.reshape(-1, ep), mesh_dim_names=("efsdp", "ep"))
 
 
 def build_plain(cfg: LlamaConfig, device: torch.device | str = "cpu") -> Llama | MoE:

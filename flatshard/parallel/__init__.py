@@ -11,6 +11,7 @@ from flatshard.parallel.tensor_parallel import (
     FusedColwiseParallel,
     check_tp,
     parallelize_llama,
+    parallelize_moe,
     tp_local_shape,
 )
 
@@ -20,5 +21,6 @@ __all__ = [
     "FusedColwiseParallel",
     "check_tp",
     "parallelize_llama",
+    "parallelize_moe",
     "tp_local_shape",
 ]

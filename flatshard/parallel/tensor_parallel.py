@@ -142,6 +142,8 @@ LLAMA_BLOCK_PLAN = {
 def _style(kind: str) -> ParallelStyle:
     if kind == "fused":
         return FusedColwiseParallel(components=2)
+    if kind == "head_norm":
+        return HeadNormParallel()
     return ColwiseParallel() if kind == "colwise" else RowwiseParallel()
 
 
@@ -154,9 +156,10 @@ def parallelize_llama(model, tp_mesh, sequence_parallel: bool = False) -> None:
     `ColwiseParallel`, their weights a `1/tp` slice); the head's output is gathered, so
     the loss sees full logits. Not with tied embeddings."""
     check_tp(model.config, tp_mesh.size())
-    plan = {name: _style(kind) for name, kind in LLAMA_BLOCK_PLAN.items()}
+    kinds = dict(LLAMA_BLOCK_PLAN)
     if model.config.qk_norm:
-        plan.update({"attn.q_norm": HeadNormParallel(), "attn.k_norm": HeadNormParallel()})
+        kinds.update({"attn.q_norm": "head_norm", "attn.k_norm": "head_norm"})
+    plan = {name: _style(kind) for name, kind in kinds.items()}
     if sequence_parallel:
         if model.config.tie_embeddings:
             raise MeshError(
@@ -183,6 +186,22 @@ def parallelize_llama(model, tp_mesh, sequence_parallel: bool = False) -> None:
         })  # fmt: skip
     for block in model.layers:
         parallelize_module(block, tp_mesh, plan)
+
+
+def parallelize_moe(model, tp_mesh) -> None:
+    """Split the reference MoE's attention (and its dense MLPs, DeepSeek's first layers)
+    over the 1-D `tp_mesh` as `parallelize_llama` does; routers and experts stay whole
+    on every TP rank (each computes them for the same tokens; split the experts with
+    `ExpertParallel` over ranks holding different data)."""
+    check_tp(model.config, tp_mesh.size())
+    attention = {k: v for k, v in LLAMA_BLOCK_PLAN.items() if k.startswith("attn.")}
+    if model.config.qk_norm:
+        attention.update({"attn.q_norm": "head_norm", "attn.k_norm": "head_norm"})
+    for block in model.layers:
+        kinds = dict(attention)
+        if not hasattr(block.mlp, "experts"):  # a dense layer (DeepSeek's first ones)
+            kinds.update({k: v for k, v in LLAMA_BLOCK_PLAN.items() if k.startswith("mlp.")})
+        parallelize_module(block, tp_mesh, {name: _style(kind) for name, kind in kinds.items()})
 
 
 def tp_local_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
