@@ -3,7 +3,7 @@
 from flatshard import checkpoint, hf
 from flatshard.api import fully_shard
 from flatshard.dtensor.clip import clip_grad_norm_
-from flatshard.dtensor.row_shard import row_range
+from flatshard.dtensor.sharded_param import row_range
 from flatshard.errors import (
     FlatShardError,
     LayoutError,

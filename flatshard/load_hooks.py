@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from flatshard.dtensor.row_shard import rows_in_layout
+from flatshard.dtensor.sharded_param import rows_in_layout
 
 
 def install(unit, module) -> None:

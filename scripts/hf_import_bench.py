@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import flatshard  # noqa: E402
 from flatshard import hf  # noqa: E402
-from flatshard.dtensor.row_shard import param_spec  # noqa: E402
+from flatshard.dtensor.sharded_param import param_spec  # noqa: E402
 from flatshard.hf.checkpoint import checkpoint_tensors  # noqa: E402
 from flatshard.hf.load import copy_piece, local_tensor  # noqa: E402
 from flatshard.models import Llama, LlamaConfig  # noqa: E402

@@ -13,6 +13,8 @@ HOT = [
     *sorted((ROOT / "runtime").glob("*.py")),
     ROOT / "comm.py",
     ROOT / "dtensor" / "row_shard.py",
+    ROOT / "dtensor" / "redistribute.py",
+    ROOT / "dtensor" / "sharded_param.py",
 ]
 CREATORS = {"empty", "zeros", "ones", "full", "arange", "tensor", "rand", "randn", "randint",
             "empty_strided", "linspace", "eye"}  # fmt: skip

@@ -27,7 +27,7 @@ from flatshard.checkpoint.state import (
     set_rng_state,
 )
 from flatshard.dtensor import plain_state
-from flatshard.dtensor.row_shard import stored_shape
+from flatshard.dtensor.sharded_param import stored_shape
 from flatshard.errors import CheckpointError
 from flatshard.fsdp_module import weights_changed
 

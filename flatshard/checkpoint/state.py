@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from flatshard import comm
 from flatshard.dtensor import plain_state
-from flatshard.dtensor.row_shard import local_data
+from flatshard.dtensor.sharded_param import local_data
 
 _group = None
 

@@ -3,10 +3,14 @@ choice of each token is broadcast) or plain in one process."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
 from flatshard import comm
+from flatshard.cli import runs
+from flatshard.cli.tokenizer import tokenizer_for
 
 
 @torch.no_grad()
@@ -46,3 +50,28 @@ def _choose(logits: torch.Tensor, temperature: float, top_k: int, generator) -> 
         logits = logits.masked_fill(logits < threshold, float("-inf"))
     probabilities = torch.softmax(logits, dim=-1)
     return int(torch.multinomial(probabilities, 1, generator=generator))
+
+
+def sample_at_end(model, tokenizer_name, config, max_seq_len, ranks, run_dir: str) -> None:
+    """`flatshard train`'s closing sample: `run.sample_tokens` tokens after
+    `run.sample_prompt`, printed and written to the run directory by rank 0 (nothing for
+    pre-tokenised data, which has no text). `max_seq_len` None: `data.seq_len` (a Hugging
+    Face model: what it was trained on)."""
+    tokenizer = tokenizer_for(tokenizer_name)
+    if tokenizer is None:
+        return
+    prompt = config.run.sample_prompt
+    ids = tokenizer.encode(prompt) or [tokenizer.end_of_text]
+    new = generate(
+        model,
+        ids,
+        new_tokens=config.run.sample_tokens,
+        max_seq_len=max_seq_len or config.data.seq_len,
+        seed=config.train.seed,
+        device=ranks.device,
+    )
+    if ranks.is_main:
+        text = prompt + tokenizer.decode(new)
+        with open(os.path.join(run_dir, runs.SAMPLE), "w") as handle:
+            handle.write(text + "\n")
+        print(f"sample:\n{text}", flush=True)

@@ -10,6 +10,9 @@ reduce-scatter flatshard issues (each bucket's padded size times its dtype's siz
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+
+from flatshard import comm
 
 
 def _status_bytes(field: str) -> int:
@@ -69,3 +72,23 @@ class MemoryMeter:
     def peak_resident(self) -> int:
         """The process's peak resident set, everything included (0 on CUDA)."""
         return 0 if self.cuda else _status_bytes("VmHWM")
+
+
+def share_step(loss_sum: torch.Tensor, stop: bool, peak_bytes: int, world_size: int) -> dict:
+    """One collective: every rank's loss, stop request, peak memory and EP all-to-all bytes,
+    so every rank takes the same decisions and the metrics cover all ranks."""
+    device = comm.group_device(None)
+    mine = torch.tensor(
+        [loss_sum.item(), float(bool(stop)), float(peak_bytes), float(comm.traffic.all_to_all)],
+        dtype=torch.float64,
+        device=device,
+    )
+    everyone = torch.empty(world_size * 4, dtype=torch.float64, device=device)
+    dist.all_gather_single(everyone, mine)
+    everyone = everyone.view(-1, 4).cpu()
+    return {
+        "loss": everyone[:, 0].mean().item(),
+        "stop": bool(everyone[:, 1].max() > 0),
+        "peak_mem_bytes": int(everyone[:, 2].max()),
+        "all_to_all_bytes": round(everyone[:, 3].mean().item()),  # each sends what it routes
+    }

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import textwrap
 import time
 
 import torch
@@ -23,18 +22,17 @@ import flatshard
 from flatshard import checkpoint, comm
 from flatshard.checkpoint import commit
 from flatshard.cli import runs
-from flatshard.cli.config import RunConfig, check, toml_value
+from flatshard.cli.config import RunConfig, check
 from flatshard.cli.data import SequenceOrder, load_tokens
 from flatshard.cli.errors import TrainingStopped
-from flatshard.cli.generate import generate
+from flatshard.cli.generate import sample_at_end
 from flatshard.cli.launch import EXIT_STOPPED, Ranks, init_distributed
-from flatshard.cli.meters import MemoryMeter, warm_up_runtime
+from flatshard.cli.meters import MemoryMeter, share_step, warm_up_runtime
 from flatshard.cli.model import build_hf, build_sharded, check_hf_vocab, llama_config
 from flatshard.cli.progress import Progress
+from flatshard.cli.run_header import run_header
 from flatshard.cli.schedule import learning_rate
 from flatshard.cli.stop import StopRequest
-from flatshard.cli.tokenizer import tokenizer_for
-from flatshard.hf.transformers_model import model_class
 from flatshard.models import MoEConfig, load_balancing_loss
 
 
@@ -132,45 +130,7 @@ class Trainer:
         self.position = result.extra["data_position"]
 
     def _print_header(self) -> None:
-        config, ranks = self.config, self.ranks
-        backend = dist.get_backend()
-        tokens_per_step = config.train.global_batch * config.data.seq_len
-        effective = "\n".join(
-            textwrap.fill(
-                f"[{section}] " + ", ".join(f"{k}={toml_value(v)}" for k, v in values.items()),
-                width=100, initial_indent="  ", subsequent_indent="      ",
-            )
-            for section, values in config.nested().items()
-        )  # fmt: skip
-        lines = [
-            f"flatshard train: {ranks.world_size} process(es), {backend} on {ranks.device.type}, "
-            f"ZeRO-{config.train.zero_stage}, {config.train.precision}"
-            + (f", tensor parallel over {config.train.tp}" if config.train.tp > 1 else ""),
-            self._describe_model(),
-            f"data: {self.data.source}: {len(self.data.tokens):,} tokens, "
-            f"{self.order.windows:,} sequences of {config.data.seq_len}",
-            f"batch: {config.train.global_batch} sequences = {tokens_per_step:,} tokens per step "
-            f"(micro batch {config.train.micro_batch} x {self.dp_world} data-parallel "
-            f"rank(s) x {self.accumulation} accumulation)",
-            f"run directory: {self.run_dir}",
-            f"effective config (saved as {os.path.join(self.run_dir, runs.CONFIG_TOML)}):",
-            effective.rstrip(),
-        ]
-        if self.resumed_from is not None:
-            lines.append(f"resuming from step {self.step} ({self.resumed_from})")
-        print("\n".join(lines), flush=True)
-
-    def _describe_model(self) -> str:
-        model = self.model_config
-        if model is None:
-            kind = model_class(self.model).__name__  # not fully_shard's subclass
-            count = sum(p.numel() for p in self.model.parameters())
-            return f"model: {kind} from {self.config.model.hf}, {count:,} parameters"
-        return (
-            f"model: {_describe(model)}, {model.num_params() / 1e6:.1f}M parameters (dim "
-            f"{model.dim}, {model.n_layers} layers, {model.n_heads} heads, ffn {model.ffn_dim}, "
-            f"vocab {model.vocab_size})"
-        )
+        print(run_header(self), flush=True)
 
     # --- the loop ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -233,7 +193,8 @@ class Trainer:
             loss.backward()
             loss_sum += loss.detach().double()
         grad_norm = _clip(self.model, train.grad_clip)
-        shared = self._share(loss_sum, grad_norm)
+        shared = share_step(loss_sum, self.stop, self.memory.peak(), self.ranks.world_size)
+        shared["grad_norm"] = grad_norm
         loss, stop = shared["loss"], shared["stop"]
         if not (math.isfinite(loss) and math.isfinite(shared["grad_norm"])):
             self._non_finite(loss, shared["grad_norm"], lr)
@@ -262,26 +223,6 @@ class Trainer:
             "all_to_all_bytes": shared["all_to_all_bytes"],
             "comm_bytes": all_gather + reduce_scatter + all_reduce,
             "stop": stop,
-        }
-
-    def _share(self, loss_sum: torch.Tensor, grad_norm: float) -> dict:
-        """One collective: every rank's loss, stop request, peak memory and all-to-all bytes."""
-        device = comm.group_device(None)
-        sent = comm.traffic.all_to_all
-        mine = torch.tensor(
-            [loss_sum.item(), 1.0 if self.stop else 0.0, float(self.memory.peak()), float(sent)],
-            dtype=torch.float64,
-            device=device,
-        )
-        everyone = torch.empty(self.ranks.world_size * 4, dtype=torch.float64, device=device)
-        dist.all_gather_single(everyone, mine)
-        everyone = everyone.view(-1, 4).cpu()
-        return {
-            "loss": everyone[:, 0].mean().item(),
-            "stop": bool(everyone[:, 1].max() > 0),
-            "peak_mem_bytes": int(everyone[:, 2].max()),
-            "all_to_all_bytes": round(everyone[:, 3].mean().item()),
-            "grad_norm": grad_norm,
         }
 
     def _non_finite(self, loss: float, grad_norm: float, lr: float) -> None:
@@ -326,37 +267,9 @@ class Trainer:
         saved = f"checkpoint: {latest}" if latest else "no checkpoint (checkpoint.at_end = false)"
         say(f"finished {self.step} steps; {saved}", flush=True)
         if config.run.sample_tokens:
-            self._sample()
-
-    def _sample(self) -> None:
-        tokenizer = tokenizer_for(self.data.tokenizer)
-        if tokenizer is None:
-            return  # pre-tokenised data: no text to show
-        prompt = self.config.run.sample_prompt
-        seq_len = self.config.data.seq_len  # a Hugging Face model: what it was trained on
-        ids = tokenizer.encode(prompt) or [tokenizer.end_of_text]
-        new = generate(
-            self.model,
-            ids,
-            new_tokens=self.config.run.sample_tokens,
-            max_seq_len=self.model_config.max_seq_len if self.model_config else seq_len,
-            seed=self.config.train.seed,
-            device=self.ranks.device,
-        )
-        if self.ranks.is_main:
-            text = prompt + tokenizer.decode(new)
-            with open(os.path.join(self.run_dir, runs.SAMPLE), "w") as handle:
-                handle.write(text + "\n")
-            print(f"sample:\n{text}", flush=True)
-
-
-def _describe(model_config) -> str:
-    if not isinstance(model_config, MoEConfig):
-        return "Llama"
-    return (
-        f"MoE ({model_config.n_experts} experts, top-{model_config.top_k}, expert ffn "
-        f"{model_config.expert_ffn_dim}, aux loss x{model_config.aux_loss_coef:g})"
-    )
+            max_seq_len = self.model_config.max_seq_len if self.model_config else None
+            sample_at_end(self.model, self.data.tokenizer, config, max_seq_len, self.ranks,
+                          self.run_dir)  # fmt: skip
 
 
 def _parameter_groups(model, weight_decay: float) -> list[dict]:

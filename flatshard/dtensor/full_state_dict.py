@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from flatshard.dtensor.row_shard import RowShard, shard_spec
+from flatshard.dtensor.row_shard import RowShard
+from flatshard.dtensor.sharded_param import shard_spec
 
 
 def _is_row_sharded(value) -> bool:

@@ -12,7 +12,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from flatshard.dtensor import full_state_dict
 from flatshard.dtensor.optimizer_check import check_first_step
-from flatshard.dtensor.row_shard import RowShard, redistribute_rows
+from flatshard.dtensor.redistribute import redistribute_rows
+from flatshard.dtensor.row_shard import RowShard
 
 _installed = False
 

@@ -7,20 +7,17 @@ survives the ops an optimizer or a state dict applies (detach, zeros_like, point
 foreach math), so parameters, gradients and optimizer states all know where their rows
 sit globally, with no communication.
 
-DTensor redistribution of such a tensor is routed here: `Shard(0) -> Replicate` (what
-`full_tensor()` and full state dicts use) gathers by the true bounds; any other
-redistribution raises `UnevenShardError` on every rank alike, before any collective.
+Its DTensor redistribution is in redistribute.py; the sharded parameters and what reads
+their spec in sharded_param.py.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from flatshard.errors import UnevenShardError
-from flatshard.layout import ShardSpec, describe_param, whole_param_spec
+from flatshard.layout import ShardSpec
 
 
 class RowShard(torch.Tensor):
@@ -117,7 +114,7 @@ class RowShard(torch.Tensor):
         op = _op_info(func)
         if op.collective:
             # A collective on row shards means DTensor took its chunk-based path.
-            raise UnevenShardError(_unsupported(f"the collective {func}"))
+            raise UnevenShardError(unsupported(f"the collective {func}"))
         if func is torch.ops.aten.copy_.default:
             _check_copy_source(*args[:2])
         if func is torch.ops.aten._foreach_norm.Scalar and _is_max_norm(args, kwargs):
@@ -269,159 +266,10 @@ def _check_copy_source(destination, source) -> None:
         )
 
 
-def _unsupported(what: str) -> str:
+def unsupported(what: str) -> str:
     return (
         f"{what} is not supported on flatshard parameters: their Shard(0) pieces are "
         "row ranges set by flatshard's layout, not torch.chunk pieces. Use "
         "`full_tensor()` / `redistribute(placements=[Replicate()])` to get the full tensor, "
         "or `to_local()` for this rank's rows."
-    )
-
-
-def gather_rows(shard: RowShard, group: dist.ProcessGroup) -> torch.Tensor:
-    """All ranks' rows, concatenated in rank order: one all-gather padded to the longest piece."""
-    spec = shard.spec
-    counts, row_shape = spec.global_row_counts, spec.local_shape[1:]
-    longest = max(counts)
-    send = torch.zeros(longest * spec.row_size, dtype=shard.dtype, device=shard.device)
-    send[: spec.numel].copy_(shard.data_.reshape(-1))
-    received = torch.empty(
-        longest * spec.row_size * len(counts), dtype=shard.dtype, device=shard.device
-    )
-    dist.all_gather_single(received, send, group=group)
-    received = received.view(len(counts), longest, *row_shape)
-    if all(n == longest for n in counts):
-        return received.view(-1, *row_shape)  # no padding to squeeze out: no copy
-    return torch.cat([received[r, :n] for r, n in enumerate(counts)])
-
-
-def redistribute_rows(local_tensor: RowShard, current_spec, target_spec) -> torch.Tensor:
-    """DTensor redistribution of a row shard (patches.py routes it here): `Shard(0) ->
-    Replicate` on the mesh dim that holds the rows gathers by the true rows, then a TP
-    dim after it (if it changes too, to `Replicate`) gathers the TP pieces by their TP
-    placement; anything else raises on every rank alike."""
-    current, target = tuple(current_spec.placements), tuple(target_spec.placements)
-    if current == target:
-        return local_tensor
-    mesh, rows_dim = current_spec.mesh, local_tensor.mesh_dim
-    changed = [dim for dim, (a, b) in enumerate(zip(current, target)) if a != b]
-    tp_dims = [dim for dim in changed if dim > rows_dim]
-    if changed[0] != rows_dim or any(
-        not isinstance(target[dim], Replicate) for dim in changed
-    ):  # fmt: skip
-        raise UnevenShardError(_unsupported(f"redistributing {current} -> {target}"))
-    gathered = gather_rows(local_tensor, mesh.get_group(rows_dim))
-    for dim in tp_dims:  # the TP-local tensor, gathered by torch's own TP placement
-        tp_mesh = mesh[mesh.mesh_dim_names[dim]]
-        gathered = DTensor.from_local(
-            gathered,
-            tp_mesh,
-            [current[dim]],
-            run_check=False,
-            shape=current_spec.shape,
-            stride=current_spec.stride,
-        ).full_tensor()
-    return gathered
-
-
-def rows_in_layout(value: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
-    """This rank's rows (by `spec`) of a tensor shaped like the global one, whatever layout
-    it comes in: a full tensor, flatshard's own rows, a Replicate DTensor, or another
-    sharding (gathered: every rank loading the same values joins that collective)."""
-    if not isinstance(value, DTensor):
-        return spec.piece_of(value.detach())
-    local = value._local_tensor
-    if isinstance(local, RowShard) and local.spec.pieces == spec.pieces:
-        return local.data_
-    if all(isinstance(p, Replicate) for p in value.placements):
-        return spec.piece_of(local)
-    return spec.piece_of(value.full_tensor())
-
-
-_TENSOR_DATA = torch._C.TensorBase.data
-
-
-class RowShardedParameter(DTensor):
-    """The class of flatshard's sharded parameters. A plain DTensor's `param.data = value`
-    swaps the wrapper and keeps its old local tensor: the assignment would be silently
-    dropped. Here it loads `value` into this rank's rows of the flat buffers instead."""
-
-    @property
-    def data(self):
-        return _TENSOR_DATA.__get__(self)
-
-    @data.setter
-    def data(self, value) -> None:
-        spec = shard_spec(self)
-        if tuple(value.shape) != spec.global_shape:
-            raise UnevenShardError(
-                f"param.data = a tensor of shape {tuple(value.shape)}: this parameter's shape is "
-                f"{spec.global_shape}; flatshard loads the values into its shards, it cannot "
-                "change the shape"
-            )
-        target = self
-        if self.is_meta and hasattr(self, "_flatshard_param"):
-            # still on meta (FSDP2's flow): the unit gets real shards, whose new parameter
-            # takes this one's place in the module and receives the values
-            unit, managed = self._flatshard_param
-            unit.allocate(unit.mesh.device)
-            target = managed.sharded
-        with torch.no_grad():
-            target.to_local().copy_(rows_in_layout(value, spec))
-
-
-def shard_spec(param: DTensor) -> ShardSpec:
-    """The `ShardSpec` of this rank's piece of a flatshard DTensor (a parameter, its gradient
-    or an optimizer state of it)."""
-    local = param._local_tensor if isinstance(param, DTensor) else None
-    if not isinstance(local, RowShard):
-        raise TypeError(f"expected a flatshard-sharded DTensor, got {type(param).__name__}")
-    return local.spec
-
-
-def param_spec(root, fqn: str, param) -> ShardSpec:
-    """What this rank holds of `root`'s parameter `fqn`: its flatshard spec, or the whole of
-    a parameter flatshard does not shard."""
-    if isinstance(param, DTensor):
-        return shard_spec(param)
-    return whole_param_spec(describe_param(root, fqn, param))
-
-
-def stored_shape(tensor: torch.Tensor) -> tuple[int, ...]:
-    """The shape a checkpoint stores `tensor` as: the global one for flatshard's pieces, a
-    plain-tensor optimizer state (a bare `RowShard`) included."""
-    if isinstance(tensor, RowShard):
-        return tensor.spec.global_shape
-    return tuple(tensor.shape)
-
-
-def row_range(param: DTensor) -> tuple[int, int]:
-    """The global rows `[start, end)` of a flatshard DTensor that this rank holds."""
-    box = shard_spec(param).global_box
-    return box.offset[0], box.offset[0] + box.shape[0]
-
-
-def local_data(dtensor: DTensor) -> torch.Tensor:
-    """The plain tensor behind a DTensor's local shard."""
-    local = dtensor._local_tensor
-    return local.data_ if isinstance(local, RowShard) else local
-
-
-def make_row_sharded_dtensor(
-    local: torch.Tensor,
-    mesh,
-    spec: ShardSpec,
-    version_base: torch.Tensor | None = None,
-    tp_placement=None,
-) -> DTensor:
-    """A DTensor on `mesh` (a ShardMesh: `Shard(0)` over its shard dim, replicated over
-    HSDP's replicas, `tp_placement` over TP) whose local tensor is `local` (a view of
-    `version_base`)."""
-    return DTensor.from_local(
-        RowShard(local, spec, version_base, mesh.shard_mesh_dim),
-        mesh.param_mesh,
-        list(mesh.placements_for(tp_placement)),
-        run_check=False,
-        shape=torch.Size(spec.global_shape),
-        stride=spec.global_strides,
     )

@@ -15,7 +15,7 @@ import math
 
 from torch import nn
 
-from flatshard.dtensor.row_shard import param_spec
+from flatshard.dtensor.sharded_param import param_spec
 from flatshard.hf.errors import HFCheckpointError
 from flatshard.hf.names import TensorMapping, natural_key
 from flatshard.hf.tiles import Tiled

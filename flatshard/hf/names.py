@@ -18,7 +18,7 @@ from functools import cached_property
 
 from torch import nn
 
-from flatshard.dtensor.row_shard import param_spec
+from flatshard.dtensor.sharded_param import param_spec
 from flatshard.hf.errors import HFCheckpointError
 from flatshard.hf.tiles import Tile
 from flatshard.layout import ParamInfo

@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from flatshard import comm
-from flatshard.dtensor.row_shard import param_spec
+from flatshard.dtensor.sharded_param import param_spec
 from flatshard.hf.adapter import StateDictAdapter, adapter_for
 from flatshard.hf.checkpoint import INDEX_FILE, SINGLE_FILE
 from flatshard.hf.errors import HFCheckpointError

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import flatshard
-from flatshard.dtensor.row_shard import param_spec
+from flatshard.dtensor.sharded_param import param_spec
 from flatshard.hf.adapter import StateDictAdapter, register
 from flatshard.hf.checkpoint import read_hf_config
 from flatshard.hf.conversion import disk_mappings, model_tensors

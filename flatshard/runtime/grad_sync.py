@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from flatshard import comm
-from flatshard.dtensor.row_shard import RowShard, local_data, make_row_sharded_dtensor
+from flatshard.dtensor.row_shard import RowShard
+from flatshard.dtensor.sharded_param import local_data, make_row_sharded_dtensor
 from flatshard.errors import UnevenShardError
 from flatshard.runtime.flat_bucket import FlatBucket
 

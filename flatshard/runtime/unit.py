@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from flatshard import comm
-from flatshard.dtensor.row_shard import RowShardedParameter, make_row_sharded_dtensor
+from flatshard.dtensor.sharded_param import RowShardedParameter, make_row_sharded_dtensor
 from flatshard.layout import UnitLayout
 from flatshard.policy import MixedPrecisionPolicy
 from flatshard.runtime.flat_bucket import FlatBucket

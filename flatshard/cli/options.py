@@ -1,0 +1,127 @@
+"""Every key of the run configuration: its default, its meaning, its allowed values and
+check, and the model size presets (config.py reads and validates values against them)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Option:
+    key: str  # "section.name"
+    default: object
+    help: str
+    choices: tuple = ()
+    check: Callable[[object], str | None] | None = None  # returns what is wrong, or None
+
+    @property
+    def kind(self) -> type:
+        return type(self.default)
+
+
+def _positive(value) -> str | None:
+    return None if value > 0 else "must be > 0"
+
+
+def _non_negative(value) -> str | None:
+    return None if value >= 0 else "must be >= 0"
+
+
+def _fraction(value) -> str | None:
+    return None if 0 <= value < 1 else "must be in [0, 1)"
+
+
+OPTIONS: tuple[Option, ...] = (
+    # model: the reference Llama (flatshard.models.Llama)
+    Option("model.preset", "small", "model size preset; fills the sizes not set",
+           choices=("tiny", "small", "medium", "moe-tiny")),
+    Option("model.vocab_size", 0, "0: the tokenizer's (257 for bytes) or max token id + 1",
+           check=_non_negative),
+    Option("model.dim", 384, "hidden size", check=_positive),
+    Option("model.n_layers", 6, "transformer blocks", check=_positive),
+    Option("model.n_heads", 6, "attention heads", check=_positive),
+    Option("model.n_kv_heads", 0, "key/value heads (0: n_heads)", check=_non_negative),
+    Option("model.ffn_dim", 1024, "SwiGLU hidden size", check=_positive),
+    Option("model.max_seq_len", 0, "longest sequence (0: data.seq_len)", check=_non_negative),
+    Option("model.rope_theta", 10000.0, "RoPE base", check=_positive),
+    Option("model.norm_eps", 1e-5, "RMSNorm epsilon", check=_positive),
+    Option("model.tie_embeddings", False, "share the embedding with the output layer"),
+    # mixture of experts (flatshard.models.MoE) when n_experts > 0
+    Option("model.n_experts", 0, "routed experts per MoE layer (0: dense, the Llama)",
+           check=_non_negative),
+    Option("model.top_k", 2, "MoE: experts each token is routed to", check=_positive),
+    Option("model.expert_ffn_dim", 0, "MoE: each expert's SwiGLU hidden size (0: ffn_dim)",
+           check=_non_negative),
+    Option("model.norm_topk_prob", True, "MoE: renormalise the top-k routing weights to one"),
+    Option("model.aux_loss_coef", 0.001, "MoE: weight of the load-balancing loss in the loss",
+           check=_non_negative),
+    Option("model.hf", "", "Hugging Face model directory to fine-tune instead (config.json + "
+           "safetensors; the other model.* keys are then unused)"),
+    # data
+    Option("data.path", "", "text file or directory, JSONL, or token memmap ('': bundled corpus)"),
+    Option("data.format", "auto", "how to read data.path",
+           choices=("auto", "text", "jsonl", "uint16", "uint32")),
+    Option("data.text_field", "text", "JSONL field holding each document's text"),
+    Option("data.glob", "**/*.txt", "files to read when data.path is a directory"),
+    Option("data.seq_len", 256, "tokens per training sequence", check=_positive),
+    # train
+    Option("train.steps", 150, "optimizer steps (the schedule's length)", check=_positive),
+    Option("train.micro_batch", 4, "sequences per process per forward pass", check=_positive),
+    Option("train.global_batch", 8, "sequences per optimizer step, all processes",
+           check=_positive),
+    Option("train.lr", 3e-3, "peak learning rate (AdamW)", check=_positive),
+    Option("train.min_lr", 3e-4, "learning rate at the end of the cosine decay",
+           check=_non_negative),
+    Option("train.warmup_steps", 15, "linear warmup steps", check=_non_negative),
+    Option("train.weight_decay", 0.1, "AdamW weight decay (matrices only)", check=_non_negative),
+    Option("train.beta1", 0.9, "AdamW beta1", check=_fraction),
+    Option("train.beta2", 0.95, "AdamW beta2", check=_fraction),
+    Option("train.grad_clip", 1.0, "clip the global gradient norm (0: off)", check=_non_negative),
+    Option("train.zero_stage", 3, "ZeRO stage", choices=(1, 2, 3)),
+    Option("train.hpz_group", 0, "ZeRO-3: after forward, stay sharded over groups of this "
+           "many ranks so backward gathers inside them (hpZ; 0: all ranks)",
+           check=_non_negative),
+    Option("train.dp_replicate", 1, "HSDP: replicas of the sharded model (processes are "
+           "dp_replicate x dp_shard x tp)", check=_positive),
+    Option("train.tp", 1, "tensor parallelism: ranks each block's heads and hidden units "
+           "are split over (innermost; processes are dp_replicate x dp_shard x tp)",
+           check=_positive),
+    Option("train.ep", 1, "expert parallelism: ranks each MoE layer's experts are split "
+           "over (borrowed from the data-parallel ranks; experts sharded over the rest)",
+           check=_positive),
+    Option("train.precision", "fp32", "compute dtype; weights and optimizer stay fp32",
+           choices=("fp32", "bf16")),
+    Option("train.seed", 0, "seed of the initial weights and the data order",
+           check=_non_negative),
+    # checkpoint
+    Option("checkpoint.interval", 50, "save every N steps (0: only at the end)",
+           check=_non_negative),
+    Option("checkpoint.keep_last", 3, "checkpoints kept (0: all)", check=_non_negative),
+    Option("checkpoint.async_save", False, "write periodic checkpoints in the background"),
+    Option("checkpoint.at_end", True, "save when training ends"),
+    # run
+    Option("run.out_dir", "runs/{time}", "run directory ({time}: the start time)"),
+    Option("run.nproc", 2, "local processes when not launched by torchrun", check=_positive),
+    Option("run.device", "auto", "where to compute", choices=("auto", "cpu", "cuda")),
+    Option("run.threads", 0, "CPU threads per process (0: cores / processes)",
+           check=_non_negative),
+    Option("run.log_interval", 10, "steps between log lines", check=_positive),
+    Option("run.stop_at_step", 0, "stop with a checkpoint after this step (0: never)",
+           check=_non_negative),
+    Option("run.sample_tokens", 120, "tokens generated at the end (0: none)",
+           check=_non_negative),
+    Option("run.sample_prompt", "The ", "prompt of the sample at the end"),
+    Option("run.tensorboard", True, "write TensorBoard events when it is installed"),
+)  # fmt: skip
+
+BY_KEY = {option.key: option for option in OPTIONS}
+SECTIONS = tuple(dict.fromkeys(key.split(".")[0] for key in BY_KEY))
+
+PRESETS = {
+    "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=172),  # ~0.1M params
+    "small": dict(dim=384, n_layers=6, n_heads=6, n_kv_heads=0, ffn_dim=1024),  # ~10.8M
+    "medium": dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=0, ffn_dim=1376),  # ~25.6M
+    # MoE layers (4 experts of ffn 64, top-2) in place of tiny's MLPs: ~0.16M parameters
+    "moe-tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, n_experts=4),
+}

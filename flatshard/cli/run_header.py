@@ -1,0 +1,66 @@
+"""The lines `flatshard train` prints before its first step: the processes and mesh, the
+model, the data, the batch split, the run directory and the effective config."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+
+import torch.distributed as dist
+
+from flatshard.cli import runs
+from flatshard.cli.config import toml_value
+from flatshard.hf.transformers_model import model_class
+from flatshard.models import MoEConfig
+
+
+def run_header(trainer) -> str:
+    """What `trainer` (a cli.train.Trainer) is about to run, as lines of text."""
+    config, ranks = trainer.config, trainer.ranks
+    tokens_per_step = config.train.global_batch * config.data.seq_len
+    effective = "\n".join(
+        textwrap.fill(
+            f"[{section}] " + ", ".join(f"{k}={toml_value(v)}" for k, v in values.items()),
+            width=100, initial_indent="  ", subsequent_indent="      ",
+        )
+        for section, values in config.nested().items()
+    )  # fmt: skip
+    lines = [
+        f"flatshard train: {ranks.world_size} process(es), {dist.get_backend()} on "
+        f"{ranks.device.type}, ZeRO-{config.train.zero_stage}, {config.train.precision}"
+        + (f", tensor parallel over {config.train.tp}" if config.train.tp > 1 else ""),
+        _describe_model(trainer),
+        f"data: {trainer.data.source}: {len(trainer.data.tokens):,} tokens, "
+        f"{trainer.order.windows:,} sequences of {config.data.seq_len}",
+        f"batch: {config.train.global_batch} sequences = {tokens_per_step:,} tokens per step "
+        f"(micro batch {config.train.micro_batch} x {trainer.dp_world} data-parallel "
+        f"rank(s) x {trainer.accumulation} accumulation)",
+        f"run directory: {trainer.run_dir}",
+        f"effective config (saved as {os.path.join(trainer.run_dir, runs.CONFIG_TOML)}):",
+        effective.rstrip(),
+    ]
+    if trainer.resumed_from is not None:
+        lines.append(f"resuming from step {trainer.step} ({trainer.resumed_from})")
+    return "\n".join(lines)
+
+
+def _describe_model(trainer) -> str:
+    model = trainer.model_config
+    if model is None:
+        kind = model_class(trainer.model).__name__  # not fully_shard's subclass
+        count = sum(p.numel() for p in trainer.model.parameters())
+        return f"model: {kind} from {trainer.config.model.hf}, {count:,} parameters"
+    return (
+        f"model: {_kind(model)}, {model.num_params() / 1e6:.1f}M parameters (dim "
+        f"{model.dim}, {model.n_layers} layers, {model.n_heads} heads, ffn {model.ffn_dim}, "
+        f"vocab {model.vocab_size})"
+    )
+
+
+def _kind(model_config) -> str:
+    if not isinstance(model_config, MoEConfig):
+        return "Llama"
+    return (
+        f"MoE ({model_config.n_experts} experts, top-{model_config.top_k}, expert ffn "
+        f"{model_config.expert_ffn_dim}, aux loss x{model_config.aux_loss_coef:g})"
+    )

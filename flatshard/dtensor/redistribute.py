@@ -1,0 +1,59 @@
+"""DTensor redistribution of a row shard (patches.py routes DTensor's here): `Shard(0) ->
+Replicate` (what `full_tensor()` and full state dicts use) gathers by the true row
+bounds, then torch gathers any TP dim by its own placement; any other redistribution
+raises `UnevenShardError` on every rank alike, before any collective."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+from flatshard.dtensor.row_shard import RowShard, unsupported
+from flatshard.errors import UnevenShardError
+
+
+def gather_rows(shard: RowShard, group: dist.ProcessGroup) -> torch.Tensor:
+    """All ranks' rows, concatenated in rank order: one all-gather padded to the longest piece."""
+    spec = shard.spec
+    counts, row_shape = spec.global_row_counts, spec.local_shape[1:]
+    longest = max(counts)
+    send = torch.zeros(longest * spec.row_size, dtype=shard.dtype, device=shard.device)
+    send[: spec.numel].copy_(shard.data_.reshape(-1))
+    received = torch.empty(
+        longest * spec.row_size * len(counts), dtype=shard.dtype, device=shard.device
+    )
+    dist.all_gather_single(received, send, group=group)
+    received = received.view(len(counts), longest, *row_shape)
+    if all(n == longest for n in counts):
+        return received.view(-1, *row_shape)  # no padding to squeeze out: no copy
+    return torch.cat([received[r, :n] for r, n in enumerate(counts)])
+
+
+def redistribute_rows(local_tensor: RowShard, current_spec, target_spec) -> torch.Tensor:
+    """DTensor redistribution of a row shard (patches.py routes it here): `Shard(0) ->
+    Replicate` on the mesh dim that holds the rows gathers by the true rows, then a TP
+    dim after it (if it changes too, to `Replicate`) gathers the TP pieces by their TP
+    placement; anything else raises on every rank alike."""
+    current, target = tuple(current_spec.placements), tuple(target_spec.placements)
+    if current == target:
+        return local_tensor
+    mesh, rows_dim = current_spec.mesh, local_tensor.mesh_dim
+    changed = [dim for dim, (a, b) in enumerate(zip(current, target)) if a != b]
+    tp_dims = [dim for dim in changed if dim > rows_dim]
+    if changed[0] != rows_dim or any(
+        not isinstance(target[dim], Replicate) for dim in changed
+    ):  # fmt: skip
+        raise UnevenShardError(unsupported(f"redistributing {current} -> {target}"))
+    gathered = gather_rows(local_tensor, mesh.get_group(rows_dim))
+    for dim in tp_dims:  # the TP-local tensor, gathered by torch's own TP placement
+        tp_mesh = mesh[mesh.mesh_dim_names[dim]]
+        gathered = DTensor.from_local(
+            gathered,
+            tp_mesh,
+            [current[dim]],
+            run_check=False,
+            shape=current_spec.shape,
+            stride=current_spec.stride,
+        ).full_tensor()
+    return gathered

@@ -1,0 +1,115 @@
+"""flatshard's sharded parameters (`RowShardedParameter`, DTensors whose local tensor is a
+`RowShard`) and the helpers that read their spec: this rank's rows of a value in any layout,
+the spec and global rows of a parameter, the shape a checkpoint stores."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+from flatshard.dtensor.row_shard import RowShard
+from flatshard.errors import UnevenShardError
+from flatshard.layout import ShardSpec, describe_param, whole_param_spec
+
+
+def rows_in_layout(value: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """This rank's rows (by `spec`) of a tensor shaped like the global one, whatever layout
+    it comes in: a full tensor, flatshard's own rows, a Replicate DTensor, or another
+    sharding (gathered: every rank loading the same values joins that collective)."""
+    if not isinstance(value, DTensor):
+        return spec.piece_of(value.detach())
+    local = value._local_tensor
+    if isinstance(local, RowShard) and local.spec.pieces == spec.pieces:
+        return local.data_
+    if all(isinstance(p, Replicate) for p in value.placements):
+        return spec.piece_of(local)
+    return spec.piece_of(value.full_tensor())
+
+
+_TENSOR_DATA = torch._C.TensorBase.data
+
+
+class RowShardedParameter(DTensor):
+    """The class of flatshard's sharded parameters. A plain DTensor's `param.data = value`
+    swaps the wrapper and keeps its old local tensor: the assignment would be silently
+    dropped. Here it loads `value` into this rank's rows of the flat buffers instead."""
+
+    @property
+    def data(self):
+        return _TENSOR_DATA.__get__(self)
+
+    @data.setter
+    def data(self, value) -> None:
+        spec = shard_spec(self)
+        if tuple(value.shape) != spec.global_shape:
+            raise UnevenShardError(
+                f"param.data = a tensor of shape {tuple(value.shape)}: this parameter's shape is "
+                f"{spec.global_shape}; flatshard loads the values into its shards, it cannot "
+                "change the shape"
+            )
+        target = self
+        if self.is_meta and hasattr(self, "_flatshard_param"):
+            # still on meta (FSDP2's flow): the unit gets real shards, whose new parameter
+            # takes this one's place in the module and receives the values
+            unit, managed = self._flatshard_param
+            unit.allocate(unit.mesh.device)
+            target = managed.sharded
+        with torch.no_grad():
+            target.to_local().copy_(rows_in_layout(value, spec))
+
+
+def shard_spec(param: DTensor) -> ShardSpec:
+    """The `ShardSpec` of this rank's piece of a flatshard DTensor (a parameter, its gradient
+    or an optimizer state of it)."""
+    local = param._local_tensor if isinstance(param, DTensor) else None
+    if not isinstance(local, RowShard):
+        raise TypeError(f"expected a flatshard-sharded DTensor, got {type(param).__name__}")
+    return local.spec
+
+
+def param_spec(root, fqn: str, param) -> ShardSpec:
+    """What this rank holds of `root`'s parameter `fqn`: its flatshard spec, or the whole of
+    a parameter flatshard does not shard."""
+    if isinstance(param, DTensor):
+        return shard_spec(param)
+    return whole_param_spec(describe_param(root, fqn, param))
+
+
+def stored_shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The shape a checkpoint stores `tensor` as: the global one for flatshard's pieces, a
+    plain-tensor optimizer state (a bare `RowShard`) included."""
+    if isinstance(tensor, RowShard):
+        return tensor.spec.global_shape
+    return tuple(tensor.shape)
+
+
+def row_range(param: DTensor) -> tuple[int, int]:
+    """The global rows `[start, end)` of a flatshard DTensor that this rank holds."""
+    box = shard_spec(param).global_box
+    return box.offset[0], box.offset[0] + box.shape[0]
+
+
+def local_data(dtensor: DTensor) -> torch.Tensor:
+    """The plain tensor behind a DTensor's local shard."""
+    local = dtensor._local_tensor
+    return local.data_ if isinstance(local, RowShard) else local
+
+
+def make_row_sharded_dtensor(
+    local: torch.Tensor,
+    mesh,
+    spec: ShardSpec,
+    version_base: torch.Tensor | None = None,
+    tp_placement=None,
+) -> DTensor:
+    """A DTensor on `mesh` (a ShardMesh: `Shard(0)` over its shard dim, replicated over
+    HSDP's replicas, `tp_placement` over TP) whose local tensor is `local` (a view of
+    `version_base`)."""
+    return DTensor.from_local(
+        RowShard(local, spec, version_base, mesh.shard_mesh_dim),
+        mesh.param_mesh,
+        list(mesh.placements_for(tp_placement)),
+        run_check=False,
+        shape=torch.Size(spec.global_shape),
+        stride=spec.global_strides,
+    )
