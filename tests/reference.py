@@ -6,7 +6,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
 
 import flatshard
 from flatshard.models import Llama, LlamaConfig
@@ -105,6 +109,13 @@ def hsdp_mesh(replicas: int):
 
 def full_state(model) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def full_optimizer_state(model, optimizer) -> dict[str, torch.Tensor]:
+    """Every non-scalar optimizer state as a full tensor, keyed "fqn.name"."""
+    options = StateDictOptions(full_state_dict=True)
+    state = get_optimizer_state_dict(model, optimizer, options=options)["state"]
+    return {f"{k}.{n}": v.clone() for k, s in state.items() for n, v in s.items() if v.dim()}
 
 
 def rel_diff(ours: dict, reference: dict) -> float:

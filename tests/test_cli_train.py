@@ -223,13 +223,17 @@ def test_tensor_parallel_run_trains_like_data_parallel_and_resumes_without_tp(tm
         assert record["reduce_scatter_bytes"] == plan["communication"]["reduce_scatter"]
 
 
+# moe-tiny with a large aux loss weight, as `flatshard train` and `flatshard plan` take it
+MOE_TINY = ["--set", "model.preset=moe-tiny", "--set", "data.seq_len=32",
+            "--set", "train.micro_batch=2", "--set", "train.global_batch=8",
+            "--set", "run.sample_tokens=0", "--set", "model.aux_loss_coef=0.1"]  # fmt: skip
+
+
 def test_expert_parallel_run_trains_like_data_parallel_and_resumes_at_another_ep(tmp_path):
     """`--model moe-tiny --ep 2` on 4 processes (experts split over pairs, sharded over the
     other two) takes the steps a plain 4-process run takes, and its checkpoint resumes at
     `--ep 4`, continuing those losses."""
-    sizes = ["--set", "model.preset=moe-tiny", "--set", "data.seq_len=32",
-             "--set", "train.micro_batch=2", "--set", "train.global_batch=8",
-             "--set", "run.sample_tokens=0", "--set", "model.aux_loss_coef=0.1"]  # fmt: skip
+    sizes = MOE_TINY
     plain, ep = tmp_path / "plain", tmp_path / "ep"
     check_ok(flatshard("train", *sizes, "--steps", 3, "--nproc", 4, "--out", plain))
     check_ok(
@@ -255,9 +259,7 @@ def test_expert_parallel_run_trains_like_data_parallel_and_resumes_at_another_ep
 def test_tensor_and_expert_parallel_moe_run_trains_like_data_parallel(tmp_path):
     """`--model moe-tiny --tp 2 --ep 2` on 4 processes: attention split over TP pairs,
     experts over the ranks holding different tokens; the losses of a plain 2-process run."""
-    sizes = ["--model", "moe-tiny", "--seq-len", "32", "--micro-batch", "2",
-             "--global-batch", "8", "--set", "run.sample_tokens=0",
-             "--set", "model.aux_loss_coef=0.1"]  # fmt: skip
+    sizes = MOE_TINY
     plain, both = tmp_path / "plain", tmp_path / "both"
     check_ok(flatshard("train", *sizes, "--steps", 3, "--nproc", 2, "--out", plain))
     check_ok(

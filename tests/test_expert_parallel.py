@@ -13,10 +13,17 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
-from reference import batches, full_state, rank_slice, rel_diff, rel_losses, train
+from reference import (
+    batches,
+    full_optimizer_state,
+    full_state,
+    rank_slice,
+    rel_diff,
+    rel_losses,
+    train,
+)
 from test_gradients import _full_grads, _per_tensor_errors
 from test_moe_training import moe_loss
-from test_tp_fsdp import _full_optimizer
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -118,7 +125,7 @@ def _save_ep(path, ep):
     loss_fn = partial(moe_loss, group=dist.group.WORLD)
     train(model, data, rank=rank, world=world, loss_fn=loss_fn, make_optimizer=lambda _: optimizer)
     checkpoint.save(path, model=model, optimizer=optimizer, step=2)
-    return full_state(model), _full_optimizer(model, optimizer)
+    return full_state(model), full_optimizer_state(model, optimizer)
 
 
 def _load_ep(path, ep):
@@ -127,7 +134,7 @@ def _load_ep(path, ep):
     model = ep_model(ep, seed=3) if ep else _plain_sharded(seed=3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     checkpoint.load(path, model=model, optimizer=optimizer)
-    loaded = full_state(model), _full_optimizer(model, optimizer)
+    loaded = full_state(model), full_optimizer_state(model, optimizer)
     data = batches(_config("qwen3_moe"), STEPS)[2:]
     group = dist.group.WORLD if world > 1 else None
     loss_fn = partial(moe_loss, group=group)

@@ -16,6 +16,7 @@ from reference import (
     batches,
     build_model,
     config,
+    full_optimizer_state,
     full_state,
     hsdp_mesh,
     lm_loss,
@@ -26,7 +27,6 @@ from reference import (
     train,
 )
 from test_gradients import _backward, _data, _full_grads, _model, _per_tensor_errors
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 from flatshard import checkpoint
 
@@ -109,14 +109,7 @@ def _save_hsdp(path, replicas):
         optimizer.step()
         optimizer.zero_grad()
     checkpoint.save(path, model=model, optimizer=optimizer, step=2)
-    return full_state(model), _optimizer_full(model, optimizer)
-
-
-def _optimizer_full(model, optimizer):
-    state = get_optimizer_state_dict(
-        model, optimizer, options=StateDictOptions(full_state_dict=True)
-    )["state"]
-    return {f"{k}.{n}": v.clone() for k, s in state.items() for n, v in s.items() if v.dim()}
+    return full_state(model), full_optimizer_state(model, optimizer)
 
 
 def _load(path, replicas):
@@ -125,7 +118,7 @@ def _load(path, replicas):
     model = shard(build_model(cfg, seed=3), 3, mesh=mesh)
     optimizer = adamw(model.parameters())
     checkpoint.load(path, model=model, optimizer=optimizer)
-    return full_state(model), _optimizer_full(model, optimizer)
+    return full_state(model), full_optimizer_state(model, optimizer)
 
 
 def _data_bytes(path) -> int:

@@ -14,6 +14,7 @@ from reference import (
     batches,
     build_model,
     config,
+    full_optimizer_state,
     full_state,
     lm_loss,
     rank_slice,
@@ -402,17 +403,6 @@ def _fsdp2_tp_model():
     return model, mesh["dp_shard"].get_local_rank()
 
 
-def _full_optimizer(model, optimizer) -> dict:
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_optimizer_state_dict,
-    )
-
-    options = StateDictOptions(full_state_dict=True)
-    state = get_optimizer_state_dict(model, optimizer, options=options)["state"]
-    return {f"{k}.{n}": v.clone() for k, s in state.items() for n, v in s.items() if v.dim()}
-
-
 def _interchange(path, writer):
     """`writer` ("fsdp2" or "flatshard") trains two steps and saves with DCP (torch's own
     state-dict API); the other library loads it. Returns (saved, loaded) full states."""
@@ -426,7 +416,7 @@ def _interchange(path, writer):
     train_ranks(model, data, rank=dp_rank, world=2, make_optimizer=lambda _: optimizer)
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
-    saved = full_state(model), _full_optimizer(model, optimizer)
+    saved = full_state(model), full_optimizer_state(model, optimizer)
 
     reader = builders["flatshard" if writer == "fsdp2" else "fsdp2"]
     model, _ = reader()
@@ -438,7 +428,7 @@ def _interchange(path, writer):
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
-    return saved, (full_state(model), _full_optimizer(model, optimizer))
+    return saved, (full_state(model), full_optimizer_state(model, optimizer))
 
 
 @pytest.mark.parametrize("writer", ["fsdp2", "flatshard"])
