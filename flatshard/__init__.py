@@ -8,6 +8,7 @@ from flatshard.errors import (
     FlatShardError,
     LayoutError,
     MeshError,
+    OffloadError,
     OptimizerOrderError,
     TokenIdError,
     UnevenShardError,
@@ -15,7 +16,7 @@ from flatshard.errors import (
 )
 from flatshard.fsdp_module import FlatShardModule, register_fsdp_forward_method, weights_changed
 from flatshard.materialize import materialize
-from flatshard.policy import MixedPrecisionPolicy
+from flatshard.policy import MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
     "FlatShardError",
@@ -23,6 +24,8 @@ __all__ = [
     "LayoutError",
     "MeshError",
     "MixedPrecisionPolicy",
+    "OffloadError",
+    "OffloadPolicy",
     "OptimizerOrderError",
     "TokenIdError",
     "UnevenShardError",

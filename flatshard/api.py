@@ -25,12 +25,14 @@ from flatshard.mesh import ShardMesh
 from flatshard.policy import (
     MixedPrecisionPolicy,
     as_mixed_precision,
+    as_offload,
     forward_group_size,
     resolve_zero_stage,
 )
 from flatshard.runtime.first_use import first_use_groups
 from flatshard.runtime.flat_bucket import FlatBucket
 from flatshard.runtime.hooks import attach
+from flatshard.runtime.offload import place as offload_pieces
 from flatshard.runtime.states import Resharding
 from flatshard.runtime.unit import ManagedParam, Unit, sharded_parameter
 
@@ -57,7 +59,10 @@ def fully_shard(
         between optimizer steps (only the optimizer state and main weights are sharded).
     mp_policy: mixed precision, as in FSDP2 (param_dtype, reduce_dtype, output_dtype).
     shard_placement_fn: as FSDP2's; each parameter's placement must be `Shard(0)` or None.
-    offload_policy: FSDP2's `OffloadPolicy()` (no offload) is accepted.
+    offload_policy: `flatshard.OffloadPolicy(fraction=f)` keeps a fraction f of each rank's
+        main weights, gradients and optimizer state on the host (chosen over every unit
+        below `module`: shard the root with the same policy); FSDP2's `OffloadPolicy()`
+        (none) and `CPUOffloadPolicy()` (all) are accepted.
     ignored_params: parameters left alone: not sharded, not reduced.
     On a model root (a module some of whose children are already units), each run of
     consecutive children holding no unit, e.g. [embedding] and [norm, output head], gets a
@@ -74,8 +79,8 @@ def fully_shard(
         reshard_after_forward = False  # one rank keeps it all: no resharding
     stage = resolve_zero_stage(zero_stage, reshard_after_forward)
     policy = as_mixed_precision(mp_policy)
-    _check_offload(offload_policy)
-    settings = (stage, policy, group_size if stage == 3 else None)
+    offload = as_offload(offload_policy)
+    settings = (stage, policy, group_size if stage == 3 else None, offload)
     patches.install()
     mesh = mesh.with_tp(*_tp_mesh(modules))
     ignored = {id(p) for p in ignored_params or ()}
@@ -86,6 +91,8 @@ def fully_shard(
         (f"[{i}].", each) for i, each in enumerate(modules)
     ]  # fmt: skip
     _shard(members, mesh, settings, None, ignored, shard_placement_fn)
+    if offload.offloads:
+        offload_pieces(modules, offload)
     return module
 
 
@@ -107,17 +114,6 @@ def _check_module(module) -> None:
         )
 
 
-def _check_offload(offload_policy) -> None:
-    """FSDP2's plain `OffloadPolicy()` means no offload; anything that offloads is refused
-    until flatshard's optimizer offload lands."""
-    if offload_policy is None or type(offload_policy).__name__ == "OffloadPolicy":
-        return
-    raise NotImplementedError(
-        f"offload_policy={type(offload_policy).__name__}: flatshard does not offload "
-        "parameters or optimizer state to the host yet; leave offload_policy unset"
-    )
-
-
 def _check_placements(shard_placement_fn, found) -> None:
     """Rows (`Shard(0)`, or None for the default) are the only placement for now."""
     if shard_placement_fn is None:
@@ -135,7 +131,7 @@ def _shard(members, mesh, settings, first_use_of, ignored, shard_placement_fn) -
     """One unit over the parameters below `members` [(fqn prefix, module)] that no inner
     unit manages; its hooks go on every member. settings: (ZeRO stage, mixed precision,
     hpZ group size)."""
-    stage, policy, group_size = settings
+    stage, policy, group_size, offload = settings
     if group_size is not None:
         mesh.forward_group(group_size)  # every rank creates the groups here, together
     found = [entry for entry in _collect_params(members) if id(entry[1]) not in ignored]
@@ -193,7 +189,7 @@ def _shard(members, mesh, settings, first_use_of, ignored, shard_placement_fn) -
     modules = [m for _, m in members]
     resharding = Resharding.for_stage(stage)
     resharding.forward_group_size = group_size
-    unit = Unit(modules, mesh, layout, buckets, managed, resharding, policy, first_use_of)
+    unit = Unit(modules, mesh, layout, buckets, managed, resharding, policy, first_use_of, offload)
     for param in managed:
         param.sharded._flatshard_param = (unit, param)
         for owner, name in param.occurrences:

@@ -65,6 +65,28 @@ def to_host(tensor: torch.Tensor, into: torch.Tensor | None = None) -> torch.Ten
     return tensor.detach().to("cpu", copy=True, non_blocking=True)
 
 
+def to_host_now(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy of `tensor` that can be read at once (waits for a device copy)."""
+    copy = to_host(tensor)
+    done = host_copies_done()
+    if done is not None:
+        done.synchronize()
+    return copy
+
+
+def host_zeros(numel: int, dtype: torch.dtype, pin_memory: bool) -> torch.Tensor:
+    """A zeroed host buffer; page-locked (pinned) when asked and CUDA is there, so copies
+    to and from the GPU run asynchronously."""
+    pin = pin_memory and torch.cuda.is_available()
+    return torch.zeros(numel, dtype=dtype, pin_memory=pin)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`: from pinned host memory to CUDA an asynchronous copy on the
+    current stream (ordered before the collectives that read it); on the CPU itself."""
+    return tensor.to(device, non_blocking=True)
+
+
 def host_copies_done():
     """An event after every `to_host` copy issued so far on this stream (None on the CPU,
     where they are done already); `.synchronize()` it before reading the copies."""

@@ -31,3 +31,8 @@ class OptimizerOrderError(FlatShardError):
 
 class CheckpointError(FlatShardError):
     """A checkpoint is missing, incomplete, corrupted, or does not match the model."""
+
+
+class OffloadError(FlatShardError, OSError):
+    """The optimizer offload cannot hold its state where it was asked to (a fraction out of
+    range, a directory that cannot be written, a disk that is full)."""

@@ -1,4 +1,4 @@
-"""User-facing policies: mixed precision and ZeRO stage."""
+"""User-facing policies: mixed precision, optimizer offload and ZeRO stage."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flatshard.errors import WrappingError
+from flatshard.errors import OffloadError, WrappingError
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,56 @@ def as_mixed_precision(policy) -> MixedPrecisionPolicy:
         raise WrappingError(
             f"mp_policy must be a flatshard.MixedPrecisionPolicy, got {type(policy).__name__}"
         ) from error
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """Keep a fraction of each rank's sharded main weights, their gradients and optimizer
+    state on the host, and step them there (any `torch.optim` optimizer: it steps tensors
+    where they live).
+
+    fraction: of this rank's sharded parameter elements, in [0, 1]; 0 offloads nothing (as
+        FSDP2's plain `OffloadPolicy()`), 1 everything (FSDP2's `CPUOffloadPolicy`). The
+        layout picks whole per-rank pieces (`layout/offload.py`), so the offloaded share
+        lands within a small piece of the fraction.
+    pin_memory: page-locked host buffers on CUDA, so copies overlap compute.
+    path: a directory: the offloaded optimizer state lives in memory-mapped files there
+        (the disk tier), paged in a piece at a time while the optimizer steps.
+    """
+
+    fraction: float = 0.0
+    pin_memory: bool = True
+    path: str | None = None
+
+    def __post_init__(self):
+        fraction = self.fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+            raise OffloadError(f"OffloadPolicy(fraction={fraction!r}) must be a number in [0, 1]")
+        if not 0.0 <= fraction <= 1.0:
+            raise OffloadError(
+                f"OffloadPolicy(fraction={fraction}) must be in [0, 1]: the share of each "
+                "rank's optimizer state kept on the host (0 none, 1 all)"
+            )
+
+    @property
+    def offloads(self) -> bool:
+        return self.fraction > 0
+
+
+def as_offload(policy) -> OffloadPolicy:
+    """Accept our policy or PyTorch FSDP2's: its plain `OffloadPolicy()` offloads nothing,
+    its `CPUOffloadPolicy(pin_memory)` everything (parameters, gradients, optimizer)."""
+    if policy is None or isinstance(policy, OffloadPolicy):
+        return policy or OffloadPolicy()
+    kind = type(policy).__name__
+    if kind == "OffloadPolicy":
+        return OffloadPolicy()
+    if kind == "CPUOffloadPolicy":
+        return OffloadPolicy(fraction=1.0, pin_memory=getattr(policy, "pin_memory", True))
+    raise WrappingError(
+        f"offload_policy must be a flatshard.OffloadPolicy (or FSDP2's OffloadPolicy / "
+        f"CPUOffloadPolicy), got {kind}"
+    )
 
 
 def _is_group_size(value) -> bool:

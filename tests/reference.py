@@ -91,10 +91,13 @@ def mean_over_ranks(value: float, world: int) -> float:
     return (tensor / world).item()
 
 
-def shard(model, zero_stage: int = 3, mp_policy=None, mesh=None):
+def shard(model, zero_stage: int = 3, mp_policy=None, mesh=None, offload_policy=None):
+    settings = dict(
+        zero_stage=zero_stage, mp_policy=mp_policy, mesh=mesh, offload_policy=offload_policy
+    )
     for layer in model.layers:
-        flatshard.fully_shard(layer, zero_stage=zero_stage, mp_policy=mp_policy, mesh=mesh)
-    flatshard.fully_shard(model, zero_stage=zero_stage, mp_policy=mp_policy, mesh=mesh)
+        flatshard.fully_shard(layer, **settings)
+    flatshard.fully_shard(model, **settings)
     return model
 
 

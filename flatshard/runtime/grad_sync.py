@@ -149,22 +149,23 @@ class GradientSync:
         """Add a bucket's reduced gradient shard to its parameters' `.grad`s (set them
         to views of it when there are none yet)."""
         params = self._trainable_in(bucket)
-        if bucket.sharded_grad is not None and all(
+        kept = bucket.sharded_grad
+        if kept is not None and all(
             p.sharded.grad is not None
             and local_data(p.sharded.grad).data_ptr()
-            == bucket.grad_rows(bucket.sharded_grad, p.index).data_ptr()
+            == bucket.grad_rows_of(kept, p.index).data_ptr()
             for p in params
         ):
-            bucket.sharded_grad.add_(reduced)  # gradient accumulation: one flat add
+            bucket.add_to_grad(reduced)  # gradient accumulation: one flat add (per part)
             return
         fresh = reduced.to(bucket.main.dtype)
         for param in params:
             if param.sharded.grad is not None:  # a gradient flatshard does not own yet
                 rows = bucket.grad_rows(fresh, param.index)
-                rows.add_(_own_rows(param, rows))
-        bucket.sharded_grad = fresh
+                rows.add_(_own_rows(param, rows).to(rows.device))
+        kept = bucket.keep_grad(fresh)
         for param in params:
-            local = bucket.grad_rows(fresh, param.index)
+            local = bucket.grad_rows_of(kept, param.index)
             spec = bucket.specs[param.index]
             param.sharded.grad = make_row_sharded_dtensor(
                 local, self.unit.mesh, spec, tp_placement=param.tp_placement

@@ -24,6 +24,7 @@ import torch
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
+from flatshard.runtime.offload import wait_for_host_gradients
 from flatshard.runtime.schedule import RootContext, context_of
 from flatshard.runtime.states import TrainingState
 
@@ -162,6 +163,7 @@ def end_backward(context: RootContext) -> None:
     for unit in context.post_forward_order[::-1] + context.units:
         post_backward(unit)
     context.reduces.finish()
+    wait_for_host_gradients(context.units)
     for unit in context.units:
         unit.move_to(TrainingState.IDLE)
         unit.forward_calls = unit.input_gradients_seen = 0

@@ -9,6 +9,7 @@ grad_sync.py, an embedding's lookup from the shards in sharded_lookup.py.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from flatshard import comm
 from flatshard.dtensor.sharded_param import RowShardedParameter, make_row_sharded_dtensor
 from flatshard.layout import UnitLayout
-from flatshard.policy import MixedPrecisionPolicy
+from flatshard.policy import MixedPrecisionPolicy, OffloadPolicy
 from flatshard.runtime.flat_bucket import FlatBucket
 from flatshard.runtime.grad_sync import GradientSync
 from flatshard.runtime.sharded_lookup import ShardedLookup, lookup_capable
@@ -29,9 +30,10 @@ def sharded_parameter(
     bucket: FlatBucket, index: int, mesh, requires_grad: bool, tp_placement=None
 ) -> nn.Parameter:
     """The sharded parameter of slot `index` of `bucket`: a `RowShardedParameter` (a DTensor)
-    whose local tensor is this rank's rows, a view of the bucket's main weights."""
+    whose local tensor is this rank's rows, a view of the bucket's main weights (on the
+    host when the piece is offloaded: the optimizer then steps it there)."""
     rows, spec = bucket.main_rows(index), bucket.specs[index]
-    dtensor = make_row_sharded_dtensor(rows, mesh, spec, bucket.main, tp_placement)
+    dtensor = make_row_sharded_dtensor(rows, mesh, spec, bucket.main_base(index), tp_placement)
     param = nn.Parameter(dtensor, requires_grad=requires_grad)
     param.__class__ = RowShardedParameter  # `.data =` loads instead of being dropped
     return param
@@ -64,6 +66,9 @@ class ManagedParam:
         )
 
 
+_creation_order = itertools.count()
+
+
 class Unit:
     def __init__(
         self,
@@ -75,6 +80,7 @@ class Unit:
         resharding: Resharding,
         mp_policy: MixedPrecisionPolicy,
         first_use_of: nn.Module | None = None,
+        offload: OffloadPolicy | None = None,
     ):
         self.modules = modules  # usually one; a first-use group of a root's children: more
         self.mesh = mesh  # a ShardMesh
@@ -83,6 +89,8 @@ class Unit:
         self.params = params
         self.resharding = resharding
         self.mp_policy = mp_policy
+        self.offload = offload or OffloadPolicy()  # which pieces: runtime/offload.py
+        self.created = next(_creation_order)
         # The module this unit is a first-use group of (first_use.py). A group of the model
         # root is needed again early in backward, so it stays gathered from forward to
         # backward like the root itself; a group of an inner module (a block whose experts
@@ -213,6 +221,17 @@ class Unit:
             return
         for bucket in self.buckets:
             bucket.allocate(device)
+        self._new_sharded_params()
+
+    def place_offloaded(self, cuts: list[int], pin_memory: bool) -> None:
+        """Move each bucket's shard from its cut on to the host (the layout's choice, made
+        over the whole model: runtime/offload.py); the moved pieces get new sharded
+        parameters there, as `to_empty` gives (before an optimizer is built on them)."""
+        moved = [bucket.place(cut, pin_memory) for bucket, cut in zip(self.buckets, cuts)]
+        if any(moved):
+            self._new_sharded_params()
+
+    def _new_sharded_params(self) -> None:
         for param in self.params:
             old = param.sharded
             param.sharded = sharded_parameter(
