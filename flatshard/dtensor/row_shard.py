@@ -16,6 +16,13 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from flatshard.dtensor.disk_tier import (
+    STATE_FACTORIES,
+    DiskTier,
+    PagedBuffer,
+    paged_pieces,
+    run_by_piece,
+)
 from flatshard.errors import UnevenShardError
 from flatshard.layout import ShardSpec
 
@@ -32,6 +39,10 @@ class RowShard(torch.Tensor):
     # The dim of the DTensor's mesh whose ranks split the rows (the others: HSDP replicas
     # before it, tensor parallelism after it).
     mesh_dim: int
+    # Optimizer offload's disk tier (disk_tier.py): where state made from this piece goes,
+    # and the file mapping of this piece's own data when it is such state.
+    tier: DiskTier | None
+    paged: PagedBuffer | None
 
     @staticmethod
     def __new__(
@@ -40,6 +51,8 @@ class RowShard(torch.Tensor):
         spec: ShardSpec,
         version_base: torch.Tensor | None = None,
         mesh_dim: int = 0,
+        tier: DiskTier | None = None,
+        paged: PagedBuffer | None = None,
     ):
         if isinstance(data, RowShard):
             data = data.data_
@@ -57,10 +70,12 @@ class RowShard(torch.Tensor):
         wrapper.spec = spec
         wrapper.version_base = version_base
         wrapper.mesh_dim = mesh_dim
+        wrapper.tier = tier
+        wrapper.paged = paged
         return wrapper
 
-    def __init__(self, data, spec, version_base=None, mesh_dim=0):  # set in __new__
-        super().__init__()
+    def __init__(self, data, spec, version_base=None, mesh_dim=0, tier=None, paged=None):
+        super().__init__()  # set in __new__
 
     def __repr__(self):
         return f"RowShard(rows={self.spec.row_start}:{self.spec.row_end}, {self.data_!r})"
@@ -103,7 +118,7 @@ class RowShard(torch.Tensor):
         raise ValueError(f"no chunk at {index.offset} in {self!r}")
 
     def __tensor_flatten__(self):
-        return ["data_"], (self.spec, None, self.mesh_dim)
+        return ["data_"], (self.spec, None, self.mesh_dim, self.tier, self.paged)
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
@@ -120,19 +135,63 @@ class RowShard(torch.Tensor):
         if func is torch.ops.aten._foreach_norm.Scalar and _is_max_norm(args, kwargs):
             # a rank may hold no rows: the max of nothing is 0 here, not an error
             return [_max_abs(t.data_ if type(t) is RowShard else t) for t in args[0]]
-        like = _first_row_shard(args)
-        out = func(*_unwrap_args(args), **(_unwrap_kwargs(kwargs) if kwargs else {}))
-        for position, name in op.written:
-            value = args[position] if position < len(args) else (kwargs or {}).get(name)
-            _bump_versions(value)
-        if op.foreach and isinstance(out, (list, tuple)):
-            # output i has the rows of the i-th tensor of the first list argument
-            firsts = args[0] if isinstance(args[0], (list, tuple)) else [None] * len(out)
-            return type(out)(_rewrap(op, o, f, args) for o, f in zip(out, firsts))
-        if isinstance(out, torch.Tensor):
-            return _rewrap(op, out, like, args)
-        flat_out, spec = tree_flatten(out)
-        return tree_unflatten([_rewrap(op, o, like, args) for o in flat_out], spec)
+        if paged_pieces(args, kwargs):
+            return _run_paged(func, op, args, kwargs)
+        return _dispatch(func, op, args, kwargs)
+
+
+def _dispatch(func, op: _OpInfo, args, kwargs):
+    """Run `func` on the row shards' data and give the results their rows."""
+    like = _first_row_shard(args)
+    if op.makes_state and like is not None and like.tier is not None:
+        return _paged_state(func, args, kwargs, like)
+    out = func(*_unwrap_args(args), **(_unwrap_kwargs(kwargs) if kwargs else {}))
+    for position, name in op.written:
+        value = args[position] if position < len(args) else (kwargs or {}).get(name)
+        _bump_versions(value)
+    if op.foreach and isinstance(out, (list, tuple)):
+        # output i has the rows of the i-th tensor of the first list argument
+        firsts = args[0] if isinstance(args[0], (list, tuple)) else [None] * len(out)
+        return type(out)(_rewrap(op, o, f, args) for o, f in zip(out, firsts))
+    if isinstance(out, torch.Tensor):
+        return _rewrap(op, out, like, args)
+    flat_out, spec = tree_flatten(out)
+    return tree_unflatten([_rewrap(op, o, like, args) for o in flat_out], spec)
+
+
+def _run_paged(func, op: _OpInfo, args, kwargs):
+    """An op on disk-tier state: piece by piece, each piece paged out after (disk_tier.py)."""
+    if op.by_piece:
+        return run_by_piece(
+            func, args, kwargs, lambda f, a, k: _dispatch(f, op, a, k), _page_fresh_output
+        )
+    out = _dispatch(func, op, args, kwargs)
+    for paged in paged_pieces(args, kwargs):
+        paged.page_out()
+    return out
+
+
+def _page_fresh_output(out, args):
+    """A foreach op's new tensor for a paged piece (a temporary an optimizer keeps for its
+    next op) is paged too, so no list of them is held in memory."""
+    if type(out) is not RowShard or out.paged is not None or out.tier is None:
+        return out
+    if any(out is arg for value in args for arg in (value if isinstance(value, list) else [value])):
+        return out  # an in-place op's own argument
+    return _as_paged(out.data_, out)
+
+
+def _paged_state(func, args, kwargs, like: RowShard) -> RowShard:
+    """Optimizer state made from a disk-tier piece, in a file of its own."""
+    out = func(*_unwrap_args(args), **(_unwrap_kwargs(kwargs) if kwargs else {}))
+    return _as_paged(out, like)
+
+
+def _as_paged(values: torch.Tensor, like: RowShard) -> RowShard:
+    paged = like.tier.allocate(values)
+    paged.tensor.copy_(values)
+    paged.page_out()
+    return RowShard(paged.tensor, like.spec, None, like.mesh_dim, like.tier, paged)
 
 
 class _OpInfo:
@@ -142,6 +201,8 @@ class _OpInfo:
         name = func.name().split("::")[1].split(".")[0]
         self.collective = func.namespace in ("_c10d_functional", "c10d", "_dtensor")
         self.foreach = name.startswith("_foreach_")
+        self.by_piece = self.foreach or name.startswith("_fused_")  # lists of pieces
+        self.makes_state = name in STATE_FACTORIES
         self.view = func in _VIEWS
         self.aliases = self.view or name in _ALIASES
         self.keeps_rows = torch.Tag.pointwise in func.tags or self.foreach or name in _ROW_KEEPING
@@ -203,8 +264,9 @@ def _rewrap(op: _OpInfo, out, like, args):
     if out.dim() == 0 or out.dim() != like.dim():
         return out
     if op.keeps_rows or (op.view and out.shape == like.shape):
-        base = like.version_base if op.aliases else None
-        return RowShard(out, like.spec, base, like.mesh_dim)
+        if op.aliases:
+            return RowShard(out, like.spec, like.version_base, like.mesh_dim, like.tier, like.paged)
+        return RowShard(out, like.spec, None, like.mesh_dim, like.tier)
     return out
 
 

@@ -101,12 +101,13 @@ def make_row_sharded_dtensor(
     spec: ShardSpec,
     version_base: torch.Tensor | None = None,
     tp_placement=None,
+    tier=None,
 ) -> DTensor:
     """A DTensor on `mesh` (a ShardMesh: `Shard(0)` over its shard dim, replicated over
     HSDP's replicas, `tp_placement` over TP) whose local tensor is `local` (a view of
-    `version_base`)."""
+    `version_base`); `tier`: the disk tier its optimizer state goes to."""
     return DTensor.from_local(
-        RowShard(local, spec, version_base, mesh.shard_mesh_dim),
+        RowShard(local, spec, version_base, mesh.shard_mesh_dim, tier),
         mesh.param_mesh,
         list(mesh.placements_for(tp_placement)),
         run_check=False,

@@ -36,6 +36,7 @@ class FlatBucket:
         self.specs = [layout.spec(slot, rank) for slot in layout.slots]
         self.cut = layout.shard_size  # where this rank's shard moves to the host
         self.pin_memory = False
+        self.tier = None  # the disk tier of the offloaded pieces' optimizer state, if any
         self.allocate(device, main_dtype)
         self.unsharded_grad: torch.Tensor | None = None
         self._sharded_grad: weakref.ref | None = None
@@ -71,11 +72,13 @@ class FlatBucket:
         else:
             self.host_main = comm.host_zeros(size, dtype, self.pin_memory)
 
-    def place(self, cut: int, pin_memory: bool) -> bool:
+    def place(self, cut: int, pin_memory: bool, tier=None) -> bool:
         """Move this rank's shard so that `[cut, shard_size)` lives on the host (the layout's
-        choice); returns whether anything moved."""
-        if cut == self.cut:
+        choice), its optimizer state in `tier` when given; returns whether anything
+        changed."""
+        if cut == self.cut and tier is self.tier:
             return False
+        self.tier = tier
         device, values = self.main.device, self.main_shard()
         self.cut, self.pin_memory = cut, pin_memory
         self._allocate_shard(device, values.dtype)
@@ -150,6 +153,11 @@ class FlatBucket:
     def main_base(self, index: int) -> torch.Tensor:
         """The flat buffer `main_rows(index)` is a view of (whose version its writes bump)."""
         return self.host_main if self.on_host(index) else self.main
+
+    def state_tier(self, index: int):
+        """Where the optimizer state of the index-th param's piece goes: the disk tier for
+        an offloaded piece under one (None: next to the piece)."""
+        return self.tier if self.on_host(index) else None
 
     def on_host(self, index: int) -> bool:
         return self.host_main is not None and self.specs[index].shard_offset >= self.cut

@@ -168,7 +168,11 @@ class GradientSync:
             local = bucket.grad_rows_of(kept, param.index)
             spec = bucket.specs[param.index]
             param.sharded.grad = make_row_sharded_dtensor(
-                local, self.unit.mesh, spec, tp_placement=param.tp_placement
+                local,
+                self.unit.mesh,
+                spec,
+                tp_placement=param.tp_placement,
+                tier=bucket.state_tier(param.index),  # SGD's momentum is a clone of it
             )
 
 

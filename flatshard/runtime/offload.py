@@ -19,6 +19,7 @@ from __future__ import annotations
 from torch import nn
 
 from flatshard import comm
+from flatshard.dtensor.disk_tier import disk_tier
 from flatshard.layout.offload import BucketPieces, offload_cuts
 from flatshard.policy import OffloadPolicy
 
@@ -52,8 +53,10 @@ def place(modules: list[nn.Module], policy: OffloadPolicy) -> None:
         for (unit, index), cut in zip(order, offload_cuts(pieces, policy.fraction))
     }
     pin = policy.pin_memory and units[0].mesh.device.type == "cuda" if units else False
+    tier = disk_tier(policy.path) if policy.path is not None else None
     for unit in units:
-        unit.place_offloaded([cuts[id(unit), index] for index in range(len(unit.buckets))], pin)
+        unit_cuts = [cuts[id(unit), index] for index in range(len(unit.buckets))]
+        unit.place_offloaded(unit_cuts, pin, tier)
 
 
 def wait_for_host_gradients(units) -> None:
