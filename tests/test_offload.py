@@ -44,14 +44,18 @@ def host_share(model) -> float:
     return host / total
 
 
-def _train_each_fraction(zero_stage, microbatches, sync_last_only, tied, precision):
+def _train_each_fraction(disk, zero_stage, microbatches, sync_last_only, tied, precision):
+    """Train with each fraction, and with everything offloaded to the disk tier in `disk`."""
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = config(tie_embeddings=tied)
     data = batches(cfg, STEPS, batch=12 * microbatches)
     mp = flatshard.MixedPrecisionPolicy(param_dtype=precision) if precision else None
     results = {}
-    for fraction in FRACTIONS:
-        policy = flatshard.OffloadPolicy(fraction=fraction)
+    for fraction in FRACTIONS + ("disk",):
+        if fraction == "disk":
+            policy = flatshard.OffloadPolicy(fraction=1.0, path=disk)
+        else:
+            policy = flatshard.OffloadPolicy(fraction=fraction)
         model = shard(build_model(cfg), zero_stage, mp, offload_policy=policy)
         losses = train(
             model, data, rank=rank, world=world, microbatches=microbatches,
@@ -76,17 +80,19 @@ CASES = [
 @pytest.mark.parametrize(
     "case", CASES, ids=lambda c: "w{}-zero{}-micro{}-last{}-tied{}-{}".format(*c)
 )
-def test_offload_trains_bitwise_like_no_offload(case):
+def test_offload_trains_bitwise_like_no_offload(case, tmp_path):
     world, *settings = case
     zero_stage, microbatches, sync_last_only, tied, precision = settings
-    for results in run_distributed(_train_each_fraction, world, *settings):
+    for results in run_distributed(_train_each_fraction, world, str(tmp_path), *settings):
         losses, weights, share = results[0.0]
         assert share == 0.0
-        for fraction in FRACTIONS[1:]:
+        for fraction in FRACTIONS[1:] + ("disk",):
             offloaded_losses, offloaded_weights, offloaded_share = results[fraction]
             assert offloaded_losses == losses, fraction
             assert all(torch.equal(offloaded_weights[k], weights[k]) for k in weights)
-            assert offloaded_share > 0.0 and (offloaded_share == 1.0) == (fraction == 1.0)
+            assert offloaded_share > 0.0
+            assert (offloaded_share == 1.0) == (fraction in (1.0, "disk"))
+    assert list(tmp_path.iterdir()) == []  # the state files went with their tensors
     if precision is None:  # and that is one process's training
         cfg = config(tie_embeddings=tied)
         reference = build_model(cfg)
@@ -125,23 +131,35 @@ def test_offload_with_empty_local_shards():
             assert all(torch.equal(weights[k], plain[k]) for k in plain)
 
 
-def _save(path, fraction, steps=2):
+def _policy(offload) -> flatshard.OffloadPolicy:
+    """(fraction, disk directory or None) -> the policy."""
+    fraction, path = offload
+    return flatshard.OffloadPolicy(fraction=fraction, path=path)
+
+
+def _save(path, offload, steps=2, async_save=False):
     cfg = config()
-    model = shard(build_model(cfg), offload_policy=flatshard.OffloadPolicy(fraction=fraction))
+    model = shard(build_model(cfg), offload_policy=_policy(offload))
     optimizer = adamw(model.parameters())
     rank, world = dist.get_rank(), dist.get_world_size()
     for tokens in batches(cfg, steps):
         lm_loss(model, rank_slice(tokens, rank, world)).backward()
         optimizer.step()
         optimizer.zero_grad()
-    checkpoint.save(path, model=model, optimizer=optimizer, step=steps)
-    return full_state(model), full_optimizer_state(model, optimizer)
+    saved = full_state(model), full_optimizer_state(model, optimizer)
+    pending = checkpoint.save(
+        path, model=model, optimizer=optimizer, step=steps, async_save=async_save
+    )
+    if async_save:  # the staged copy is written while training goes on
+        lm_loss(model, rank_slice(batches(cfg, 1, seed=5)[0], rank, world)).backward()
+        optimizer.step()
+        pending.wait()
+    return saved
 
 
-def _load_and_train(path, fraction, zero_stage):
+def _load_and_train(path, offload, zero_stage):
     cfg = config()
-    policy = flatshard.OffloadPolicy(fraction=fraction)
-    model = shard(build_model(cfg, seed=3), zero_stage, offload_policy=policy)
+    model = shard(build_model(cfg, seed=3), zero_stage, offload_policy=_policy(offload))
     optimizer = adamw(model.parameters())
     checkpoint.load(path, model=model, optimizer=optimizer)
     loaded = full_state(model), full_optimizer_state(model, optimizer)
@@ -154,27 +172,33 @@ def _load_and_train(path, fraction, zero_stage):
 
 
 def test_checkpoint_does_not_depend_on_offload(tmp_path):
-    """Saved with f = 0.3 at world 2, loaded at f = 0 and 1, world 4 and 1 (and f = 0 the
-    other way): model and optimizer bitwise; the remaining steps equal an uninterrupted run."""
-    uninterrupted = run_distributed(_save, 2, str(tmp_path / "full"), 0.0, 4)[0][0]
-    saved = run_distributed(_save, 2, str(tmp_path / "f03"), 0.3)[0]
-    plain = run_distributed(_save, 2, str(tmp_path / "f0"), 0.0)[0]
+    """Saved with f = 0.3 at world 2 (asynchronously), loaded at f = 0 and 1, with the disk
+    tier, at world 4 and 1 (and the reverse: from the disk tier and from f = 0): model and
+    optimizer bitwise; the remaining steps equal an uninterrupted run."""
+    disk = str(tmp_path / "tier")
+    uninterrupted = run_distributed(_save, 2, str(tmp_path / "full"), (0.0, None), 4)[0][0]
+    saved = run_distributed(_save, 2, str(tmp_path / "f03"), (0.3, None), 2, True)[0]
+    plain = run_distributed(_save, 2, str(tmp_path / "f0"), (0.0, None))[0]
+    paged = run_distributed(_save, 2, str(tmp_path / "disk"), (0.5, disk))[0]
     for name in saved[0]:
         assert torch.equal(saved[0][name], plain[0][name])
-    assert _files(tmp_path / "f03") == _files(tmp_path / "f0")  # same keys, shapes, bytes
-    for path, world, fraction, zero_stage in (
-        ("f03", 4, 0.0, 3),
-        ("f03", 1, 1.0, 3),
-        ("f03", 2, 1.0, 2),
-        ("f0", 4, 0.3, 1),
+        assert torch.equal(paged[0][name], plain[0][name])
+    # the same keys, shapes and bytes whatever the fraction or tier
+    assert _files(tmp_path / "f03") == _files(tmp_path / "f0") == _files(tmp_path / "disk")
+    for path, world, offload, zero_stage in (
+        ("f03", 4, (0.0, None), 3),
+        ("f03", 1, (1.0, None), 3),
+        ("f03", 2, (1.0, disk), 2),
+        ("f0", 4, (0.3, None), 1),
+        ("disk", 1, (0.0, None), 3),
     ):
         (weights, optim), trained = run_distributed(
-            _load_and_train, world, str(tmp_path / path), fraction, zero_stage
+            _load_and_train, world, str(tmp_path / path), offload, zero_stage
         )[0]
         assert all(torch.equal(weights[k], saved[0][k]) for k in saved[0])
         assert optim.keys() == saved[1].keys()
-        assert all(torch.equal(optim[k], saved[1][k]) for k in optim), (path, world, fraction)
-        assert rel_diff(trained, uninterrupted) <= 1e-6, (path, world, fraction)
+        assert all(torch.equal(optim[k], saved[1][k]) for k in optim), (path, world, offload)
+        assert rel_diff(trained, uninterrupted) <= 1e-6, (path, world, offload)
 
 
 def _files(path) -> dict[str, int]:
@@ -203,3 +227,53 @@ def test_fsdp2_cpu_offload_policy_offloads_everything():
 def test_fraction_outside_zero_one_is_refused(fraction):
     with pytest.raises(flatshard.OffloadError, match=r"\[0, 1\]"):
         flatshard.OffloadPolicy(fraction=fraction)
+
+
+def _unwritable_directory(path):
+    try:
+        flatshard.fully_shard(torch.nn.Linear(4, 4), offload_policy=_policy((1.0, path)))
+    except flatshard.OffloadError as error:
+        return str(error)
+    return None
+
+
+def test_unwritable_offload_directory_is_refused_when_sharding(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    for message in run_distributed(_unwritable_directory, 2, str(blocker / "tier")):
+        assert message is not None and "cannot be written" in message and str(blocker) in message
+
+
+def _disk_fills_up(path):
+    """The disk is full when the optimizer makes its state: one clear error, and the
+    checkpoint written before it is intact."""
+    import os
+
+    cfg = config()
+    model = shard(build_model(cfg), offload_policy=_policy((1.0, path)))
+    optimizer = adamw(model.parameters())
+    checkpoint.save(f"{path}/ckpt", model=model, step=1)  # (no optimizer state made yet)
+    lm_loss(model, batches(cfg, 1)[0]).backward()
+    real = os.posix_fallocate
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    os.posix_fallocate = full
+    try:
+        optimizer.step()
+    except flatshard.OffloadError as error:
+        message = str(error)
+    else:
+        message = None
+    finally:
+        os.posix_fallocate = real
+    fresh = shard(build_model(cfg, seed=4))
+    checkpoint.load(f"{path}/ckpt", model=fresh)
+    return message, rel_diff(full_state(fresh), full_state(model))
+
+
+def test_full_disk_is_a_clear_error_and_the_checkpoint_is_intact(tmp_path):
+    for message, diff in run_distributed(_disk_fills_up, 1, str(tmp_path)):
+        assert message is not None and "is full" in message and str(tmp_path) in message
+        assert diff == 0.0
