@@ -21,6 +21,7 @@ from flatshard.dtensor.tp_params import tp_param_info, tp_placement
 from flatshard.errors import WrappingError
 from flatshard.fsdp_module import FlatShardModule, wrapped_class
 from flatshard.layout import ParamInfo, declared_components, plan_unit_layout
+from flatshard.layout.offload import needs_bucket_per_param
 from flatshard.mesh import ShardMesh
 from flatshard.policy import (
     MixedPrecisionPolicy,
@@ -146,7 +147,7 @@ def _shard(members, mesh, settings, first_use_of, ignored, shard_placement_fn) -
 
     rank, world_size = mesh.shard_rank, mesh.shard_size
     infos = [_param_info(fqn, p, places) for fqn, p, places in found]
-    layout = plan_unit_layout(infos, world_size)
+    layout = plan_unit_layout(infos, world_size, needs_bucket_per_param(offload.fraction))
     if found and layout.empty_ranks():
         # Legal (e.g. 8 experts over 64 ranks) but wasteful: say so, with the fix.
         warnings.warn(

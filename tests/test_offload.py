@@ -201,9 +201,18 @@ def test_checkpoint_does_not_depend_on_offload(tmp_path):
         assert rel_diff(trained, uninterrupted) <= 1e-6, (path, world, offload)
 
 
-def _files(path) -> dict[str, int]:
-    step = path / "step-00000002"
-    return {f.name: f.stat().st_size for f in step.iterdir() if f.suffix == ".distcp"}
+def _files(path) -> dict[str, tuple]:
+    """Every stored tensor's key, global shape, dtype and bytes (chunks per rank follow
+    the layout, which gives each parameter a bucket of its own under a fraction)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(path / "step-00000002")).read_metadata()
+    stored = {}
+    for key, item in metadata.state_dict_metadata.items():
+        if hasattr(item, "chunks"):
+            data = sum(c.sizes.numel() for c in item.chunks) * item.properties.dtype.itemsize
+            stored[key] = (tuple(item.size), item.properties.dtype, data)
+    return stored
 
 
 def _cpu_offload_policy_trains():

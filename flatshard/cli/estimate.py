@@ -26,6 +26,9 @@ what is gathered when and what a lookup costs from the runtime's own policy
   in backward (`tp_all_reduce`, apart from the data-parallel `total` the trainer measures).
   Activations are counted as without TP (an upper bound).
 
+- optimizer offload moves a share of the shards' weights, gradients and optimizer state
+  off the device (offload_plan.py); `total` is then device + host.
+
 Peak = max(start of backward: persistent + activations + the gathered units and gradient
 buffers in use; end of backward: persistent + gradient shards + the buffers in use).
 """
@@ -35,9 +38,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from flatshard.cli.errors import ConfigError
+from flatshard.cli.offload_plan import offloaded_share, split_memory
 from flatshard.cli.zoo import FP32, ModelSpec, UnitSpec
 from flatshard.errors import MeshError
 from flatshard.layout import plan_unit_layout
+from flatshard.layout.offload import needs_bucket_per_param
 from flatshard.mesh import ParallelDims
 from flatshard.parallel import LLAMA_BLOCK_PLAN, tp_local_shape
 from flatshard.runtime.gather_policy import (
@@ -70,6 +75,8 @@ class Setup:
     hpz_group: int = 0  # ZeRO-3: ranks a block stays sharded over after forward (0: all)
     tp: int = 1  # tensor-parallel ranks (innermost)
     ep: int = 1  # expert-parallel ranks (borrowed from dp_shard x tp)
+    offload: float = 0.0  # share of each rank's shards offloaded to the host
+    offload_disk: bool = False  # the offloaded optimizer state in the disk tier's files
 
     def __post_init__(self):
         for name in (
@@ -84,6 +91,8 @@ class Setup:
                 f"--world-size {self.world_size}: more ranks than any machine runs; plans go "
                 f"up to {MAX_WORLD_SIZE:,} ranks"
             )
+        if not 0 <= self.offload <= 1:
+            raise ConfigError(f"--offload {self.offload}: it must be in [0, 1]")
         if self.hpz_group < 0:
             raise ConfigError(f"--hpz-group {self.hpz_group}: it must be >= 0 (0: all ranks)")
         if self.zero_stage not in (1, 2, 3):
@@ -154,8 +163,13 @@ def plan(spec: ModelSpec, setup: Setup) -> Plan:
         spec = _tp_local(spec, setup.tp)
     if setup.ep > 1:
         spec = _ep_local(spec, setup.ep, setup.dims.efsdp)
-    units = tuple(_unit_figures(unit, unit.shard_ranks or setup.dp_shard) for unit in spec.units)
+    separate = needs_bucket_per_param(setup.offload)
+    units = tuple(
+        _unit_figures(unit, unit.shard_ranks or setup.dp_shard, separate) for unit in spec.units
+    )
     memory = _memory(spec, units, setup)
+    share = offloaded_share(spec.units, setup.dp_shard, setup.offload)
+    memory = split_memory(memory, share, setup.offload_disk)
     communication = _communication(units, setup)
     communication.update(_tp_communication(spec, setup, hidden))
     communication.update(_ep_communication(spec, setup, hidden))
@@ -239,8 +253,8 @@ def _tp_communication(spec: ModelSpec, setup: Setup, hidden: int) -> dict[str, i
     return {"tp_all_reduce": total, "tp_wire_per_rank": 2 * (tp - 1) * total // tp}
 
 
-def _unit_figures(unit, dp_shard: int) -> UnitFigures:
-    layout = plan_unit_layout(unit.params, dp_shard)
+def _unit_figures(unit, dp_shard: int, bucket_per_param: bool = False) -> UnitFigures:
+    layout = plan_unit_layout(unit.params, dp_shard, bucket_per_param)
     trainable = [b for b in layout.buckets if b.requires_grad]
     return UnitFigures(
         name=unit.name,

@@ -67,6 +67,13 @@ def mixed_precision(precision: str) -> flatshard.MixedPrecisionPolicy | None:
     return flatshard.MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
 
 
+def offload_policy(fraction: float, directory: str) -> flatshard.OffloadPolicy | None:
+    """train.offload / train.offload_dir as a policy (a directory alone: everything)."""
+    if not fraction and not directory:
+        return None
+    return flatshard.OffloadPolicy(fraction=fraction or 1.0, path=directory or None)
+
+
 def reference_model(cfg: LlamaConfig) -> Llama | MoE:
     """The reference model a config describes (on the current default device)."""
     return MoE(cfg) if isinstance(cfg, MoEConfig) else Llama(cfg)
@@ -83,6 +90,7 @@ def build_sharded(
     tp: int = 1,
     ep: int = 1,
     hpz_group: int = 0,
+    offload: flatshard.OffloadPolicy | None = None,
 ) -> Llama | MoE:
     """Every block's attention and dense MLP split over `tp` ranks (flatshard.parallel),
     MoE experts over `ep` data-parallel ranks (sharded over the rest), then every block and the root
@@ -101,7 +109,7 @@ def build_sharded(
     with torch.device("meta"):
         model = reference_model(cfg)
     policy = mixed_precision(precision)
-    stage = {"reshard_after_forward": hpz_group} if hpz_group else {"zero_stage": zero_stage}
+    stage = _stage(zero_stage, hpz_group, offload)
     if ep > 1:  # experts over (efsdp, ep): their own units, before their blocks'
         sparse = expert_mesh(device.type, dist.get_world_size(), tp, ep)
         for block in model.layers:
@@ -124,6 +132,12 @@ def build_sharded(
     torch.manual_seed(seed)
     flatshard.materialize(model, device)
     return model
+
+
+def _stage(zero_stage: int, hpz_group: int, offload) -> dict:
+    """The fully_shard settings every unit of a trainer's model shares besides precision."""
+    stage = {"reshard_after_forward": hpz_group} if hpz_group else {"zero_stage": zero_stage}
+    return {**stage, "offload_policy": offload}
 
 
 def expert_mesh(device_type: str, world: int, tp: int, ep: int) -> DeviceMesh:
@@ -156,6 +170,7 @@ def build_hf(
     tp: int = 1,
     ep: int = 1,
     hpz_group: int = 0,
+    offload: flatshard.OffloadPolicy | None = None,
     load: bool = True,
 ):
     """The Hugging Face model at `path` (config.json + safetensors), every decoder layer and
@@ -173,7 +188,7 @@ def build_hf(
         shards = dist.get_world_size() // dp_replicate
         names = ("dp_replicate", "dp_shard")
         mesh = init_device_mesh(device.type, (dp_replicate, shards), mesh_dim_names=names)
-    stage = {"reshard_after_forward": hpz_group} if hpz_group else {"zero_stage": zero_stage}
+    stage = _stage(zero_stage, hpz_group, offload)
     shard = functools.partial(hf.shard_decoder_layers, mp_policy=policy, mesh=mesh, **stage)
     if load:
         return hf.from_pretrained(path, shard=shard, device=device)

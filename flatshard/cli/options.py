@@ -32,6 +32,10 @@ def _fraction(value) -> str | None:
     return None if 0 <= value < 1 else "must be in [0, 1)"
 
 
+def _unit_interval(value) -> str | None:
+    return None if 0 <= value <= 1 else "must be in [0, 1]"
+
+
 OPTIONS: tuple[Option, ...] = (
     # model: the reference Llama (flatshard.models.Llama)
     Option("model.preset", "small", "model size preset; fills the sizes not set",
@@ -90,6 +94,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("train.ep", 1, "expert parallelism: ranks each MoE layer's experts are split "
            "over (borrowed from the data-parallel ranks; experts sharded over the rest)",
            check=_positive),
+    Option("train.offload", 0.0, "share of each process's fp32 weights, gradients and "
+           "optimizer state kept and stepped on the host (0-1)", check=_unit_interval),
+    Option("train.offload_dir", "", "keep the offloaded optimizer state in memory-mapped "
+           "files in this directory (the disk tier; alone it offloads everything)"),
     Option("train.precision", "fp32", "compute dtype; weights and optimizer stay fp32",
            choices=("fp32", "bf16")),
     Option("train.seed", 0, "seed of the initial weights and the data order",

@@ -54,6 +54,19 @@ def add_arguments(parser) -> None:
         metavar="N",
         help="expert-parallel ranks for MoE models (default 1)",
     )
+    parser.add_argument(
+        "--offload",
+        type=float,
+        default=None,
+        metavar="F",
+        help="share of each rank's weights, gradients and optimizer state on the host",
+    )
+    parser.add_argument(
+        "--offload-disk",
+        action="store_true",
+        default=None,
+        help="the offloaded optimizer state in memory-mapped files (the disk tier)",
+    )
     parser.add_argument("--zero-stage", type=int, default=None, choices=(1, 2, 3))
     parser.add_argument(
         "--hpz-group",
@@ -121,6 +134,7 @@ def _model_and_defaults(args):
     defaults = dict(
         world_size=8, dp_shard=None, zero_stage=3, param_dtype="bf16", reduce_dtype="fp32",
         micro_batch=1, seq_len=4096, grad_accum=1, backend="nccl", hpz_group=0, tp=1, ep=1,
+        offload=0.0, offload_disk=False,
     )  # fmt: skip
     if args.model is not None:
         return zoo.resolve(args.model), defaults
@@ -134,6 +148,8 @@ def _model_and_defaults(args):
         ).dp_shard,
         tp=train.tp,
         ep=train.ep,
+        offload=train.offload or (1.0 if train.offload_dir else 0.0),
+        offload_disk=bool(train.offload_dir),
         zero_stage=train.zero_stage,
         hpz_group=train.hpz_group,
         param_dtype=train.precision,
@@ -181,6 +197,22 @@ def _gib(nbytes: int) -> str:
     return f"{nbytes / GIB:10.3f} GiB"
 
 
+def _offload_lines(setup, memory) -> list[str]:
+    if not setup.offload:
+        return []
+    share = (
+        f"{100 * memory['offloaded_share']:.2f}% of the shards (asked: {100 * setup.offload:g}%)"
+    )
+    lines = [
+        f"    offloaded                       {share}",
+        f"      device (peak)                 {_gib(memory['device'])}",
+        f"      host                          {_gib(memory['host'])}",
+    ]
+    if setup.offload_disk:
+        lines.append(f"      disk (optimizer state)        {_gib(memory['disk'])}")
+    return lines
+
+
 def format_plan(result: Plan) -> str:
     s, m, c = result.setup, result.memory, result.communication
     mesh = f"{s.world_size} ranks (dp_shard {s.dp_shard}"
@@ -215,6 +247,7 @@ def format_plan(result: Plan) -> str:
         f"    unsharded working set           {_gib(m['unsharded_working_set'])}",
         f"    activations (estimate)          {_gib(m['activations'])}",
         f"    total (peak estimate)           {_gib(m['total'])}",
+        *_offload_lines(s, m),
         "",
         f"  padding: {100 * result.padding_fraction:.4f}% of parameter elements",
         "  communication per step, per rank (collective payload)",

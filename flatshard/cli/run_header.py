@@ -28,7 +28,8 @@ def run_header(trainer) -> str:
     lines = [
         f"flatshard train: {ranks.world_size} process(es), {dist.get_backend()} on "
         f"{ranks.device.type}, ZeRO-{config.train.zero_stage}, {config.train.precision}"
-        + (f", tensor parallel over {config.train.tp}" if config.train.tp > 1 else ""),
+        + (f", tensor parallel over {config.train.tp}" if config.train.tp > 1 else "")
+        + _describe_offload(config.train),
         _describe_model(trainer),
         f"data: {trainer.data.source}: {len(trainer.data.tokens):,} tokens, "
         f"{trainer.order.windows:,} sequences of {config.data.seq_len}",
@@ -42,6 +43,13 @@ def run_header(trainer) -> str:
     if trainer.resumed_from is not None:
         lines.append(f"resuming from step {trainer.step} ({trainer.resumed_from})")
     return "\n".join(lines)
+
+
+def _describe_offload(train) -> str:
+    if not train.offload and not train.offload_dir:
+        return ""
+    share = f"{100 * (train.offload or 1.0):g}% of the optimizer on the host"
+    return share + (f", its state paged in {train.offload_dir}" if train.offload_dir else "")
 
 
 def _describe_model(trainer) -> str:

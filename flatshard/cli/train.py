@@ -28,12 +28,19 @@ from flatshard.cli.errors import TrainingStopped
 from flatshard.cli.generate import sample_at_end
 from flatshard.cli.launch import EXIT_STOPPED, Ranks, init_distributed
 from flatshard.cli.meters import MemoryMeter, share_step, warm_up_runtime
-from flatshard.cli.model import build_hf, build_sharded, check_hf_vocab, llama_config
+from flatshard.cli.model import (
+    build_hf,
+    build_sharded,
+    check_hf_vocab,
+    llama_config,
+    offload_policy,
+)
 from flatshard.cli.progress import Progress
 from flatshard.cli.run_header import run_header
 from flatshard.cli.schedule import learning_rate
 from flatshard.cli.stop import StopRequest
 from flatshard.models import MoEConfig, load_balancing_loss
+from flatshard.runtime.offload import offloaded_bytes
 
 
 def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
@@ -93,6 +100,7 @@ class Trainer:
             tp=train.tp,
             ep=train.ep,
             hpz_group=train.hpz_group,
+            offload=offload_policy(train.offload, train.offload_dir),
         )
         if config.model.hf:  # on resume the checkpoint fills it: no need to read the HF files
             self.model = build_hf(config.model.hf, load=resume_step is None, **sharding)
@@ -199,6 +207,7 @@ class Trainer:
         if not (math.isfinite(loss) and math.isfinite(shared["grad_norm"])):
             self._non_finite(loss, shared["grad_norm"], lr)
         self.optimizer.step()
+        host_bytes, disk_bytes = offloaded_bytes(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.position += train.global_batch
@@ -222,6 +231,9 @@ class Trainer:
             # expert parallelism: the mean over ranks (each sends what its router chose)
             "all_to_all_bytes": shared["all_to_all_bytes"],
             "comm_bytes": all_gather + reduce_scatter + all_reduce,
+            # optimizer offload (this rank's): weights, gradients and state off the device
+            "offload_host_bytes": host_bytes,
+            "offload_disk_bytes": disk_bytes,
             "stop": stop,
         }
 

@@ -7,7 +7,14 @@ lives), each bucket's device and host parts stay flat, and a bucket is moved by 
 two copies. The cuts are chosen over all of a rank's buckets at once (a model's units
 together), so that the offloaded elements come as close to the fraction as the pieces
 allow: whole buckets first, in the order given (the caller puts first the buckets whose
-gradients are ready earliest in backward), then the suffix that comes closest.
+gradients are ready earliest in backward), then the largest suffixes that still fit.
+
+A rank's pieces are only as fine as its buckets: packed buckets cut over 8 ranks leave
+a rank one piece per transformer block (2.7% of its shards for llama3-8b), so a fraction
+strictly between 0 and 1 lays every parameter out in a bucket of its own
+(`needs_bucket_per_param`): each rank then holds a piece of every parameter, and the cuts
+land within a small parameter's piece of the fraction (0.5M of a rank's 1B elements). It
+costs more, smaller collectives; 0 and 1 keep the packed buckets.
 
 Pure integer arithmetic over the rank's `ShardSpec`s: the runtime and the planner run it.
 """
@@ -20,6 +27,10 @@ from dataclasses import dataclass
 from flatshard.layout.spec import ShardSpec
 
 
+def needs_bucket_per_param(fraction: float) -> bool:
+    return 0.0 < fraction < 1.0
+
+
 @dataclass(frozen=True)
 class BucketPieces:
     """One rank's pieces of one bucket: (shard offset, elements), and the shard's size."""
@@ -29,7 +40,7 @@ class BucketPieces:
 
     @classmethod
     def of(cls, specs: Sequence[ShardSpec], shard_size: int) -> BucketPieces:
-        return cls(tuple((s.shard_offset, s.numel) for s in specs if s.numel), shard_size)
+        return cls(tuple((s.shard_offset, s.numel) for s in specs), shard_size)
 
     @property
     def elements(self) -> int:
@@ -38,7 +49,7 @@ class BucketPieces:
     def suffixes(self) -> list[tuple[int, int]]:
         """(cut, elements at or after it) for every cut, largest suffix first."""
         options, total = [], 0
-        for offset, numel in sorted(self.pieces, reverse=True):
+        for offset, numel in sorted((p for p in self.pieces if p[1]), reverse=True):
             total += numel
             options.append((offset, total))
         options = [(cut, size) for cut, size in reversed(options)] + [(self.shard_size, 0)]
@@ -51,20 +62,27 @@ class BucketPieces:
 
 def offload_cuts(buckets: Sequence[BucketPieces], fraction: float) -> list[int]:
     """The host cut of each bucket so that about `fraction` of the elements are offloaded:
-    each bucket in turn takes the suffix closest to what is still to offload, so the total
-    misses by at most half of the last bucket's finest step."""
+    each bucket in turn takes the largest suffix that does not exceed what is still to
+    offload; then the one bucket change that brings the total closest is made."""
     if fraction >= 1.0:
         return [0] * len(buckets)  # everything, padding and empty shards included
-    remaining = round(fraction * sum(b.elements for b in buckets))
-    cuts = []
+    target = round(fraction * sum(b.elements for b in buckets))
+    remaining = target
+    chosen = []
     for bucket in buckets:
-        # the suffix closest to what is left (the smaller one on a tie)
-        cut, size = min(
-            bucket.suffixes(), key=lambda option: (abs(remaining - option[1]), option[1])
-        )
-        cuts.append(cut)
+        cut, size = next(option for option in bucket.suffixes() if option[1] <= remaining)
+        chosen.append((cut, size))
         remaining -= size
-    return cuts
+    if remaining > 0:  # short of the target: one bucket may take a larger suffix
+        best = None
+        for index, bucket in enumerate(buckets):
+            for cut, size in bucket.suffixes():
+                error = abs(remaining - (size - chosen[index][1]))
+                if error < remaining and (best is None or error < best[0]):
+                    best = (error, index, (cut, size))
+        if best is not None:
+            chosen[best[1]] = best[2]
+    return [cut for cut, _ in chosen]
 
 
 def offloaded_fraction(buckets: Sequence[BucketPieces], cuts: Sequence[int]) -> float:

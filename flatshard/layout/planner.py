@@ -27,19 +27,26 @@ def _alignment(info: ParamInfo) -> int:
 Member = tuple[int, ParamInfo]  # (index in the planned list, param)
 
 
-def plan_unit_layout(params: Sequence[ParamInfo], world_size: int) -> UnitLayout:
+def plan_unit_layout(
+    params: Sequence[ParamInfo], world_size: int, bucket_per_param: bool = False
+) -> UnitLayout:
     """Lay out a unit's params in row-aligned, equally sharded buckets.
 
     Params are split by (dtype, requires_grad), grouped by row size (largest first), and
     groups are merged into one bucket only where that costs (almost) no padding: one
     least-common-multiple over incompatible rows (dense next to grouped experts) would pad
-    by up to a third.
+    by up to a third. `bucket_per_param` gives each param a bucket of its own instead, so
+    every rank holds a piece of every param (optimizer offload of a fraction: fine pieces
+    to choose from, see offload.py).
     """
     _check_world_size(world_size)
     params = tuple(params)
     buckets: list[BucketLayout] = []
     for members in _split_by_kind(params).values():
-        buckets.extend(_merge_groups(_groups_by_row(members), world_size))
+        if bucket_per_param:
+            buckets.extend(_build_bucket([member], world_size) for member in members)
+        else:
+            buckets.extend(_merge_groups(_groups_by_row(members), world_size))
     return UnitLayout(world_size, params, tuple(buckets))
 
 

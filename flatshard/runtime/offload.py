@@ -66,3 +66,31 @@ def wait_for_host_gradients(units) -> None:
         done = comm.host_copies_done()
         if done is not None:
             done.synchronize()
+
+
+def offloaded_bytes(model: nn.Module, optimizer=None) -> tuple[int, int]:
+    """(host, disk): bytes this rank keeps off the device for `model`'s offloaded pieces:
+    their main weights and gradients on the host, and `optimizer`'s state of them on the
+    host or, paged, in the disk tier's files."""
+    host = disk = 0
+    held = set()
+    for unit in units_below([model]):
+        for bucket in unit.buckets:
+            if bucket.host_main is not None:
+                host += bucket.host_main.nbytes
+                grads = bucket.sharded_grad
+                host += grads[1].nbytes if grads is not None and grads[1] is not None else 0
+        held.update(id(p.sharded) for p in unit.params if unit.buckets[p.bucket].on_host(p.index))
+    states = optimizer.state.items() if optimizer is not None else ()
+    for param, state in states:
+        if id(param) not in held:
+            continue
+        for value in state.values():
+            local = getattr(value, "_local_tensor", None)
+            if local is None or value.dim() == 0:
+                continue
+            if getattr(local, "paged", None) is not None:
+                disk += local.data_.nbytes
+            else:
+                host += local.data_.nbytes
+    return host, disk
