@@ -14,7 +14,7 @@ from flatshard.hf.checkpoint import read_hf_config
 from flatshard.hf.errors import HFCheckpointError
 from flatshard.hf.llama_config import ARCHITECTURES, IGNORED_FIELDS, config_to_hf, hf_to_config
 from flatshard.hf.names import NameRule
-from flatshard.models import Llama, LlamaConfig
+from flatshard.models import Llama, LlamaConfig, MoEConfig
 
 # Llama, Qwen2 and Qwen3 share one HF naming; which tensors exist follows from which
 # parameters the model has (biases for Qwen2, q/k norms for Qwen3, no lm_head when tied).
@@ -45,7 +45,9 @@ class LlamaAdapter(StateDictAdapter):
     architectures = tuple(ARCHITECTURES)
 
     def handles(self, model: nn.Module) -> bool:
-        return isinstance(getattr(model, "config", None), LlamaConfig)
+        config = getattr(model, "config", None)
+        # a MoEConfig is a LlamaConfig too: the MoE model has an adapter of its own (moe.py)
+        return isinstance(config, LlamaConfig) and not isinstance(config, MoEConfig)
 
     def handles_config(self, hf_config: dict) -> bool:
         return hf_config.get("architectures") in ([arch] for arch in ARCHITECTURES)
