@@ -84,12 +84,13 @@ def hf_to_moe_config(hf: dict) -> MoEConfig:
                 f"config.json field {name!r} is {value!r}, which flatshard does not support "
                 f"({why}); supported: {list(allowed)}"
             )
-    rope = _rope({"rope_parameters": config.rope_parameters}, config.max_position_embeddings)
-    if rope["rope_type"] != "default":
+    rope_type = (config.rope_parameters or {}).get("rope_type", "default")
+    if rope_type != "default":  # the MoE model's forward has no frequency scaling
         raise HFConfigError(
-            f"config.json rope_type {rope['rope_type']!r}: flatshard's MoE model rotates "
-            "with plain RoPE only (rope_type 'default')"
+            f"config.json field 'rope_parameters.rope_type' is {rope_type!r}; flatshard's MoE "
+            "model rotates with plain RoPE only (rope_type 'default')"
         )
+    rope = _rope({"rope_parameters": config.rope_parameters}, config.max_position_embeddings)
     qwen = model_type == "qwen3_moe"
     try:
         return MoEConfig(
