@@ -44,10 +44,21 @@ def _shared_sizes(cfg: MoEConfig) -> dict:
         num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
         head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.max_seq_len,
         rms_norm_eps=cfg.norm_eps, num_experts_per_tok=cfg.top_k,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        rope_parameters=_rope(cfg),
         tie_word_embeddings=cfg.tie_embeddings, attn_implementation="eager",
         router_aux_loss_coef=cfg.aux_loss_coef,
     )  # fmt: skip
+
+
+def _rope(cfg: MoEConfig) -> dict:
+    rope = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
+    if cfg.rope_type == "llama3":
+        rope.update(
+            factor=cfg.rope_factor, low_freq_factor=cfg.rope_low_freq_factor,
+            high_freq_factor=cfg.rope_high_freq_factor,
+            original_max_position_embeddings=cfg.rope_original_max_seq_len,
+        )  # fmt: skip
+    return rope
 
 
 def _qwen3_moe(cfg: MoEConfig):
@@ -87,7 +98,10 @@ CASES = [
     ("qwen3_moe", dict(norm_topk_prob=True), _qwen3_moe),
     ("qwen3_moe", dict(norm_topk_prob=False, norm_eps=1e-6, rope_theta=1e6), _qwen3_moe),
     ("mixtral", dict(), _mixtral),
-]
+    # Llama 3.1's RoPE scaling, with wavelengths on both sides of its band at 17 tokens
+    ("qwen3_moe", dict(rope_type="llama3", rope_factor=8.0, rope_original_max_seq_len=16),
+     _qwen3_moe),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("compute", ["loop", "grouped_mm"])

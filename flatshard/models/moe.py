@@ -30,6 +30,7 @@ from flatshard.models.llama import (
     Linear,
     RMSNorm,
     rope_cos_sin,
+    rope_inv_freq,
 )
 from flatshard.models.moe_config import MoEConfig
 from flatshard.models.router import Router, RouterStats
@@ -151,7 +152,9 @@ class MoE(nn.Module):
         _, t = tokens.shape
         if t > self.config.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds max_seq_len ({self.config.max_seq_len})")
-        cos, sin = rope_cos_sin(t, self.config.head_dim, self.config.rope_theta, tokens.device)
+        cfg = self.config
+        inv_freq = rope_inv_freq(cfg, tokens.device)  # rope_type "llama3" rescales it
+        cos, sin = rope_cos_sin(t, cfg.head_dim, cfg.rope_theta, tokens.device, inv_freq)
         h = self.embed_tokens(tokens)
         stats = []
         for layer in self.layers:
