@@ -128,6 +128,15 @@ def training_sgd_momentum(lib):
     return train(shard_net(net(), lib), plain_loss, optim=sgd)
 
 
+def cpu_offload(lib):
+    """FSDP2's CPUOffloadPolicy: parameters, gradients and the optimizer step on the host
+    (test_fully_shard_training.py's CPU-offload parity)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    model = shard_net(net(), lib, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    return train(model, plain_loss)
+
+
 def accumulation_without_sync(lib):
     model = shard_net(net(), lib)
 
@@ -424,7 +433,7 @@ BEHAVIOURS = {
     fn.__name__: fn
     for fn in (
         training_zero3, training_zero2, training_hpz, training_zero_grad_keeps_tensors,
-        training_sgd_momentum, accumulation_without_sync, two_forwards_one_backward,
+        training_sgd_momentum, cpu_offload, accumulation_without_sync, two_forwards_one_backward,
         explicit_prefetching, explicit_unshard_async, divide_factor, force_sum_reduction,
         list_of_modules_unit, shared_parameters, hsdp, unused_forward_output, unused_module,
         nontensor_activations, frozen_at_wrap, frozen_after_wrap, ignored_params,

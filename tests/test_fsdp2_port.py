@@ -22,7 +22,6 @@ NOT_PORTED = {
     "test_fully_shard_logging.py, test_fully_shard_debug.py": "FSDP2's own log records",
     "test_fully_shard_block_shard.py, test_fully_shard_chunk_cat.py, test_fully_shard_fuse.py":
         "FSDP2's internal sharding and copy kernels",
-    "offload (test_fully_shard_offload_selector.py)": "optimizer offload (flatshard's issue)",
 }  # fmt: skip
 
 
