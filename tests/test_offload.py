@@ -44,10 +44,10 @@ def host_share(model) -> float:
     return host / total
 
 
-def _train_each_fraction(disk, zero_stage, microbatches, sync_last_only, tied, precision):
+def _train_each_fraction(disk, zero_stage, microbatches, sync_last_only, tied, precision, vocab):
     """Train with each fraction, and with everything offloaded to the disk tier in `disk`."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = config(tie_embeddings=tied)
+    cfg = config(tie_embeddings=tied, vocab_size=vocab)
     data = batches(cfg, STEPS, batch=12 * microbatches)
     mp = flatshard.MixedPrecisionPolicy(param_dtype=precision) if precision else None
     results = {}
@@ -61,40 +61,44 @@ def _train_each_fraction(disk, zero_stage, microbatches, sync_last_only, tied, p
             model, data, rank=rank, world=world, microbatches=microbatches,
             sync_last_only=sync_last_only,
         )  # fmt: skip
-        results[fraction] = (losses, full_state(model), host_share(model))
+        looked_up = any(unit.looked_up_from_shards() for unit in units_below([model]))
+        results[fraction] = (losses, full_state(model), host_share(model), looked_up)
     return results
 
 
 CASES = [
-    # (world, ZeRO stage, micro-batches, sync on the last only, tied, param dtype)
-    (1, 3, 1, False, False, None),
-    (2, 3, 1, False, False, None),
-    (2, 2, 2, False, True, None),
-    (2, 1, 2, True, False, None),
-    (4, 3, 3, True, True, None),
-    (4, 2, 1, False, False, None),
-    (2, 3, 1, False, False, torch.bfloat16),
+    # (world, ZeRO stage, micro-batches, sync on the last only, tied, param dtype, vocab)
+    (1, 3, 1, False, False, None, 61),
+    (2, 3, 1, False, False, None, 61),
+    (2, 2, 2, False, True, None, 61),
+    (2, 1, 2, True, False, None, 61),
+    (4, 3, 3, True, True, None, 61),
+    (4, 2, 1, False, False, None, 61),
+    (2, 3, 1, False, False, torch.bfloat16, 61),
+    # more rows than tokens: the embedding is looked up from its (offloaded) shards
+    (2, 3, 2, False, False, None, 257),
 ]
 
 
 @pytest.mark.parametrize(
-    "case", CASES, ids=lambda c: "w{}-zero{}-micro{}-last{}-tied{}-{}".format(*c)
+    "case", CASES, ids=lambda c: "w{}-zero{}-micro{}-last{}-tied{}-{}-vocab{}".format(*c)
 )
 def test_offload_trains_bitwise_like_no_offload(case, tmp_path):
     world, *settings = case
-    zero_stage, microbatches, sync_last_only, tied, precision = settings
+    zero_stage, microbatches, sync_last_only, tied, precision, vocab = settings
     for results in run_distributed(_train_each_fraction, world, str(tmp_path), *settings):
-        losses, weights, share = results[0.0]
+        losses, weights, share, _ = results[0.0]
         assert share == 0.0
         for fraction in FRACTIONS[1:] + ("disk",):
-            offloaded_losses, offloaded_weights, offloaded_share = results[fraction]
+            offloaded_losses, offloaded_weights, offloaded_share, looked_up = results[fraction]
+            assert looked_up == (vocab > 61)
             assert offloaded_losses == losses, fraction
             assert all(torch.equal(offloaded_weights[k], weights[k]) for k in weights)
             assert offloaded_share > 0.0
             assert (offloaded_share == 1.0) == (fraction in (1.0, "disk"))
     assert list(tmp_path.iterdir()) == []  # the state files went with their tensors
     if precision is None:  # and that is one process's training
-        cfg = config(tie_embeddings=tied)
+        cfg = config(tie_embeddings=tied, vocab_size=vocab)
         reference = build_model(cfg)
         ref_losses = train(
             reference, batches(cfg, STEPS, batch=12 * microbatches), microbatches=microbatches

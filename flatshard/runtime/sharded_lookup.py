@@ -87,17 +87,15 @@ class ShardedLookup:
         rows = self.module.num_embeddings
         out_of_range = ((ids < 0) | (ids >= rows)).any().to(torch.int64)
         count = torch.full((), ids.numel(), dtype=torch.int64, device=ids.device)
-        # an offloaded table is on the host: gathering it is the only device path
-        offloaded = torch.full((), int(self.bucket.offloaded), dtype=torch.int64, device=ids.device)
-        ranks = comm.all_gather_ints(torch.stack([count, out_of_range, offloaded]), self.group)
-        bad = [rank for rank, (_, out, _) in enumerate(ranks) if out]
+        ranks = comm.all_gather_ints(torch.stack([count, out_of_range]), self.group)
+        bad = [rank for rank, (_, out) in enumerate(ranks) if out]
         if bad:  # every rank raises: none is left waiting in a collective
             raise TokenIdError(
                 f"token ids outside [0, {rows}) reached a fully_shard-ed embedding of {rows} "
                 f"rows on rank(s) {bad}; the tokenizer's vocabulary must fit the model's"
             )
-        counts = [count for count, _, _ in ranks]
-        if any(held for _, _, held in ranks) or not looks_up(len(counts), max(counts), rows):
+        counts = [count for count, _ in ranks]
+        if not looks_up(len(counts), max(counts), rows):
             return False
         self._counts = counts
         return True
@@ -122,7 +120,8 @@ class ShardedLookup:
         if not self.rows_held:  # a rank may hold no rows
             return torch.zeros(shape, dtype=bucket.param_dtype, device=all_ids.device)
         row, held = self.held_positions(all_ids)
-        picked = bucket.main_rows(self.param.index)[row].to(bucket.param_dtype)
+        table = bucket.main_rows(self.param.index)  # on the host when offloaded
+        picked = table[row.to(table.device)].to(all_ids.device, bucket.param_dtype)
         return picked.masked_fill_(~held.unsqueeze(1), 0)
 
     def add_gradient(self, all_ids: torch.Tensor, grads: torch.Tensor) -> None:
