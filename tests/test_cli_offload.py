@@ -76,3 +76,35 @@ def test_disk_tier_takes_the_optimizer_state_out_of_memory(tmp_path):
 def test_offload_outside_zero_one_is_a_one_line_error(tmp_path):
     message = one_line_error(flatshard("train", *TINY, "--offload", 1.5, "--out", tmp_path))
     assert "train.offload" in message and "[0, 1]" in message
+
+
+# Loaded by every Python process of the run (a directory of it on PYTHONPATH): the disk is
+# full for optimizer state files, as a disk that fills up between checkpoints would be.
+FULL_DISK = """
+import errno, os
+_reserve = os.posix_fallocate
+def _full(fd, offset, length):
+    if "flatshard-state-" in os.readlink(f"/proc/self/fd/{fd}"):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return _reserve(fd, offset, length)
+os.posix_fallocate = _full
+"""
+
+
+def test_full_disk_tier_is_a_one_line_error_and_the_checkpoint_stays(tmp_path):
+    run = tmp_path / "run"
+    check_ok(flatshard("train", *TINY, "--steps", 4, "--out", run, "--set", "run.stop_at_step=2"))
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(FULL_DISK)
+    env = cli_env()
+    env["PYTHONPATH"] = f"{hook}:{env['PYTHONPATH']}"
+    result = flatshard("train", "--resume", run, "--offload-dir", tmp_path / "tier", env=env)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("flatshard: error")]
+    assert len(errors) == 1 and "is full" in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+    check_ok(flatshard("train", "--resume", run))  # and it resumes from there
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4]

@@ -59,24 +59,24 @@ class DiskTier:
         try:
             handle, name = tempfile.mkstemp(dir=self.path, prefix="flatshard-state-")
         except OSError as error:
-            raise self._error(error, nbytes) from error
+            raise self._error(error) from error
         try:
             os.posix_fallocate(handle, 0, nbytes)  # ENOSPC here, not SIGBUS on a write
             mapping = mmap.mmap(handle, nbytes)
         except OSError as error:
-            raise self._error(error, nbytes) from error
+            raise self._error(error) from error
         finally:
             os.close(handle)
             os.unlink(name)
         tensor = torch.frombuffer(mapping, dtype=like.dtype, count=like.numel())
         return PagedBuffer(tensor.view(like.shape), mapping)
 
-    def _error(self, error: OSError, nbytes: int) -> OffloadError:
+    def _error(self, error: OSError) -> OffloadError:
         if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            return OffloadError(
-                f"the optimizer offload directory {str(self.path)!r} is full: {nbytes} more "
-                "bytes of optimizer state do not fit. Free space there or point the offload "
-                "at a larger disk (checkpoints already written are intact)"
+            return OffloadError(  # the same words on every rank it happens to
+                f"the optimizer offload directory {str(self.path)!r} is full: the optimizer "
+                "state does not fit. Free space there or point the offload at a larger disk "
+                "(checkpoints already written are intact)"
             )
         return OffloadError(
             f"cannot create optimizer state in {str(self.path)!r}: {error.strerror or error}"
