@@ -78,7 +78,7 @@ def host_zeros(numel: int, dtype: torch.dtype, pin_memory: bool) -> torch.Tensor
     """A zeroed host buffer; page-locked (pinned) when asked and CUDA is there, so copies
     to and from the GPU run asynchronously."""
     pin = pin_memory and torch.cuda.is_available()
-    return torch.zeros(numel, dtype=dtype, pin_memory=pin)
+    return torch.zeros(numel, dtype=dtype, device="cpu", pin_memory=pin)
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

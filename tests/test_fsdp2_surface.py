@@ -213,7 +213,7 @@ def test_clip_grad_norm_with_empty_shards():
 
 # --- arguments and errors --------------------------------------------------------------------
 def _arguments():
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+    from torch.distributed.fsdp import OffloadPolicy
 
     found = {}
     model = build_model(config())
@@ -224,8 +224,8 @@ def _arguments():
         ("dim1", lambda: flatshard.fully_shard(model.layers[1],
                                                shard_placement_fn=lambda p: Shard(1)),
          NotImplementedError),
-        ("offload", lambda: flatshard.fully_shard(model.norm, offload_policy=CPUOffloadPolicy()),
-         NotImplementedError),
+        ("offload", lambda: flatshard.fully_shard(model.norm, offload_policy="cpu"),
+         ValueError),
         ("container", lambda: flatshard.fully_shard(model.layers), ValueError),
         ("deepcopy", lambda: copy.deepcopy(model.layers[0]), ValueError),
         ("twice", lambda: flatshard.fully_shard(model.layers[0]), ValueError),
@@ -240,7 +240,7 @@ def _arguments():
 def test_fsdp2_arguments_and_error_types():
     for found in run_distributed(_arguments, 2):
         assert "S(1)" in found["dim1"] and "Shard(0)" in found["dim1"]
-        assert "CPUOffloadPolicy" in found["offload"]
+        assert "CPUOffloadPolicy" in found["offload"] and "got str" in found["offload"]
         assert "ModuleList" in found["container"]
         assert "deepcopy" in found["deepcopy"]
         assert "already fully_shard-ed" in found["twice"]
