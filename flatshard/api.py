@@ -179,7 +179,7 @@ def _shard(members, mesh, settings, first_use_of, ignored, shard_placement_fn) -
         if not original.is_meta:
             local = original._local_tensor if isinstance(original, DTensor) else original
             with torch.no_grad():
-                bucket.main_rows(index).copy_(bucket.specs[index].rows_of(local.detach()))
+                bucket.shard.rows(index).copy_(bucket.specs[index].rows_of(local.detach()))
         placement = tp_placement(original)
         sharded = sharded_parameter(bucket, index, mesh, original.requires_grad, placement)
         managed.append(

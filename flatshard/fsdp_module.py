@@ -118,7 +118,7 @@ def _refuse_conversion(unit: Unit, fn) -> None:
     views of flat buffers it would not reach); `to_empty` of a unit still on meta allocates
     its shards on the mesh's device."""
     for bucket in unit.buckets:
-        probe = bucket.main.new_empty(0)
+        probe = bucket.shard.main.new_empty(0)
         converted = fn(probe)
         if bucket.on_meta and isinstance(converted, torch.Tensor):
             if converted.dtype == probe.dtype and converted.device == unit.mesh.device:

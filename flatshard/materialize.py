@@ -78,6 +78,6 @@ def _keep(module: nn.Module, name: str, original, full: torch.Tensor, first: boo
     if first:
         unit, managed = original._flatshard_param
         bucket = unit.buckets[managed.bucket]
-        bucket.main_rows(managed.index).copy_(bucket.specs[managed.index].piece_of(full))
+        bucket.shard.rows(managed.index).copy_(bucket.specs[managed.index].piece_of(full))
     module._parameters[name] = original
     return original

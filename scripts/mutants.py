@@ -125,7 +125,7 @@ MUTANTS = (
         "a gathered copy is stamped with the weights' version after its wait, not at its start",
         "flatshard/runtime/flat_bucket.py",
         "        self._main_version = self._gathering_version",
-        "        self._main_version = self.main._version",
+        "        self._main_version = self.shard.version()",
         ("tests/test_inflight_write.py",),
     ),
     Mutant(

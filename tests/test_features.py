@@ -123,12 +123,12 @@ def _gradient_shards_after_zero_grad():
     ]
     tokens = rank_slice(batches(cfg, 1)[0], rank, world)
     lm_loss(model, tokens).backward()
-    held_after_backward = all(b.sharded_grad is not None for b in buckets)
+    held_after_backward = all(b.shard.grad is not None for b in buckets)
     optimizer.step()
     optimizer.zero_grad(set_to_none=False)  # zeroed gradients: the shards stay
-    held_after_zeroing = all(b.sharded_grad is not None for b in buckets)
+    held_after_zeroing = all(b.shard.grad is not None for b in buckets)
     optimizer.zero_grad()  # set to None: nothing refers to the shards any more
-    freed = all(b.sharded_grad is None for b in buckets)
+    freed = all(b.shard.grad is None for b in buckets)
     return held_after_backward, held_after_zeroing, freed
 
 
@@ -263,7 +263,7 @@ def _measure_meta_init(cfg):
     flatshard.materialize(model)
     peak = _rss_kib("VmHWM") - before
     units = [m._flatshard_unit for m in model.modules() if hasattr(m, "_flatshard_unit")]
-    sharded_kib = sum(b.main.numel() for u in units for b in u.buckets) * 4 // 1024
+    sharded_kib = sum(b.shard.main.numel() for u in units for b in u.buckets) * 4 // 1024
     largest_unit_kib = max(sum(b.layout.used_size for b in u.buckets) for u in units) * 4 // 1024
     full_kib = sum(p.numel() for p in build_model(cfg).parameters()) * 4 // 1024
     eager = build_model(cfg).state_dict()

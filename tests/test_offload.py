@@ -39,7 +39,7 @@ def host_share(model) -> float:
         for param in unit.params:
             bucket = unit.buckets[param.bucket]
             numel = bucket.specs[param.index].numel
-            host += numel if bucket.on_host(param.index) else 0
+            host += numel if bucket.shard.on_host(param.index) else 0
             total += numel
     return host / total
 

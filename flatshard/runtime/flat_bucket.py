@@ -1,20 +1,18 @@
-"""Storage of one bucket: sharded main weights, the unsharded compute copy, gradients.
+"""One bucket: this rank's shard (shard_storage.py: main weights and their gradient, on
+the device or, under optimizer offload, partly on the host), the unsharded compute copy
+that all-gathers fill, and the unsharded gradient that reduce-scatters empty.
 
 Every offset comes from the layout (the bucket's `BucketLayout` and its parameters'
-`ShardSpec`s, and under optimizer offload the host cut that layout/offload.py chose); this
-file only allocates, views and moves whole flat buffers. This rank's shard is `main` (on
-the device) followed by `host_main` (on the host, from the cut on; None without offload):
-a piece lies wholly in one of them.
+`ShardSpec`s); this file only allocates, views and moves whole flat buffers.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 
 from flatshard import comm
 from flatshard.layout import BucketLayout
+from flatshard.runtime.shard_storage import ShardStorage
 
 
 class FlatBucket:
@@ -34,12 +32,9 @@ class FlatBucket:
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
         self.specs = [layout.spec(slot, rank) for slot in layout.slots]
-        self.cut = layout.shard_size  # where this rank's shard moves to the host
-        self.pin_memory = False
-        self.tier = None  # the disk tier of the offloaded pieces' optimizer state, if any
-        self.allocate(device, main_dtype)
+        self.shard = ShardStorage(self.specs, layout.shard_size, device, main_dtype)
+        self._allocate_unsharded(device)
         self.unsharded_grad: torch.Tensor | None = None
-        self._sharded_grad: weakref.ref | None = None
         self._gather_input: torch.Tensor | None = None
         self._version = 0
         self._main_version = (-1, -1)
@@ -52,130 +47,23 @@ class FlatBucket:
         # (`set_requires_all_reduce(False)`), in the reduce dtype
         self.unreplicated: torch.Tensor | None = None
 
-    def allocate(self, device: torch.device, main_dtype: torch.dtype | None = None) -> None:
-        """The sharded main weights (zeros: padding stays zero, it is all-gathered but never
-        read) and the unsharded buffer, freed; on `meta` for a model built there, until
-        `to_empty` / `materialize` allocates them on the real device."""
-        self._allocate_shard(device, main_dtype or self.main.dtype)
+    def allocate(self, device: torch.device) -> None:
+        """Real (zeroed) shards and the unsharded buffer on `device`, for a bucket built on
+        the meta device (`to_empty` / `materialize`)."""
+        self.shard.allocate(device)
+        self._allocate_unsharded(device)
+
+    def _allocate_unsharded(self, device: torch.device) -> None:
+        # freed until gathered (on `meta` nothing to free)
         self.unsharded = torch.empty(self.layout.padded_size, dtype=self.param_dtype, device=device)
         if device.type != "meta":
             comm.free_storage(self.unsharded)
 
-    def _allocate_shard(self, device: torch.device, dtype: torch.dtype) -> None:
-        self.main = torch.zeros(self.cut, dtype=dtype, device=device)
-        self.host_main = None
-        size = self.layout.shard_size - self.cut
-        if self.cut == self.layout.shard_size:
-            pass
-        elif device.type == "meta":
-            self.host_main = torch.zeros(size, dtype=dtype, device=device)
-        else:
-            self.host_main = comm.host_zeros(size, dtype, self.pin_memory)
-
-    def place(self, cut: int, pin_memory: bool, tier=None) -> bool:
-        """Move this rank's shard so that `[cut, shard_size)` lives on the host (the layout's
-        choice), its optimizer state in `tier` when given; returns whether anything
-        changed."""
-        if cut == self.cut and tier is self.tier:
-            return False
-        self.tier = tier
-        device, values = self.main.device, self.main_shard()
-        self.cut, self.pin_memory = cut, pin_memory
-        self._allocate_shard(device, values.dtype)
-        if device.type != "meta":
-            self.main.copy_(values[:cut])
-            if self.host_main is not None:
-                self.host_main.copy_(values[cut:])
-        return True
-
-    @property
-    def offloaded(self) -> bool:
-        return self.host_main is not None
-
-    def main_shard(self) -> torch.Tensor:
-        """This rank's whole main-weight shard, on the device (a copy when offloaded)."""
-        if self.host_main is None:
-            return self.main
-        return torch.cat([self.main, self.host_main.to(self.main.device)])
-
-    def weights_version(self) -> tuple[int, int]:
-        """Bumped by every write to the sharded main weights, on either side of the cut."""
-        host = -1 if self.host_main is None else self.host_main._version
-        return self.main._version, host
-
     @property
     def on_meta(self) -> bool:
-        return self.main.is_meta
-
-    # The flat gradient shard lives exactly as long as the parameters' `.grad` views of it
-    # (a view keeps its base alive): `zero_grad()` frees it at once, as FSDP2's are freed.
-    # Under offload it is two flat buffers, the device part and the host part.
-    @property
-    def sharded_grad(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        if self._sharded_grad is None:
-            return None
-        parts = tuple(None if ref is None else ref() for ref in self._sharded_grad)
-        alive = all(part is not None for part, ref in zip(parts, self._sharded_grad) if ref)
-        return parts if alive else None
-
-    def keep_grad(self, fresh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A whole reduced gradient shard on the device becomes this bucket's gradient: its
-        host part is copied down (asynchronously from CUDA: `comm.host_copies_done`)."""
-        if self.host_main is None:
-            parts = (fresh, None)
-        else:
-            parts = (fresh[: self.cut], comm.to_host(fresh[self.cut :]))
-        self._sharded_grad = tuple(
-            weakref.ref(part) if part is not None and part.numel() else None for part in parts
-        )
-        return parts
-
-    def add_to_grad(self, reduced: torch.Tensor) -> None:
-        """Accumulate a whole reduced shard into the kept gradient (one add per part; the
-        host part's copy is waited for before the host adds it)."""
-        device_part, host_part = self.sharded_grad
-        if self.host_main is None:
-            device_part.add_(reduced)
-            return
-        if self.cut:
-            device_part.add_(reduced[: self.cut])
-        host_part.add_(comm.to_host_now(reduced[self.cut :]))
-
-    def grad_rows_of(self, parts, index: int) -> torch.Tensor:
-        """The index-th param's rows of the kept gradient."""
-        return self.rows(parts[0], parts[1], index)
+        return self.shard.on_meta
 
     # --- views -------------------------------------------------------------------------
-    def main_rows(self, index: int) -> torch.Tensor:
-        """This rank's rows of the index-th param, a view of the main-weight shard."""
-        return self.rows(self.main, self.host_main, index)
-
-    def main_base(self, index: int) -> torch.Tensor:
-        """The flat buffer `main_rows(index)` is a view of (whose version its writes bump)."""
-        return self.host_main if self.on_host(index) else self.main
-
-    def state_tier(self, index: int):
-        """Where the optimizer state of the index-th param's piece goes: the disk tier for
-        an offloaded piece under one (None: next to the piece)."""
-        return self.tier if self.on_host(index) else None
-
-    def on_host(self, index: int) -> bool:
-        return self.host_main is not None and self.specs[index].shard_offset >= self.cut
-
-    def rows(self, device_part: torch.Tensor, host_part: torch.Tensor | None, index: int):
-        """The index-th param's rows of a shard split at the cut (a whole shard on the
-        device: `host_part` None or ignored when the piece lies before the cut)."""
-        spec = self.specs[index]
-        shard, start = device_part, spec.shard_offset
-        if self.on_host(index):
-            shard, start = host_part, start - self.cut
-        return shard[start : start + spec.numel].view(spec.local_shape)
-
-    def grad_rows(self, grad_shard: torch.Tensor, index: int) -> torch.Tensor:
-        """The index-th param's rows of a whole gradient shard on the device."""
-        spec = self.specs[index]
-        return grad_shard[spec.shard_offset : spec.shard_offset + spec.numel].view(spec.local_shape)
-
     def unsharded_view(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
         slot = self.layout.slots[index]
         return buffer[slot.offset : slot.offset + slot.numel].view(slot.info.shape)
@@ -183,24 +71,15 @@ class FlatBucket:
     # --- all-gather ----------------------------------------------------------------------
     def start_all_gather(self, pool: comm.BufferPool | None = None):
         comm.alloc_storage(self.unsharded, pool)
-        source = self._gather_source()
+        source = self.shard.compute_copy(self.param_dtype)
         self._gather_input = source  # alive until the collective is waited on
         self._version = self.unsharded._version
         # The copy reflects the weights as of now: a write before the wait (an optimizer
-        # step, a load, a user edit) makes it stale, or torn where NCCL reads `main` late.
-        self._gathering_version = self.weights_version()
+        # step, a load, a user edit) makes it stale, or torn where NCCL reads the shard late.
+        self._gathering_version = self.shard.version()
         return comm.all_gather(
             self.unsharded, source, self.group, self.layout.shard_views(self.unsharded)
         )
-
-    def _gather_source(self) -> torch.Tensor:
-        """This rank's shard in the compute dtype, on the device: the host part (offload)
-        is cast on the host, then copied up (asynchronously from pinned memory)."""
-        device_part = self.main.to(self.param_dtype)
-        if self.host_main is None:
-            return device_part
-        host_part = comm.to_device(self.host_main.to(self.param_dtype), self.main.device)
-        return torch.cat([device_part, host_part]) if self.cut else host_part
 
     def keep_secondary(self, group_size: int, index: int) -> None:
         """After forward (hpZ): keep piece `index` of `group_size` of the gathered bucket;
@@ -211,7 +90,7 @@ class FlatBucket:
 
     def secondary_fresh(self) -> bool:
         """A kept piece that still reflects the sharded weights (no step since forward)."""
-        return self.secondary is not None and self.weights_version() == self._secondary_version
+        return self.secondary is not None and self.shard.version() == self._secondary_version
 
     def start_secondary_gather(self, group, pool: comm.BufferPool | None = None):
         """Gather the bucket from the group's kept pieces (hpZ's backward all-gather)."""
@@ -231,7 +110,7 @@ class FlatBucket:
 
     def gathered_version_changed(self) -> bool:
         """Whether the sharded weights were written since they were last gathered."""
-        return self.weights_version() != self._main_version
+        return self.shard.version() != self._main_version
 
     def free_unsharded(self, pool: comm.BufferPool | None = None) -> None:
         comm.free_storage(self.unsharded, pool)
@@ -241,7 +120,7 @@ class FlatBucket:
         """A zeroed flat gradient buffer, or the current one when `keep` (accumulating)."""
         if self.unsharded_grad is None:
             self.unsharded_grad = pool.empty(
-                self.layout.padded_size, self.param_dtype, self.main.device
+                self.layout.padded_size, self.param_dtype, self.shard.main.device
             ).zero_()
         elif not keep:
             self.unsharded_grad.zero_()

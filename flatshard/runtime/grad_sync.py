@@ -149,30 +149,30 @@ class GradientSync:
         """Add a bucket's reduced gradient shard to its parameters' `.grad`s (set them
         to views of it when there are none yet)."""
         params = self._trainable_in(bucket)
-        kept = bucket.sharded_grad
+        kept = bucket.shard.grad
         if kept is not None and all(
             p.sharded.grad is not None
             and local_data(p.sharded.grad).data_ptr()
-            == bucket.grad_rows_of(kept, p.index).data_ptr()
+            == bucket.shard.grad_rows(kept, p.index).data_ptr()
             for p in params
         ):
-            bucket.add_to_grad(reduced)  # gradient accumulation: one flat add (per part)
+            bucket.shard.add_to_grad(reduced)  # gradient accumulation: one flat add (per part)
             return
-        fresh = reduced.to(bucket.main.dtype)
+        fresh = reduced.to(bucket.shard.dtype)
         for param in params:
             if param.sharded.grad is not None:  # a gradient flatshard does not own yet
-                rows = bucket.grad_rows(fresh, param.index)
+                rows = bucket.shard.piece(fresh, param.index)
                 rows.add_(_own_rows(param, rows).to(rows.device))
-        kept = bucket.keep_grad(fresh)
+        kept = bucket.shard.keep_grad(fresh)
         for param in params:
-            local = bucket.grad_rows_of(kept, param.index)
+            local = bucket.shard.grad_rows(kept, param.index)
             spec = bucket.specs[param.index]
             param.sharded.grad = make_row_sharded_dtensor(
                 local,
                 self.unit.mesh,
                 spec,
                 tp_placement=param.tp_placement,
-                tier=bucket.state_tier(param.index),  # SGD's momentum is a clone of it
+                tier=bucket.shard.tier_of(param.index),  # SGD's momentum is a clone of it
             )
 
 

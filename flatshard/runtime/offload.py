@@ -62,7 +62,7 @@ def place(modules: list[nn.Module], policy: OffloadPolicy) -> None:
 def wait_for_host_gradients(units) -> None:
     """Once backward has finished its reductions: the gradients copied to the host are
     complete before an optimizer reads them (nothing to wait for on the CPU)."""
-    if any(bucket.offloaded for unit in units for bucket in unit.buckets):
+    if any(bucket.shard.offloaded for unit in units for bucket in unit.buckets):
         done = comm.host_copies_done()
         if done is not None:
             done.synchronize()
@@ -76,11 +76,13 @@ def offloaded_bytes(model: nn.Module, optimizer=None) -> tuple[int, int]:
     held = set()
     for unit in units_below([model]):
         for bucket in unit.buckets:
-            if bucket.host_main is not None:
-                host += bucket.host_main.nbytes
-                grads = bucket.sharded_grad
+            if bucket.shard.offloaded:
+                host += bucket.shard.host_main.nbytes
+                grads = bucket.shard.grad
                 host += grads[1].nbytes if grads is not None and grads[1] is not None else 0
-        held.update(id(p.sharded) for p in unit.params if unit.buckets[p.bucket].on_host(p.index))
+        held.update(
+            id(p.sharded) for p in unit.params if unit.buckets[p.bucket].shard.on_host(p.index)
+        )
     states = optimizer.state.items() if optimizer is not None else ()
     for param, state in states:
         if id(param) not in held:

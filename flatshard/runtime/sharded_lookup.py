@@ -120,7 +120,7 @@ class ShardedLookup:
         if not self.rows_held:  # a rank may hold no rows
             return torch.zeros(shape, dtype=bucket.param_dtype, device=all_ids.device)
         row, held = self.held_positions(all_ids)
-        table = bucket.main_rows(self.param.index)  # on the host when offloaded
+        table = bucket.shard.rows(self.param.index)  # on the host when offloaded
         picked = table[row.to(table.device)].to(all_ids.device, bucket.param_dtype)
         return picked.masked_fill_(~held.unsqueeze(1), 0)
 
@@ -129,12 +129,12 @@ class ShardedLookup:
         holds, in the main dtype; divide as a reduce-scatter would; add the result to the
         gradient shard."""
         bucket = self.bucket
-        flat = torch.zeros(bucket.layout.shard_size, dtype=bucket.main.dtype, device=grads.device)
+        flat = torch.zeros(bucket.layout.shard_size, dtype=bucket.shard.dtype, device=grads.device)
         if self.rows_held:
             row, held = self.held_positions(all_ids)
             if self.module.padding_idx is not None:
                 held &= all_ids != self.module.padding_idx
-            rows = bucket.grad_rows(flat, self.param.index)
+            rows = bucket.shard.piece(flat, self.param.index)
             values = grads.masked_fill_(~held.unsqueeze(1), 0).to(flat.dtype)
             if torch.are_deterministic_algorithms_enabled():
                 # CUDA's index_add_ sums a row's gradients in any order

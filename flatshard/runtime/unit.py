@@ -32,8 +32,8 @@ def sharded_parameter(
     """The sharded parameter of slot `index` of `bucket`: a `RowShardedParameter` (a DTensor)
     whose local tensor is this rank's rows, a view of the bucket's main weights (on the
     host when the piece is offloaded: the optimizer then steps it there)."""
-    rows, spec = bucket.main_rows(index), bucket.specs[index]
-    base, tier = bucket.main_base(index), bucket.state_tier(index)
+    rows, spec = bucket.shard.rows(index), bucket.specs[index]
+    base, tier = bucket.shard.base(index), bucket.shard.tier_of(index)
     dtensor = make_row_sharded_dtensor(rows, mesh, spec, base, tp_placement, tier)
     param = nn.Parameter(dtensor, requires_grad=requires_grad)
     param.__class__ = RowShardedParameter  # `.data =` loads instead of being dropped
@@ -228,7 +228,9 @@ class Unit:
         """Move each bucket's shard from its cut on to the host (the layout's choice, made
         over the whole model: runtime/offload.py); the moved pieces get new sharded
         parameters there, as `to_empty` gives (before an optimizer is built on them)."""
-        moved = [bucket.place(cut, pin_memory, tier) for bucket, cut in zip(self.buckets, cuts)]
+        moved = [
+            bucket.shard.place(cut, pin_memory, tier) for bucket, cut in zip(self.buckets, cuts)
+        ]
         if any(moved):
             self._new_sharded_params()
 
