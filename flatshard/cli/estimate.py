@@ -35,16 +35,22 @@ buffers in use; end of backward: persistent + gradient shards + the buffers in u
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 from flatshard.cli.errors import ConfigError
+from flatshard.cli.estimate_parallel import (
+    DTYPE_BYTES,
+    ep_communication,
+    ep_local,
+    hidden_size,
+    tp_communication,
+    tp_local,
+)
 from flatshard.cli.offload_plan import offloaded_share, split_memory
-from flatshard.cli.zoo import FP32, ModelSpec, UnitSpec
-from flatshard.errors import MeshError
+from flatshard.cli.zoo import FP32, ModelSpec
 from flatshard.layout import plan_unit_layout
 from flatshard.layout.offload import needs_bucket_per_param
 from flatshard.mesh import ParallelDims
-from flatshard.parallel import LLAMA_BLOCK_PLAN, tp_local_shape
 from flatshard.runtime.gather_policy import (
     all_gathers_per_step,
     looks_up,
@@ -54,7 +60,6 @@ from flatshard.runtime.gather_policy import (
     stays_gathered,
 )
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # More ranks than any machine runs (2^20); larger world sizes are typos (and each rank's
 # row of padding would make the figures meaningless).
 MAX_WORLD_SIZE = 1 << 20
@@ -156,13 +161,13 @@ class Plan:
 
 
 def plan(spec: ModelSpec, setup: Setup) -> Plan:
-    hidden, num_params = _hidden_size(spec), spec.num_params
+    hidden, num_params = hidden_size(spec), spec.num_params
     if setup.tp > 1 and not hidden:
         raise ConfigError(f"--tp {setup.tp}: {spec.name} has no token embedding to size TP by")
     if setup.tp > 1:
-        spec = _tp_local(spec, setup.tp)
+        spec = tp_local(spec, setup.tp)
     if setup.ep > 1:
-        spec = _ep_local(spec, setup.ep, setup.dims.efsdp)
+        spec = ep_local(spec, setup.ep, setup.dims.efsdp)
     separate = needs_bucket_per_param(setup.offload)
     units = tuple(
         _unit_figures(unit, unit.shard_ranks or setup.dp_shard, separate) for unit in spec.units
@@ -171,86 +176,11 @@ def plan(spec: ModelSpec, setup: Setup) -> Plan:
     share = offloaded_share(spec.units, setup.dp_shard, setup.offload)
     memory = split_memory(memory, share, setup.offload_disk)
     communication = _communication(units, setup)
-    communication.update(_tp_communication(spec, setup, hidden))
-    communication.update(_ep_communication(spec, setup, hidden))
+    communication.update(tp_communication(spec, setup, hidden))
+    communication.update(ep_communication(spec, setup, hidden))
     used = sum(u.numel * u.count for u in units)
     padding = sum(u.padding * u.count for u in units) / used if used else 0.0
     return Plan(spec.name, num_params, setup, units, memory, communication, padding)
-
-
-def _hidden_size(spec: ModelSpec) -> int:
-    """The width of the activations TP all-reduces: the token embedding's."""
-    for unit in spec.units:
-        for param in unit.params:
-            if param.name.endswith("embed_tokens.weight"):
-                return param.shape[1]
-    return 0
-
-
-def _tp_local(spec: ModelSpec, tp: int) -> ModelSpec:
-    """The model as each TP rank holds it (flatshard.parallel's plan)."""
-    try:
-        units = tuple(
-            replace(
-                unit,
-                params=tuple(
-                    replace(p, shape=tp_local_shape(p.name, p.shape, tp), global_shape=None)
-                    for p in unit.params
-                ),
-            )
-            for unit in spec.units
-        )
-    except MeshError as error:
-        raise ConfigError(f"--tp {tp}: {error}") from None
-    return replace(spec, units=units)
-
-
-def _is_expert(param) -> bool:
-    return len(param.shape) == 3 and ".experts." in f".{param.name}"
-
-
-def _ep_local(spec: ModelSpec, ep: int, efsdp: int) -> ModelSpec:
-    """Each MoE block's grouped experts split over `ep` ranks and, in a unit of their own
-    that runs inside its block's forward, sharded over the `efsdp` others (as `flatshard
-    train --ep` wraps them)."""
-    units = []
-    for unit in spec.units:
-        experts = [p for p in unit.params if _is_expert(p)]
-        if not experts:
-            units.append(unit)
-            continue
-        if experts[0].shape[0] % ep:
-            raise ConfigError(f"--ep {ep} must divide the {experts[0].shape[0]} experts")
-        local = tuple(replace(p, shape=(p.shape[0] // ep, *p.shape[1:])) for p in experts)
-        units.append(replace(unit, params=tuple(p for p in unit.params if not _is_expert(p))))
-        units.append(
-            UnitSpec(f"{unit.name} experts", local, unit.count, shard_ranks=efsdp, inner=True)
-        )
-    return replace(spec, units=tuple(units))
-
-
-def _ep_communication(spec: ModelSpec, setup: Setup, hidden: int) -> dict[str, int]:
-    """Bytes per rank per step of the EP all-to-alls: each token's top_k copies out to the
-    experts and back, in forward and again in backward, per MoE block and micro-batch."""
-    if setup.ep == 1:
-        return {"ep_all_to_all": 0, "ep_wire_per_rank": 0}
-    blocks = sum(u.count for u in spec.units if u.shard_ranks is not None)
-    tokens = setup.micro_batch * setup.seq_len * setup.grad_accum
-    total = 4 * blocks * tokens * spec.top_k * hidden * DTYPE_BYTES[setup.param_dtype]
-    return {"ep_all_to_all": total, "ep_wire_per_rank": (setup.ep - 1) * total // setup.ep}
-
-
-def _tp_communication(spec: ModelSpec, setup: Setup, hidden: int) -> dict[str, int]:
-    """Bytes per rank per step of the TP all-reduces, per block and micro-batch: in forward
-    each row-parallel output's, in backward each column-parallel input gradient's (torch's
-    ColwiseParallel reduces q, k and v separately)."""
-    tokens = setup.micro_batch * setup.seq_len
-    tp = setup.tp
-    per_block = len(LLAMA_BLOCK_PLAN)  # rowwise: forward; colwise and fused: backward
-    total = per_block * spec.n_layers * setup.grad_accum * tokens * hidden
-    total *= DTYPE_BYTES[setup.param_dtype]
-    total = total if tp > 1 else 0
-    return {"tp_all_reduce": total, "tp_wire_per_rank": 2 * (tp - 1) * total // tp}
 
 
 def _unit_figures(unit, dp_shard: int, bucket_per_param: bool = False) -> UnitFigures:

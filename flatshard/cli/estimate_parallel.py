@@ -1,0 +1,90 @@
+"""The planner's model as tensor and expert parallelism split it, and what those
+splits communicate: each TP rank's local blocks (flatshard.parallel's plan), each MoE
+block's experts over EP ranks in a unit of their own, and the TP all-reduce and EP
+all-to-all bytes per step (estimate.py runs these)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from flatshard.cli.errors import ConfigError
+from flatshard.cli.zoo import ModelSpec, UnitSpec
+from flatshard.errors import MeshError
+from flatshard.parallel import LLAMA_BLOCK_PLAN, tp_local_shape
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def hidden_size(spec: ModelSpec) -> int:
+    """The width of the activations TP all-reduces: the token embedding's."""
+    for unit in spec.units:
+        for param in unit.params:
+            if param.name.endswith("embed_tokens.weight"):
+                return param.shape[1]
+    return 0
+
+
+def tp_local(spec: ModelSpec, tp: int) -> ModelSpec:
+    """The model as each TP rank holds it (flatshard.parallel's plan)."""
+    try:
+        units = tuple(
+            replace(
+                unit,
+                params=tuple(
+                    replace(p, shape=tp_local_shape(p.name, p.shape, tp), global_shape=None)
+                    for p in unit.params
+                ),
+            )
+            for unit in spec.units
+        )
+    except MeshError as error:
+        raise ConfigError(f"--tp {tp}: {error}") from None
+    return replace(spec, units=units)
+
+
+def _is_expert(param) -> bool:
+    return len(param.shape) == 3 and ".experts." in f".{param.name}"
+
+
+def ep_local(spec: ModelSpec, ep: int, efsdp: int) -> ModelSpec:
+    """Each MoE block's grouped experts split over `ep` ranks and, in a unit of their own
+    that runs inside its block's forward, sharded over the `efsdp` others (as `flatshard
+    train --ep` wraps them)."""
+    units = []
+    for unit in spec.units:
+        experts = [p for p in unit.params if _is_expert(p)]
+        if not experts:
+            units.append(unit)
+            continue
+        if experts[0].shape[0] % ep:
+            raise ConfigError(f"--ep {ep} must divide the {experts[0].shape[0]} experts")
+        local = tuple(replace(p, shape=(p.shape[0] // ep, *p.shape[1:])) for p in experts)
+        units.append(replace(unit, params=tuple(p for p in unit.params if not _is_expert(p))))
+        units.append(
+            UnitSpec(f"{unit.name} experts", local, unit.count, shard_ranks=efsdp, inner=True)
+        )
+    return replace(spec, units=tuple(units))
+
+
+def ep_communication(spec: ModelSpec, setup, hidden: int) -> dict[str, int]:
+    """Bytes per rank per step of the EP all-to-alls: each token's top_k copies out to the
+    experts and back, in forward and again in backward, per MoE block and micro-batch."""
+    if setup.ep == 1:
+        return {"ep_all_to_all": 0, "ep_wire_per_rank": 0}
+    blocks = sum(u.count for u in spec.units if u.shard_ranks is not None)
+    tokens = setup.micro_batch * setup.seq_len * setup.grad_accum
+    total = 4 * blocks * tokens * spec.top_k * hidden * DTYPE_BYTES[setup.param_dtype]
+    return {"ep_all_to_all": total, "ep_wire_per_rank": (setup.ep - 1) * total // setup.ep}
+
+
+def tp_communication(spec: ModelSpec, setup, hidden: int) -> dict[str, int]:
+    """Bytes per rank per step of the TP all-reduces, per block and micro-batch: in forward
+    each row-parallel output's, in backward each column-parallel input gradient's (torch's
+    ColwiseParallel reduces q, k and v separately)."""
+    tokens = setup.micro_batch * setup.seq_len
+    tp = setup.tp
+    per_block = len(LLAMA_BLOCK_PLAN)  # rowwise: forward; colwise and fused: backward
+    total = per_block * spec.n_layers * setup.grad_accum * tokens * hidden
+    total *= DTYPE_BYTES[setup.param_dtype]
+    total = total if tp > 1 else 0
+    return {"tp_all_reduce": total, "tp_wire_per_rank": 2 * (tp - 1) * total // tp}
