@@ -13,11 +13,14 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 
-def _mesh_key(tensor) -> tuple | None:
+def _mesh_key(tensor) -> tuple:
+    """Gradients clipped together: on one mesh and one device (optimizer offload keeps some
+    of a mesh's gradients on the host, which a device scale cannot multiply)."""
     if not isinstance(tensor, DTensor):
-        return None
+        return None, str(tensor.device)
     mesh = tensor.device_mesh
-    return tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names, mesh.device_type
+    ranks = tuple(mesh.mesh.flatten().tolist())
+    return ranks, mesh.mesh_dim_names, mesh.device_type, str(tensor.device)
 
 
 @torch.no_grad()
