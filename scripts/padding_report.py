@@ -2,7 +2,9 @@
 
 The models are `flatshard plan`'s zoo (flatshard/cli/zoo.py, shapes from the public
 configs; the one home of model shapes); each distinct layer shape is laid out at several
-data-parallel sizes and compared with the single-LCM rule. Run:
+data-parallel sizes and compared with the single-LCM rule. "finer" counts the grouped
+expert weights laid out with a finer row (fewer experts than ranks: each rank holds some
+dim-1 rows of one expert, planner.py `finer_row`). Run:
 
     python scripts/padding_report.py
 
@@ -34,8 +36,9 @@ def layers() -> dict[str, tuple[ParamInfo, ...]]:
     return out
 
 
-def padding_rows(world_sizes=WORLD_SIZES) -> list[tuple[str, int, float, float, int]]:
-    """(layer, world size, our padding %, single-LCM padding %, buckets) per layer and size."""
+def padding_rows(world_sizes=WORLD_SIZES) -> list[tuple[str, int, float, float, int, int]]:
+    """(layer, world size, our padding %, single-LCM padding %, buckets, params with a
+    finer row) per layer and size."""
     rows = []
     for model, params in layers().items():
         for world_size in world_sizes:
@@ -43,15 +46,21 @@ def padding_rows(world_sizes=WORLD_SIZES) -> list[tuple[str, int, float, float, 
             used = layout.used_size
             naive = single_lcm_padded_size(params, world_size) - used
             ours = 100 * layout.padding / used
-            rows.append((model, world_size, ours, 100 * naive / used, len(layout.buckets)))
+            finer = sum(info.row_dims > 1 for info in layout.params)
+            rows.append((model, world_size, ours, 100 * naive / used, len(layout.buckets), finer))
     return rows
 
 
 def format_table(rows) -> str:
-    header = f"{'layer':<28} {'world':>5} {'padding %':>10} {'single-LCM %':>13} {'buckets':>7}"
+    header = (
+        f"{'layer':<28} {'world':>5} {'padding %':>10} {'single-LCM %':>13} {'buckets':>7} "
+        f"{'finer':>5}"
+    )
     lines = [header, "-" * len(header)]
-    for model, world_size, ours, naive, buckets in rows:
-        lines.append(f"{model:<28} {world_size:>5} {ours:>10.4f} {naive:>13.4f} {buckets:>7}")
+    for model, world_size, ours, naive, buckets, finer in rows:
+        lines.append(
+            f"{model:<28} {world_size:>5} {ours:>10.4f} {naive:>13.4f} {buckets:>7} {finer:>5}"
+        )
     return "\n".join(lines)
 
 

@@ -118,10 +118,49 @@ def _check_tiling(info: ParamInfo, specs) -> None:
      ParamInfo("norm", (4,), "f")],
     64,
 )  # fmt: skip
+@example(  # finer rows: 2 experts (of 4, EP-like offset) over 8 ranks, gate/up along dim 1
+    [ParamInfo("experts", (2, 8, 3), "f",
+               components=(Component("gate", 1, 0, 4), Component("up", 1, 4, 8)),
+               global_shape=(4, 8, 3), global_offset=(2, 0, 0)),
+     ParamInfo("norm", (3,), "f"),
+     ParamInfo("down", (1, 3, 6), "f", global_shape=(4, 3, 6), global_offset=(1, 0, 0))],
+    3,
+)  # fmt: skip
+@example(  # finer rows: 1 local expert over 2 ranks, an odd row split of 3 rows each
+    [ParamInfo("experts", (1, 6, 2), "f",
+               components=(Component("gate", 1, 0, 3), Component("up", 1, 3, 6)),
+               global_shape=(2, 6, 2), global_offset=(1, 0, 0))],
+    2,
+)  # fmt: skip
 def test_spec_pieces_tile_global_tensor_and_components(params, world_size):
     layout = plan_unit_layout(params, world_size)
     for index, info in enumerate(layout.params):
-        _check_tiling(info, [layout.spec(index, rank) for rank in range(world_size)])
+        specs = [layout.spec(index, rank) for rank in range(world_size)]
+        _check_tiling(info, specs)
+        if info.row_dims > 1:  # a finer row: every rank holds one box of one expert
+            assert all(spec.numel and spec.local_shape[0] == 1 for spec in specs)
+
+
+def test_finer_row_pieces_are_one_expert_box_each():
+    # 2 experts over 4 ranks: each rank holds half the rows of one expert
+    info = ParamInfo(
+        "e", (2, 4, 3), "f", components=(Component("gate", 1, 0, 2), Component("up", 1, 2, 4))
+    )
+    layout = plan_unit_layout([info], 4)
+    assert layout.params[0].row_dims == 2 and layout.padding == 0
+    spec = layout.spec(0, 3)
+    assert (spec.local_shape, spec.global_offset) == ((1, 2, 3), (1, 2, 0))
+    assert spec.pieces == (((_box((0, 0, 0), (1, 2, 3))), _box((1, 2, 0), (1, 2, 3))),)
+    assert spec.component("gate").local.empty
+    up = spec.component("up")
+    assert up.local == _box((0, 0, 0), (1, 2, 3)) and up.stored == _box((1, 0, 0), (1, 2, 3))
+    assert spec.global_row_counts == (2, 2, 2, 2)
+
+
+def _box(offset, shape):
+    from flatshard.layout import Box
+
+    return Box(offset, shape)
 
 
 def test_whole_param_spec_is_the_whole_parameter():

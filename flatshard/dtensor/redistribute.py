@@ -14,9 +14,11 @@ from flatshard.errors import UnevenShardError
 
 
 def gather_rows(shard: RowShard, group: dist.ProcessGroup) -> torch.Tensor:
-    """All ranks' rows, concatenated in rank order: one all-gather padded to the longest piece."""
+    """All ranks' rows, concatenated in rank order (the local parameter: its rows are in
+    row-major order, dim-1 slices of grouped experts too): one all-gather padded to the
+    longest piece."""
     spec = shard.spec
-    counts, row_shape = spec.global_row_counts, spec.local_shape[1:]
+    counts, row_shape = spec.global_row_counts, spec.row_shape
     longest = max(counts)
     send = torch.zeros(longest * spec.row_size, dtype=shard.dtype, device=shard.device)
     send[: spec.numel].copy_(shard.data_.reshape(-1))
@@ -26,8 +28,10 @@ def gather_rows(shard: RowShard, group: dist.ProcessGroup) -> torch.Tensor:
     dist.all_gather_single(received, send, group=group)
     received = received.view(len(counts), longest, *row_shape)
     if all(n == longest for n in counts):
-        return received.view(-1, *row_shape)  # no padding to squeeze out: no copy
-    return torch.cat([received[r, :n] for r, n in enumerate(counts)])
+        rows = received.view(-1, *row_shape)  # no padding to squeeze out: no copy
+    else:
+        rows = torch.cat([received[r, :n] for r, n in enumerate(counts)])
+    return rows.view(spec.info.shape) if spec.info.row_dims > 1 else rows
 
 
 def redistribute_rows(local_tensor: RowShard, current_spec, target_spec) -> torch.Tensor:

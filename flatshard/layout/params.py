@@ -60,6 +60,10 @@ class ParamInfo:
     split_by_components: the parameter holds a part of every component (TP's `[gate_r;
         up_r]`), so it is not one block of its global tensor: each component piece is
         placed by its component (`Component.fused_start`) and `global_offset` is unused.
+    row_dims: how many leading dims index a row (the unit of sharding): 1, a dim-0 row
+        (the default); 2, the "finer row" of grouped experts `(E, R, C)` fewer than ranks,
+        one dim-1 slice of `C` elements, so ranks split an expert's `R` rows. The planner
+        chooses it (planner.py, `finer_row`).
     """
 
     name: str
@@ -70,6 +74,7 @@ class ParamInfo:
     global_shape: tuple[int, ...] | None = None
     global_offset: tuple[int, ...] | None = None
     split_by_components: bool = False
+    row_dims: int = 1
 
     def __post_init__(self) -> None:
         # Accept torch.Size / lists, but store plain tuples so equality and hashing are exact.
@@ -95,6 +100,11 @@ class ParamInfo:
             raise LayoutError(
                 f"parameter {self.name!r}: shape {shape} at offset {offset} does not fit in "
                 f"its global shape {global_shape}"
+            )
+        if self.row_dims not in (1, 2) or self.row_dims > max(1, len(shape)):
+            raise LayoutError(
+                f"parameter {self.name!r} of shape {shape}: row_dims {self.row_dims} is not 1, "
+                "or 2 for a parameter of at least 2 dims"
             )
         object.__setattr__(self, "global_shape", global_shape)
         object.__setattr__(self, "global_offset", offset)
@@ -136,12 +146,19 @@ class ParamInfo:
 
     @property
     def row_size(self) -> int:
-        """Elements per dim-0 row; 1 for 0-d and 1-d params, 0 if a trailing dim is 0."""
-        return math.prod(self.shape[1:]) if len(self.shape) >= 2 else 1
+        """Elements per row (a dim-0 row, or with `row_dims` 2 a dim-1 slice); 1 for 0-d and
+        1-d params, 0 if a trailing dim is 0."""
+        return math.prod(self.shape[self.row_dims :])
 
     @property
     def rows(self) -> int:
-        return self.shape[0] if self.shape else 1
+        """Rows of the parameter: the product of its `row_dims` leading dims."""
+        return math.prod(self.shape[: self.row_dims]) if self.shape else 1
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        """The shape of one row."""
+        return self.shape[self.row_dims :]
 
 
 def _ints(name: str, what: str, values) -> tuple[int, ...]:

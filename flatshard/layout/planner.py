@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 from flatshard.errors import LayoutError
 from flatshard.layout.bucket import BucketLayout, ParamSlot, UnitLayout, ceil_div
@@ -38,16 +39,46 @@ def plan_unit_layout(
     by up to a third. `bucket_per_param` gives each param a bucket of its own instead, so
     every rank holds a piece of every param (optimizer offload of a fraction: fine pieces
     to choose from, see offload.py).
+
+    Grouped experts fewer than ranks take a finer row (`finer_row`) and a bucket of their
+    own, so no rank is left empty; the returned layout's params carry the row chosen.
     """
     _check_world_size(world_size)
-    params = tuple(params)
+    params = tuple(finer_row(info, world_size) or info for info in params)
     buckets: list[BucketLayout] = []
     for members in _split_by_kind(params).values():
+        finer = [member for member in members if member[1].row_dims > 1]
+        members = [member for member in members if member[1].row_dims == 1]
         if bucket_per_param:
             buckets.extend(_build_bucket([member], world_size) for member in members)
-        else:
+        elif members:
             buckets.extend(_merge_groups(_groups_by_row(members), world_size))
+        buckets.extend(_build_bucket([member], world_size) for member in finer)
     return UnitLayout(world_size, params, tuple(buckets))
+
+
+def finer_row(info: ParamInfo, world_size: int) -> ParamInfo | None:
+    """`info` with a row of one dim-1 slice, where its dim-0 rows are too few to share.
+
+    A grouped weight `(E, R, C)` with fewer experts than ranks leaves most ranks empty
+    when a row is a whole expert. Where the ranks are a multiple `m` of `E` and `m`
+    divides `R`, a bucket of its own cut into `E * m` shards gives each rank `R / m` rows
+    of one expert: a single box `(1, R / m, C)`, never spanning two experts. Otherwise
+    (or when the rows are enough) None: the param keeps its dim-0 rows.
+    """
+    if (
+        info.row_dims != 1
+        or len(info.shape) < 3
+        or info.numel == 0
+        or info.split_by_components
+        or info.shape[0] >= world_size
+        or world_size % info.shape[0]
+    ):
+        return None
+    per_expert = world_size // info.shape[0]
+    if info.shape[1] % per_expert:
+        return None
+    return replace(info, row_dims=2)
 
 
 def single_lcm_padded_size(params: Sequence[ParamInfo], world_size: int) -> int:

@@ -10,6 +10,7 @@ optimizer state has a local numel and a DTensor a global one: only the spec know
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from flatshard.layout.params import ParamInfo
 
@@ -46,6 +47,11 @@ class ShardSpec:
     """Rank `rank`'s piece of parameter `info`: its rows `[row_start, row_end)` of the
     parameter, stored at `shard_offset` of the rank's bucket shard.
 
+    A row is what `info.row_dims` says: a dim-0 row, or (grouped experts fewer than ranks)
+    a dim-1 slice, rows then counted over the flattened first two dims. Either way the
+    piece is one box of the parameter (`param_box`): whole dim-0 rows, or some dim-1 rows
+    of one expert, `(1, n, C)`.
+
     row_bounds: every rank's rows (rank r holds `[row_bounds[r], row_bounds[r+1])`), so a
         full tensor is gathered with no communication about sizes.
     """
@@ -72,12 +78,36 @@ class ShardSpec:
         return self.info.row_size
 
     @property
+    def row_shape(self) -> tuple[int, ...]:
+        """The shape of one row (what a full-tensor gather moves, row by row)."""
+        return self.info.row_shape
+
+    @property
     def numel(self) -> int:
         return self.local_rows * self.info.row_size
 
+    @cached_property
+    def param_box(self) -> Box:
+        """The piece as one box of the (local) parameter."""
+        shape, start, rows = self.info.shape, self.row_start, self.local_rows
+        if not shape:
+            return Box((), ())
+        if self.info.row_dims == 1:
+            return Box((start, *(0,) * (len(shape) - 1)), (rows, *shape[1:]))
+        per_expert, rest = shape[1], (0,) * (len(shape) - 2)
+        expert, first = divmod(start, per_expert)
+        if rows == 0 or (first == 0 and rows % per_expert == 0):  # whole experts
+            return Box((expert, 0, *rest), (rows // per_expert, per_expert, *shape[2:]))
+        if first + rows > per_expert:
+            raise ValueError(
+                f"{self.info.name!r}: rows {start}:{self.row_end} of dim-1 slices span two "
+                "experts; the layout never cuts them so"
+            )
+        return Box((expert, first, *rest), (1, rows, *shape[2:]))
+
     @property
     def local_shape(self) -> tuple[int, ...]:
-        return (self.local_rows, *self.info.shape[1:]) if self.info.shape else ()
+        return self.param_box.shape
 
     @property
     def global_shape(self) -> tuple[int, ...]:
@@ -86,8 +116,7 @@ class ShardSpec:
     @property
     def global_offset(self) -> tuple[int, ...]:
         """Where this piece starts in the global tensor, in every dim."""
-        offset = self.info.global_offset
-        return (offset[0] + self.row_start, *offset[1:]) if offset else ()
+        return tuple(o + i for o, i in zip(self.info.global_offset, self.param_box.offset))
 
     @property
     def global_box(self) -> Box:
@@ -142,20 +171,23 @@ class ShardSpec:
 
     def _component_piece(self, component) -> ComponentPiece:
         # The piece's box in parameter coordinates, cut by the component's slab.
-        low = [self.row_start] + [0] * (len(self.info.shape) - 1)
-        high = [self.row_end, *self.info.shape[1:]]
+        box = self.param_box
+        low = list(box.offset)
+        high = [o + n for o, n in zip(box.offset, box.shape)]
         low[component.dim] = max(low[component.dim], component.start)
         high[component.dim] = min(high[component.dim], component.stop)
         high = [max(h, lo) for h, lo in zip(high, low)]
         shape = tuple(h - lo for h, lo in zip(high, low))
-        local = Box((low[0] - self.row_start, *low[1:]), shape)
+        local = Box(tuple(lo - o for lo, o in zip(low, box.offset)), shape)
         in_slab = [lo - (component.start if d == component.dim else 0) for d, lo in enumerate(low)]
         stored = Box(tuple(o + i for o, i in zip(component.global_offset, in_slab)), shape)
         return ComponentPiece(component.name, local, stored, component.global_shape)
 
     def rows_of(self, param_tensor):
         """This rank's rows of a tensor shaped like the (local) parameter."""
-        return param_tensor[self.row_start : self.row_end]
+        if not self.info.shape:
+            return param_tensor[self.row_start : self.row_end]
+        return param_tensor[self.param_box.slices]
 
     def piece_of(self, global_tensor):
         """This rank's piece of a tensor shaped like the global tensor (a view when it is
@@ -168,7 +200,10 @@ class ShardSpec:
         return out
 
     def to_local_row(self, global_row):
-        """A global row index (an int or an index tensor) in this rank's local rows."""
+        """A global dim-0 row index (an int or an index tensor) in this rank's local rows
+        (a piece of whole dim-0 rows: an embedding table)."""
+        if self.info.row_dims != 1:
+            raise ValueError(f"{self.info.name!r} is not sharded by dim-0 rows")
         return global_row - self.global_offset[0]
 
 
