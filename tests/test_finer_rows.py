@@ -154,3 +154,25 @@ def test_finer_row_checkpoints_reshard_bitwise(tmp_path, saved, loads):
         assert all(torch.equal(moments[k], saved_moments[k]) for k in moments), (world, ep)
         assert rel_losses(losses, ref_losses[2:]) <= TOLERANCE, (world, ep)
         assert rel_diff(final, reference.state_dict()) <= TOLERANCE, (world, ep)
+
+
+def _full_weights_round_trip(path, ep):
+    """Export full weights from finer-row shards, load them into another seed's model."""
+    model, _ = _sharded(ep)
+    checkpoint.export_full(model, path)
+    other, _ = _sharded(ep, seed=3)
+    checkpoint.load_full(other, path)
+    return full_state(model), full_state(other)
+
+
+@pytest.mark.parametrize("ep", [0, 2], ids=str)
+def test_full_weights_file_round_trips(tmp_path, ep):
+    from safetensors.torch import load_file
+
+    path = str(tmp_path / "full.safetensors")
+    expected = _build().state_dict()
+    for exported, loaded in run_distributed(_full_weights_round_trip, 4, path, ep):
+        assert rel_diff(exported, expected) == 0.0
+        assert rel_diff(loaded, expected) == 0.0
+    on_disk = load_file(path)
+    assert all(torch.equal(on_disk[k], v) for k, v in expected.items())

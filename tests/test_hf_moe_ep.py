@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import flatshard
 from flatshard import hf
+from flatshard.dtensor.sharded_param import shard_spec
 from flatshard.models import MoE, MoEConfig
 from flatshard.parallel import ExpertParallel
 
@@ -45,7 +46,7 @@ ARCHS = {
     "mixtral": lambda: transformers.MixtralConfig(
         **SIZES, num_hidden_layers=2, num_local_experts=4, intermediate_size=48
     ),
-    # fewer experts than ranks: some ranks hold none of a layer's experts and read none
+    # fewer experts than ranks: a finer row, each rank holds (and reads) half of one expert
     "mixtral_2_experts": lambda: transformers.MixtralConfig(
         **{**SIZES, "num_experts_per_tok": 1},
         num_hidden_layers=2,
@@ -111,13 +112,11 @@ def _import_export(path, out, tokens, ep):
     with torch.no_grad():
         logits = model(tokens).detach().clone()
     held = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-    expert_rows = [
-        flatshard.row_range(block.mlp.experts.gate_up_proj)
-        for block in model.layers
-        if hasattr(block.mlp, "experts")
-    ]
+    experts = [block.mlp.experts for block in model.layers if hasattr(block.mlp, "experts")]
+    expert_rows = [flatshard.row_range(e.gate_up_proj) for e in experts]
+    boxes = [shard_spec(e.gate_up_proj).global_box for e in experts]
     hf.save_pretrained(model, out)
-    return logits, stats.bytes_read, held, expert_rows
+    return logits, stats.bytes_read, held, expert_rows, boxes
 
 
 # --------------------------------------------------------------------------------------------
@@ -137,7 +136,7 @@ def test_import_with_ep_reads_own_experts_and_exports_bitwise(
         assert rel(logits, expected) <= TOLERANCE
     # each rank read exactly the bytes of what it holds, and together they read every
     # tensor once: no rank read another's rows (no tensor is replicated here)
-    for _, read, held, _ in results:
+    for _, read, held, *_ in results:
         assert read == held
     whole = sum(t.numel() * t.element_size() for t in read_all(path).values())
     assert sum(r[1] for r in results) == whole
@@ -146,12 +145,15 @@ def test_import_with_ep_reads_own_experts_and_exports_bitwise(
     per_rank = n_experts // ep
     for layer in range(len(results[0][3])):
         covered = set()
-        for rank, (*_, rows) in enumerate(results):
+        for rank, (*_, rows, _) in enumerate(results):
             start, end = rows[layer]
             low = (rank % ep) * per_rank
             assert low <= start <= end <= low + per_rank, (rank, rows[layer])
             covered.update(range(start, end))
         assert covered == set(range(n_experts))
+        if n_experts < world:  # a finer row: each rank holds a part of one expert
+            assert all(r[4][layer].shape[0] == 1 for r in results)
+            assert len({r[4][layer] for r in results}) == world  # all different boxes
     assert_bit_exact(out, path)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     with torch.no_grad():

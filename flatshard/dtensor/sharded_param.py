@@ -84,7 +84,10 @@ def stored_shape(tensor: torch.Tensor) -> tuple[int, ...]:
 
 
 def row_range(param: DTensor) -> tuple[int, int]:
-    """The global rows `[start, end)` of a flatshard DTensor that this rank holds."""
+    """The global dim-0 rows `[start, end)` of a flatshard DTensor that this rank's piece
+    lies in: whole rows, except for grouped experts fewer than ranks (a finer row), where
+    the piece is part of one expert's rows; its exact box is
+    `shard_spec(param).global_box`."""
     box = shard_spec(param).global_box
     return box.offset[0], box.offset[0] + box.shape[0]
 

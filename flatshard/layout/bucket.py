@@ -10,7 +10,9 @@ Invariants (property-tested in tests/test_layout.py):
 - each parameter is a contiguous range [offset, offset + numel) of its bucket, params never
   overlap, and padding lies only between params and at the end;
 - every shard cut k * shard_size strictly inside a parameter is on one of its row
-  boundaries, so each rank holds a contiguous range of whole rows (possibly none);
+  boundaries, so each rank holds a contiguous range of whole rows (possibly none); a row
+  is a dim-0 row, or for grouped experts fewer than ranks one dim-1 slice (`row_dims`
+  2, in a bucket of its own: each rank's rows then lie in one expert);
 - padded_size == world_size * shard_size.
 
 Pure integer arithmetic over shapes: no tensors, no torch.distributed, no per-element loops,
