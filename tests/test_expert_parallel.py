@@ -54,18 +54,20 @@ def build(style="qwen3_moe", seed=0, silent_expert=None):
     return model
 
 
-def ep_model(ep: int, style="qwen3_moe", zero_stage=3, seed=0, silent_expert=None):
-    """Experts split over `ep` ranks and sharded over world/ep; the rest over every rank."""
+def ep_model(ep: int, style="qwen3_moe", zero_stage=3, seed=0, silent_expert=None, **settings):
+    """Experts split over `ep` ranks and sharded over world/ep; the rest over every rank.
+    `settings`: more fully_shard arguments for every unit (mp_policy, offload_policy)."""
     world = dist.get_world_size()
     sparse = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
     model = build(style, seed, silent_expert)
+    settings["zero_stage"] = zero_stage
     for block in model.layers:
         experts = getattr(block.mlp, "experts", None)
         if experts is not None:
             parallelize_module(experts, sparse["ep"], ExpertParallel())
-            flatshard.fully_shard(experts, mesh=sparse["efsdp"], zero_stage=zero_stage)
-        flatshard.fully_shard(block, zero_stage=zero_stage)
-    flatshard.fully_shard(model, zero_stage=zero_stage)
+            flatshard.fully_shard(experts, mesh=sparse["efsdp"], **settings)
+        flatshard.fully_shard(block, **settings)
+    flatshard.fully_shard(model, **settings)
     return model
 
 
@@ -95,6 +97,27 @@ def test_expert_parallel_trains_like_one_process(world, ep, style, stage, silent
     for losses, weights in run_distributed(_train_ep, world, ep, style, stage, silent):
         assert rel_losses(losses, ref_losses) <= TOLERANCE
         assert rel_diff(weights, reference.state_dict()) <= TOLERANCE
+
+
+def _train_bf16(ep, fraction):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mp = flatshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    offload = flatshard.OffloadPolicy(fraction=fraction)
+    model = ep_model(ep, mp_policy=mp, offload_policy=offload)
+    loss_fn = partial(moe_loss, group=dist.group.WORLD)
+    return train(
+        model, batches(_config("qwen3_moe"), STEPS), rank=rank, world=world, loss_fn=loss_fn
+    )
+
+
+def test_bf16_expert_parallel_and_offload():
+    """bf16 compute with fp32 reduction: EP 2 takes the steps of no EP up to bf16 rounding,
+    and offloading half of the optimizer (experts included) changes nothing."""
+    plain = run_distributed(_train_bf16, 4, 1, 0.0)[0]
+    ep = run_distributed(_train_bf16, 4, 2, 0.0)[0]
+    ep_offloaded = run_distributed(_train_bf16, 4, 2, 0.5)[0]
+    assert rel_losses(ep, plain) <= 2**-8
+    assert ep_offloaded == ep
 
 
 def _first_gradients(ep):
