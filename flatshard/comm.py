@@ -81,9 +81,16 @@ def host_zeros(numel: int, dtype: torch.dtype, pin_memory: bool) -> torch.Tensor
     return torch.zeros(numel, dtype=dtype, device="cpu", pin_memory=pin)
 
 
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`tensor` on `device`: from pinned host memory to CUDA an asynchronous copy on the
-    current stream (ordered before the collectives that read it); on the CPU itself."""
+def to_device(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A host tensor in `dtype` on `device`: to CUDA, cast on the host into pinned memory (half
+    the bytes for bf16), then copied asynchronously on the current stream (ordered before
+    the collectives that read it; the pinned buffer is kept until the copy is done by
+    torch's host allocator); on the CPU just the cast (itself when the dtype matches)."""
+    if device.type != "cuda":
+        return tensor.to(dtype)
+    if tensor.dtype != dtype:
+        pinned = torch.empty(tensor.shape, dtype=dtype, device="cpu", pin_memory=True)
+        tensor = pinned.copy_(tensor)
     return tensor.to(device, non_blocking=True)
 
 

@@ -89,7 +89,7 @@ class ShardStorage:
         device_part = self.main.to(dtype)
         if self.host_main is None:
             return device_part
-        host_part = comm.to_device(self.host_main.to(dtype), self.main.device)
+        host_part = comm.to_device(self.host_main, self.main.device, dtype)
         return torch.cat([device_part, host_part]) if self.cut else host_part
 
     # --- a piece's rows -------------------------------------------------------------------
