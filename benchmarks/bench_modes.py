@@ -1,13 +1,17 @@
 """The benchmark's modes and model: presets, the same model, data and loss for every mode, and
 how each mode (one process, DDP, FSDP2, flatshard ZeRO-3/2/1, and on request HSDP, hpZ,
-tensor parallelism with either, and a mixture-of-experts model with FSDP2, flatshard ZeRO-3
-or flatshard ZeRO-3 with expert parallelism) wraps it."""
+tensor parallelism with either, a mixture-of-experts model with FSDP2, flatshard ZeRO-3
+or flatshard ZeRO-3 with expert parallelism, and optimizer offload: FSDP2 with
+CPUOffloadPolicy, flatshard ZeRO-3 with OffloadPolicy 0.5, 1 and 1 on the disk tier)
+wraps it."""
 
 from __future__ import annotations
 
 import copy
 import os
+import shutil
 import sys
+import tempfile
 
 import torch
 import torch.nn.functional as F
@@ -150,6 +154,14 @@ TP_MODES = ["fsdp2-tp", "tp3"]
 # world / EP_DEGREE expert-data-parallel ranks. Every rank trains on its own slice; the
 # loss adds the load-balancing loss over the world (the data-parallel group).
 MOE_MODES = ["fsdp2-moe", "moe3", "ep3"]
+# Optimizer offload (run when asked for with --modes): FSDP2 with CPUOffloadPolicy (all
+# sharded parameters, gradients and the optimizer on the host), and flatshard ZeRO-3 with
+# OffloadPolicy(f): f = 0.5 and 1 on the host, and 1 with the optimizer state in
+# memory-mapped files in a temporary directory per rank (the disk tier). Plain `fsdp2` and
+# `zero3` are the f = 0 rows.
+OFFLOAD_MODES = ["fsdp2-cpuoff", "off50", "off100", "offdisk"]
+# flatshard's offload modes: (fraction, on the disk tier)
+OFFLOAD_FRACTIONS = {"off50": (0.5, False), "off100": (1.0, False), "offdisk": (1.0, True)}
 MODE_NAMES = {
     "single": "single process",
     "ddp": "DDP",
@@ -166,9 +178,14 @@ MODE_NAMES = {
     "fsdp2-moe": "FSDP2 (no EP)",
     "moe3": "flatshard ZeRO-3 (no EP)",
     "ep3": "flatshard EP ZeRO-3",
+    "fsdp2-cpuoff": "FSDP2 + CPUOffloadPolicy",
+    "off50": "flatshard ZeRO-3 offload 0.5",
+    "off100": "flatshard ZeRO-3 offload 1",
+    "offdisk": "flatshard ZeRO-3 offload 1 (disk)",
 }
 FLATSHARD_STAGES = {
     "zero3": 3, "zero2": 2, "zero1": 1, "hsdp3": 3, "hpz3": 3, "tp3": 3, "moe3": 3, "ep3": 3,
+    "off50": 3, "off100": 3, "offdisk": 3,
 }  # fmt: skip
 HPZ_GROUP = 2
 HSDP_REPLICAS = 2
@@ -314,8 +331,34 @@ class SingleProcess:
                 low.grad = None
 
 
+# the disk tier's directories made on this rank (a fresh temporary directory per build;
+# the tier unlinks its files as it makes them), removed with `remove_offload_dirs`
+OFFLOAD_DIRS: list[str] = []
+
+
+def remove_offload_dirs(paths: list[str]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+        if path in OFFLOAD_DIRS:
+            OFFLOAD_DIRS.remove(path)
+
+
+def offload_policy(mode: str):
+    """flatshard's OffloadPolicy for an offload mode (None for the others): the same policy
+    object for every block and the root."""
+    if mode not in OFFLOAD_FRACTIONS:
+        return None
+    fraction, disk = OFFLOAD_FRACTIONS[mode]
+    path = None
+    if disk:
+        path = tempfile.mkdtemp(prefix="flatshard-bench-offload-")
+        OFFLOAD_DIRS.append(path)
+    return flatshard.OffloadPolicy(fraction, pin_memory=True, path=path)
+
+
 def build_mode(mode: str, cfg: LlamaConfig, param_dtype: torch.dtype):
-    """Returns (model, loss function, backward function)."""
+    """Returns (model, loss function, backward function). The disk-tier mode leaves a
+    temporary directory in OFFLOAD_DIRS: `remove_offload_dirs` once the model is freed."""
     if mode == "single":
         model = SingleProcess(cfg, param_dtype)
         return model, model.forward_loss, model.backward
@@ -334,8 +377,8 @@ def build_mode(mode: str, cfg: LlamaConfig, param_dtype: torch.dtype):
                     return loss(model, tokens)
 
             return model, autocast_loss, (lambda loss: loss.backward())
-    elif mode in ("fsdp2", "fsdp2-hsdp", "fsdp2-hpz", "fsdp2-tp", "fsdp2-moe"):
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    elif mode in ("fsdp2", "fsdp2-hsdp", "fsdp2-hpz", "fsdp2-tp", "fsdp2-moe", "fsdp2-cpuoff"):
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         policy = policy if low else MixedPrecisionPolicy()
@@ -346,9 +389,13 @@ def build_mode(mode: str, cfg: LlamaConfig, param_dtype: torch.dtype):
             parallelize_llama(model, tp_mesh()["tp"])
             mesh = tp_mesh()["dp_shard"]
         reshard = HPZ_GROUP if mode == "fsdp2-hpz" else True
+        # CPU: no pinned memory without an accelerator (FSDP2 would pin_memory() and fail)
+        extra = {}
+        if mode == "fsdp2-cpuoff":
+            extra["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
         for layer in model.layers:
-            fully_shard(layer, mp_policy=policy, mesh=mesh, reshard_after_forward=reshard)
-        fully_shard(model, mp_policy=policy, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(layer, mp_policy=policy, mesh=mesh, reshard_after_forward=reshard, **extra)
+        fully_shard(model, mp_policy=policy, mesh=mesh, reshard_after_forward=reshard, **extra)
     else:
         stage = FLATSHARD_STAGES[mode]
         policy = flatshard.MixedPrecisionPolicy(
@@ -359,6 +406,9 @@ def build_mode(mode: str, cfg: LlamaConfig, param_dtype: torch.dtype):
             parallelize_llama(model, tp_mesh()["tp"])
             mesh = tp_mesh()["dp_shard"]
         extra = {"reshard_after_forward": HPZ_GROUP} if mode == "hpz3" else {"zero_stage": stage}
+        offload = offload_policy(mode)
+        if offload is not None:
+            extra["offload_policy"] = offload  # the same policy object everywhere
         if mode == "ep3":
             # each EP rank owns its experts (Shard(0) over ep), sharded over efsdp
             from torch.distributed.tensor.parallel import parallelize_module

@@ -16,6 +16,8 @@ from bench_modes import (
     LR,
     MODE_NAMES,
     MOE_MODES,
+    OFFLOAD_FRACTIONS,
+    OFFLOAD_MODES,
     PRESETS,
     TP_DEGREE,
     TP_MODES,
@@ -201,6 +203,7 @@ def summarize(gathered: list[dict], modes: list[str]) -> dict[str, dict]:
             "padding": lead[0]["padding"],
             "zero3_wire": lead[0].get("zero3_wire"),
             "resident": [per_rank[r][0].get("resident") for r in active],
+            "offloaded": [per_rank[r][0].get("offloaded") for r in active],
             "losses": [run["losses"] for run in lead],
             "build_s": statistics.median(run["build_s"] for run in lead),
         }
@@ -351,6 +354,18 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
             f"{cfg.n_experts // EP_DEGREE} of {cfg.n_experts} experts, tokens travel by "
             "all-to-all) and `flatshard.fully_shard(experts, mesh=mesh['efsdp'])`, then "
             "`fully_shard` per block and on the root over all ranks"
+        )
+    if set(opts["modes"]) & set(OFFLOAD_MODES):
+        notes.append(
+            "- offload modes: FSDP2 + CPUOffloadPolicy: `fully_shard(..., offload_policy="
+            "CPUOffloadPolicy(pin_memory=False))` per block and on the root (no pinned memory "
+            "without an accelerator); flatshard ZeRO-3 offload f: `flatshard.fully_shard(..., "
+            "offload_policy=OffloadPolicy(f))`, the same policy object per block and on the "
+            "root (f < 1: a bucket per parameter); (disk): `OffloadPolicy(1.0, path=<a "
+            "temporary directory per rank>)`, the AdamW state in memory-mapped files there. "
+            "On a CPU the device and the host are the same memory: the host tier costs its "
+            "copies and moves no bytes off anything; the disk tier moves the optimizer state "
+            "out of the resident set"
         )
     if meta.get("note"):
         notes.append(f"- note: {meta['note']}")
@@ -510,6 +525,7 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
                 else "."
             )
         )
+    explain.extend(_offload_notes(summary, opts["modes"]))
     spread = _round_ratio_spread(summary, opts["modes"])
     if spread:
         explain.append(
@@ -534,6 +550,79 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
         f"## preset {opts['preset']}, {opts['param_dtype']}, world {world} ({meta['date'][:10]})"
     )
     return "\n".join([title, "", *notes, "", table, *explain, ""])
+
+
+def _offload_notes(summary: dict[str, dict], modes: list[str]) -> list[str]:
+    """Offload: step ratios against FSDP2 + CPUOffloadPolicy and FSDP2, the bytes each
+    flatshard offload mode keeps off the device, losses against ZeRO-3, and the disk tier's
+    peak RSS drop against ZeRO-3's as a share of the optimizer bytes it pages."""
+    if not set(modes) & set(OFFLOAD_MODES):
+        return []
+    out = []
+    peers = [p for p in ("fsdp2-cpuoff", "fsdp2") if p in summary]
+    ratios = []
+    for mode in [m for m in ("fsdp2-cpuoff", "zero3", *OFFLOAD_FRACTIONS) if m in summary]:
+        parts = [
+            f"×{MODE_NAMES[p]} {_fmt_ratio(_paired_ratio(summary, mode, p))} "
+            f"(CPU {_fmt_ratio(_paired_ratio(summary, mode, p, 'cpu_times'))})"
+            for p in peers
+            if p != mode
+        ]
+        if parts:
+            ratios.append(f"{MODE_NAMES[mode]} " + ", ".join(parts))
+    if ratios:
+        out.append(f"\nOffload, step-paired medians as above: {'; '.join(ratios)}.")
+    held = []
+    for mode in [m for m in OFFLOAD_FRACTIONS if m in summary]:
+        per_rank = [o for o in summary[mode]["offloaded"] if o]
+        if not per_rank:
+            continue
+        held.append(
+            f"{MODE_NAMES[mode]} host "
+            + " / ".join(_fmt_bytes(o["host"]) for o in per_rank)
+            + ", disk "
+            + " / ".join(_fmt_bytes(o["disk"]) for o in per_rank)
+            + " (AdamW state of the whole shard: "
+            + " / ".join(_fmt_bytes(o["adamw_state"]) for o in per_rank)
+            + ")"
+        )
+    if held:
+        out.append(
+            "\nOffloaded bytes per rank (`flatshard.runtime.offload.offloaded_bytes` after "
+            "the last step, before `zero_grad`; host: main weights, gradients and optimizer "
+            "state on the host; disk: optimizer state in the disk tier's files): "
+            + "; ".join(held)
+            + "."
+        )
+    zero3 = summary.get("zero3")
+    if zero3:
+        losses = [
+            f"{MODE_NAMES[m]} " + ("bitwise equal" if d == 0 else f"max rel {d:.1e}")
+            for m in OFFLOAD_MODES
+            if m in summary
+            for d in [_max_rel(summary[m]["losses"], zero3["losses"])]
+        ]
+        out.append(
+            f"\nLosses against flatshard ZeRO-3 (every step, every round): {'; '.join(losses)}."
+        )
+    disk = summary.get("offdisk")
+    if zero3 and disk and zero3["peak_rss"] is not None and disk["peak_rss"] is not None:
+        per_rank = []
+        for r, (ours, base) in enumerate(zip(disk["peak_rss"], zero3["peak_rss"])):
+            offloaded = disk["offloaded"][r] if r < len(disk["offloaded"]) else None
+            if ours is None or base is None or not offloaded or not offloaded["disk"]:
+                continue
+            drop = (base - ours) * 1024 * 1024
+            per_rank.append(
+                f"{_fmt_bytes(drop)} of {_fmt_bytes(offloaded['disk'])} "
+                f"({100 * drop / offloaded['disk']:.0f}%)"
+            )
+        if per_rank:
+            out.append(
+                "\nDisk tier: peak RSS drop against flatshard ZeRO-3 per rank, as a share of "
+                "the optimizer state bytes it pages (target >= 80%): " + " / ".join(per_rank) + "."
+            )
+    return out
 
 
 def _round_ratio_spread(summary: dict[str, dict], modes: list[str]) -> str:

@@ -15,7 +15,14 @@ data-parallel rank's slice of the same global batch), and with an MoE preset (`t
 `moe-small`) the MoE modes: `fsdp2-moe` and `moe3` (FSDP2's or flatshard's fully_shard per
 block and root, no expert parallelism) and `ep3` (flatshard ZeRO-3 with
 flatshard.parallel.ExpertParallel over 2 ranks, experts sharded over world / 2); every rank
-trains on its own slice, the loss adds the load-balancing loss over all ranks.
+trains on its own slice, the loss adds the load-balancing loss over all ranks; and
+optimizer offload: `fsdp2-cpuoff` (FSDP2 with CPUOffloadPolicy), `off50` and `off100`
+(flatshard ZeRO-3 with OffloadPolicy(0.5) / (1.0): that share of each rank's main weights,
+gradients and AdamW state on the host) and `offdisk` (OffloadPolicy(1.0, path=a temporary
+directory per rank): the AdamW state in memory-mapped files, paged in a piece at a time);
+plain `fsdp2` and `zero3` are their f = 0 rows. On a CPU "device" and host are the same
+memory: the host tier shows its copy overheads, the disk tier its lower peak RSS (run them
+with --exact-memory).
 
 Modes are interleaved so that a drift of a shared machine hits all of them alike; every
 other round runs them in reverse order. `--interleave modes` (default): in every round each
@@ -31,6 +38,8 @@ first. Each rank runs torch with one thread.
     python benchmarks/compare.py --preset 35m --steps 12 --rounds 4 --interleave steps
     python benchmarks/compare.py --preset 35m --steps 6 --param-dtype bf16 --append
     python benchmarks/compare.py --world 4 --preset moe-small --modes fsdp2-moe,moe3,ep3
+    python benchmarks/compare.py --preset 35m --exact-memory \
+        --modes fsdp2,fsdp2-cpuoff,zero3,off50,off100,offdisk
 
 It writes a markdown section (machine, torch version, date, exact command, table, notes)
 to --out and prints it. The modes and model are in bench_modes.py, the counting of
@@ -61,6 +70,7 @@ from bench_modes import (
     MODE_NAMES,
     MODES,
     MOE_MODES,
+    OFFLOAD_MODES,
     PRESETS,
     TP_DEGREE,
     TP_MODES,
@@ -182,7 +192,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--modes",
         help="comma-separated subset (default: the Llama modes, or with an MoE preset "
-        "single and the MoE modes)",
+        "single and the MoE modes); also HSDP/hpZ (fsdp2-hsdp, hsdp3, fsdp2-hpz, hpz3), TP "
+        "(fsdp2-tp, tp3) and optimizer offload (fsdp2-cpuoff, off50, off100, offdisk)",
     )
     parser.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "RESULTS.md"))
     parser.add_argument("--append", action="store_true", help="append to --out")
@@ -200,7 +211,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.modes is None:
         args.modes = ",".join(["single", *MOE_MODES] if moe else MODES)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    known = MODES + HSDP_MODES + TP_MODES + MOE_MODES
+    known = MODES + HSDP_MODES + TP_MODES + MOE_MODES + OFFLOAD_MODES
     unknown = sorted(set(modes) - set(known))
     if unknown or not modes:
         parser.error(f"unknown modes {unknown}; choose from {known}")

@@ -18,15 +18,19 @@ from bench_modes import (
     DTYPES,
     FLATSHARD_STAGES,
     LR,
+    OFFLOAD_DIRS,
+    OFFLOAD_FRACTIONS,
     WEIGHT_DECAY,
     LlamaConfig,
     build_mode,
     data_slice,
+    remove_offload_dirs,
 )
 from comm_counter import COUNTER, nbytes
 
 from flatshard import comm as flatshard_comm
 from flatshard.runtime.gather_policy import LOOKUP_PLAN_BYTES, all_gathers_per_step, lookup_payloads
+from flatshard.runtime.offload import offloaded_bytes
 
 # --- memory ----------------------------------------------------------------------------
 
@@ -79,6 +83,16 @@ def state_bytes(optimizer) -> dict[str, int]:
             if isinstance(value, torch.Tensor):
                 out["optimizer"] += _local_nbytes(value)
     return out
+
+
+def trainable_shard_elements(optimizer) -> int:
+    """Elements of this rank's shards of the optimizer's parameters (DTensors: local)."""
+    params = {id(p): p for group in optimizer.param_groups for p in group["params"]}.values()
+    total = 0
+    for param in params:
+        to_local = getattr(param, "to_local", None)
+        total += (to_local() if to_local is not None else param).numel()
+    return total
 
 
 def _units(model) -> list:
@@ -179,6 +193,8 @@ class ModeRun:
         self.cpu_seconds: list[float] = []  # the process's CPU time (all threads) per step
         self.comm: list[dict] = []
         self.sizes: dict | None = None
+        self.offloaded: dict | None = None
+        self.offload_dirs: list[str] = []
         dist.barrier()  # the previous mode has finished on every rank
         if self.idle:
             return
@@ -187,9 +203,11 @@ class ModeRun:
             self.peak_reset = reset_peak_rss()
             self.rss_start = proc_status_kib("VmRSS")
         t_build = time.perf_counter()
+        dirs_before = len(OFFLOAD_DIRS)
         self.model, self.forward_loss, self.backward = build_mode(
             mode, cfg, DTYPES[opts["param_dtype"]]
         )
+        self.offload_dirs = OFFLOAD_DIRS[dirs_before:]
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY
         )
@@ -220,6 +238,14 @@ class ModeRun:
         t3 = time.perf_counter()
         if last:
             self.sizes = state_bytes(self.optimizer)  # after the step, before grads go
+            if self.mode in OFFLOAD_FRACTIONS:
+                host, disk = offloaded_bytes(self.model, self.optimizer)
+                self.offloaded = {
+                    "host": host,
+                    "disk": disk,
+                    # AdamW's exp_avg + exp_avg_sq (fp32) of every element this rank holds
+                    "adamw_state": 8 * trainable_shard_elements(self.optimizer),
+                }
         t4 = time.perf_counter()
         self.optimizer.zero_grad()
         t5 = time.perf_counter()
@@ -265,6 +291,7 @@ class ModeRun:
             "padding": padding_info(model) if self.mode in FLATSHARD_STAGES else None,
             "zero3_wire": zero3_wire_bytes(model, self.world) if self.mode == "zero3" else None,
             "resident": resident_unsharded_bytes(model) if self.mode in FLATSHARD_STAGES else None,
+            "offloaded": self.offloaded,
         }
         if self.mode == "ddp":
             result["ddp_param_bytes"] = sum(
@@ -280,6 +307,7 @@ class ModeRun:
             except (AttributeError, RuntimeError):
                 result["ddp_bucket_sizes"] = None
         del self.model, self.optimizer, self.forward_loss, self.backward, model
+        remove_offload_dirs(self.offload_dirs)  # the disk tier's (its files: unlinked)
         if self.mode != "single":
             # Global mean loss of every step (outside the counted window). TP ranks of a
             # group hold the same loss (replicated logits), so the mean over every rank is
