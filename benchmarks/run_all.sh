@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every measurement behind RESULTS.md, one compare.py invocation a section, appended to one
-# file (default benchmarks/RESULTS-runs.md; about 60 minutes on 2 cores). Run it on a quiet
+# file (default benchmarks/RESULTS-runs.md; about 80 minutes on 2 cores). Run it on a quiet
 # machine, then copy the sections under RESULTS.md's summary and findings.
 #   bash benchmarks/run_all.sh [OUT]          (PYTHON=.venv/bin/python to pick the interpreter)
 # Timings come from runs with the modes side by side (a step of each in turn), memory from
@@ -19,6 +19,12 @@ run --preset 120m --steps 8 --rounds 4 --interleave steps --modes ddp,fsdp2,zero
 run --preset 35m --steps 4 --exact-memory
 run --preset 35m --steps 2 --exact-memory --world 4 --modes ddp,fsdp2,zero3
 run --preset 120m --steps 2 --exact-memory
+# Optimizer offload (issue 21): FSDP2 + CPUOffloadPolicy, flatshard ZeRO-3 at f = 0.5, 1 and
+# 1 on the disk tier, with plain FSDP2 and ZeRO-3 as the f = 0 rows: memory (the disk tier's
+# peak RSS drop against ZeRO-3), then timings side by side.
+offload=fsdp2,fsdp2-cpuoff,zero3,off50,off100,offdisk
+run --preset 35m --modes "$offload" --steps 6 --rounds 2 --interleave modes --exact-memory
+run --preset 35m --modes "$offload" --steps 6 --rounds 2 --interleave steps
 if grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo; then
   run --preset 35m --steps 12 --rounds 4 --interleave steps --param-dtype bf16
   run --preset 35m --steps 4 --exact-memory --param-dtype bf16

@@ -34,7 +34,7 @@ def _table(text: str) -> tuple[list[str], dict[str, list[str]]]:
     return _cells(lines[0]), {_cells(line)[0]: _cells(line) for line in lines[2:]}
 
 
-def _run_compare(out_dir, *args: str) -> str:
+def _run_compare(out_dir, *args: str, env: dict | None = None) -> str:
     out = out_dir / "results.md"
     proc = subprocess.run(
         [sys.executable, SCRIPT, "--preset", "tiny", "--steps", "2", "--out", str(out), *args],
@@ -42,6 +42,7 @@ def _run_compare(out_dir, *args: str) -> str:
         capture_output=True,
         text=True,
         timeout=180,
+        env=None if env is None else {**os.environ, **env},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out.read_text(encoding="utf-8")
@@ -187,3 +188,38 @@ def test_compare_moe_modes(tmp_path):
     assert re.search(
         r"flatshard EP ZeRO-3 vs FSDP2 \(no EP\): step x [0-9.]+ \(CPU [0-9.]+\)", text
     )
+
+
+def test_compare_offload_modes(tmp_path):
+    """Optimizer offload (world 2, modes side by side, one round): FSDP2 + CPUOffloadPolicy
+    and flatshard ZeRO-3 with OffloadPolicy 0.5, 1 and 1 on the disk tier train bitwise as
+    ZeRO-3 does; the report gives the offloaded bytes per rank (the disk tier: AdamW's state
+    of the whole shard in its files, the host tier none) and the step-paired ratios to FSDP2
+    + CPUOffloadPolicy; the disk tier's temporary directories are removed."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    modes = "fsdp2-cpuoff,zero3,off50,off100,offdisk"
+    text = _run_compare(
+        tmp_path, "--modes", modes, "--interleave", "steps", "--rounds", "1",
+        env={"TMPDIR": str(tmp)},
+    )  # fmt: skip
+    losses = re.search(r"Losses against flatshard ZeRO-3 \(every step, every round\): (.*)\.", text)
+    assert losses and losses[1].count("bitwise equal") == 4, text
+    pattern = (
+        r"(flatshard ZeRO-3 offload [^;]*?) host [^;]*?, disk (\S+ \S+) / \S+ \S+ "
+        r"\(AdamW state of the whole shard: (\S+ \S+) /"
+    )
+    held = {name: (disk, state) for name, disk, state in re.findall(pattern, text)}
+    assert sorted(held) == [
+        "flatshard ZeRO-3 offload 0.5",
+        "flatshard ZeRO-3 offload 1",
+        "flatshard ZeRO-3 offload 1 (disk)",
+    ], text
+    disk, state = held["flatshard ZeRO-3 offload 1 (disk)"]
+    assert disk == state and _kib(disk) > 0, held
+    assert held["flatshard ZeRO-3 offload 1"][0] == "0 B", held
+    assert re.search(
+        r"flatshard ZeRO-3 offload 1 \(disk\) ×FSDP2 \+ CPUOffloadPolicy [0-9.]+ \(CPU [0-9.]+\)",
+        text,
+    ), text
+    assert not list(tmp.glob("flatshard-bench-offload-*")), list(tmp.iterdir())
