@@ -25,6 +25,7 @@ run --preset 120m --steps 2 --exact-memory
 offload=fsdp2,fsdp2-cpuoff,zero3,off50,off100,offdisk
 run --preset 35m --modes "$offload" --steps 6 --rounds 2 --interleave modes --exact-memory
 run --preset 35m --modes "$offload" --steps 6 --rounds 2 --interleave steps
+run --preset 35m --modes "$offload" --steps 12 --rounds 4 --interleave steps
 if grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo; then
   run --preset 35m --steps 12 --rounds 4 --interleave steps --param-dtype bf16
   run --preset 35m --steps 4 --exact-memory --param-dtype bf16
