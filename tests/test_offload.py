@@ -298,3 +298,26 @@ def test_full_disk_is_a_clear_error_and_the_checkpoint_is_intact(tmp_path):
     for message, diff in run_distributed(_disk_fills_up, 1, str(tmp_path)):
         assert message is not None and "is full" in message and str(tmp_path) in message
         assert diff == 0.0
+
+
+def _optimizer_before_the_root():
+    """Wrapping the root moves blocks' pieces (the fraction is reached over the model): an
+    optimizer built on the blocks' parameters before that is caught, not silently idle."""
+    cfg = config()
+    model = build_model(cfg)
+    policy = flatshard.OffloadPolicy(fraction=0.5)
+    for layer in model.layers:
+        flatshard.fully_shard(layer, offload_policy=policy)
+    early = adamw(model.layers.parameters())
+    flatshard.fully_shard(model, offload_policy=policy)
+    lm_loss(model, batches(cfg, 1)[0]).backward()
+    try:
+        early.step()
+    except flatshard.OptimizerOrderError as error:
+        return str(error)
+    return None
+
+
+def test_an_optimizer_built_before_the_root_is_caught():
+    for message in run_distributed(_optimizer_before_the_root, 2):
+        assert message is not None and "built before" in message

@@ -245,6 +245,7 @@ class Unit:
                 param.tp_placement,
             )
             param.sharded._flatshard_param = (self, param)
+            old._flatshard_replaced_by = param.sharded  # an optimizer built on it: an error
             param.unsharded = None
             for module, name in param.occurrences:
                 module._parameters[name] = param.sharded
