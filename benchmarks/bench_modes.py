@@ -388,7 +388,9 @@ def build_mode(mode: str, cfg: LlamaConfig, param_dtype: torch.dtype):
             # FSDP2 2.13 accepts it and shards it _StridedShard(0, TP) over dp_shard
             parallelize_llama(model, tp_mesh()["tp"])
             mesh = tp_mesh()["dp_shard"]
-        reshard = HPZ_GROUP if mode == "fsdp2-hpz" else True
+        # None is FSDP2's default: blocks reshard after forward, the root stays gathered for
+        # its backward (an explicit True reshards the root too and gathers it again)
+        reshard = HPZ_GROUP if mode == "fsdp2-hpz" else None
         # CPU: no pinned memory without an accelerator (FSDP2 would pin_memory() and fail)
         extra = {}
         if mode == "fsdp2-cpuoff":
