@@ -1,8 +1,6 @@
 """`python -m flatshard ...`: the command line (see flatshard/cli/main.py)."""
 
-import sys
-
-from flatshard.cli.main import main
+from flatshard.cli.main import entry
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -130,6 +130,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def entry() -> None:
+    """The `flatshard` command (and `python -m flatshard`): `main`, then exit without the
+    interpreter's teardown, as the local worker processes do. A finished single-process
+    run otherwise rarely aborts there ("terminate called without an active exception"):
+    torch's gloo threads racing the interpreter's finalisation (pytorch#190489). Every
+    file is written and closed by then; stdout and stderr are flushed here."""
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
