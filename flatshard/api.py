@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from flatshard import comm, load_hooks
+from flatshard import agreement, load_hooks
 from flatshard.dtensor import patches
 from flatshard.dtensor.tp_params import tp_param_info, tp_placement
 from flatshard.errors import WrappingError
@@ -34,8 +34,9 @@ from flatshard.runtime.first_use import first_use_groups
 from flatshard.runtime.flat_bucket import FlatBucket
 from flatshard.runtime.hooks import attach
 from flatshard.runtime.offload import place as offload_pieces
+from flatshard.runtime.shard_placement import sharded_parameter
 from flatshard.runtime.states import Resharding
-from flatshard.runtime.unit import ManagedParam, Unit, sharded_parameter
+from flatshard.runtime.unit import ManagedParam, Unit
 
 
 def fully_shard(
@@ -143,7 +144,7 @@ def _shard(members, mesh, settings, first_use_of, ignored, shard_placement_fn) -
     # one tiny all-gather per group checks the problems above and the unit's layout.
     described = (names, [_describe_param(fqn, p) for fqn, p, _ in found])
     for group in (mesh.shard_group, mesh.replicate_group):
-        comm.agree_on(problem, described, group, WrappingError, _model_differences)
+        agreement.agree_on(problem, described, group, WrappingError, _model_differences)
 
     rank, world_size = mesh.shard_rank, mesh.shard_size
     infos = [_param_info(fqn, p, places) for fqn, p, places in found]

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from flatshard.errors import WrappingError
-from flatshard.runtime import hooks
+from flatshard.runtime import hooks, shard_placement
 from flatshard.runtime.sharded_lookup import embedding_forward
 from flatshard.runtime.unit import Unit
 
@@ -122,7 +122,9 @@ def _refuse_conversion(unit: Unit, fn) -> None:
         converted = fn(probe)
         if bucket.on_meta and isinstance(converted, torch.Tensor):
             if converted.dtype == probe.dtype and converted.device == unit.mesh.device:
-                unit.allocate(unit.mesh.device)  # to_empty of a model built on meta
+                shard_placement.allocate(
+                    unit, unit.mesh.device
+                )  # to_empty of a model built on meta
                 return
         if isinstance(converted, torch.Tensor) and (
             converted.dtype != probe.dtype or converted.device != probe.device

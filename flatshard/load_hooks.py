@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from flatshard.dtensor.sharded_param import rows_in_layout
+from flatshard.runtime import shard_placement
 
 
 def install(unit, module) -> None:
@@ -32,7 +33,7 @@ def install(unit, module) -> None:
     def take(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
         taken.clear()
         # FSDP2's flow after meta-device init: the loaded values are the first real ones
-        unit.allocate(unit.mesh.device)
+        shard_placement.allocate(unit, unit.mesh.device)
         for param in unit.params:
             present = [key for key in keys_of(param, prefix) if key in state_dict]
             if not present:

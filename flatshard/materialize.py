@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from flatshard.errors import WrappingError
 from flatshard.mesh import default_device
+from flatshard.runtime import shard_placement
 
 
 @torch.no_grad()
@@ -26,7 +27,7 @@ def materialize(model: nn.Module, device: torch.device | str | None = None) -> n
     """
     device = torch.device(device) if device is not None else _units_device(model)
     for unit in {m._flatshard_unit for m in model.modules() if hasattr(m, "_flatshard_unit")}:
-        unit.allocate(device)  # shards still on meta (fully_shard of a meta model)
+        shard_placement.allocate(unit, device)  # shards still on meta (fully_shard of a meta model)
     done: dict[int, nn.Parameter] = {}  # id(original) -> what now holds its values
     for module in model.modules():
         pending = _swap_in_full_tensors(module, device, done)

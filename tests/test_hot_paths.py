@@ -12,6 +12,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "flatshard"
 HOT = [
     *sorted((ROOT / "runtime").glob("*.py")),
     ROOT / "comm.py",
+    ROOT / "agreement.py",  # the lookup's plan, once per forward
     ROOT / "dtensor" / "row_shard.py",
     ROOT / "dtensor" / "redistribute.py",
     ROOT / "dtensor" / "sharded_param.py",
@@ -21,9 +22,9 @@ CREATORS = {"empty", "zeros", "ones", "full", "arange", "tensor", "rand", "randn
 SYNCS = {"item", "tolist", "cpu"}
 ALLOWED = {
     # (file, function): why a host sync is right there
-    ("comm.py", "all_gather_ints"): "the lookup's plan: split sizes must be known on the host "
+    ("agreement.py", "all_gather_ints"): "the lookup's plan: split sizes must be known on the host "
     "before any rank posts the exchange (one sync per forward, documented)",
-    ("comm.py", "agree"): "set-up only (fully_shard, save): never per step",
+    ("agreement.py", "agree"): "set-up only (fully_shard, save): never per step",
 }
 
 

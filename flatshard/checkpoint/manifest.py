@@ -13,7 +13,7 @@ import zlib
 
 import torch.distributed as dist
 
-from flatshard import comm
+from flatshard import agreement
 from flatshard.errors import CheckpointError
 
 MANIFEST = "flatshard.json"
@@ -101,7 +101,7 @@ def check_intact(directory: str, manifest: dict, group=None) -> None:
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group else (0, 1)
     problems = verify_files(directory, manifest, sorted(manifest["files"])[rank::world])
     try:
-        comm.agree("; ".join(problems) or None, group, CheckpointError)
+        agreement.agree("; ".join(problems) or None, group, CheckpointError)
     except CheckpointError as error:
         raise CheckpointError(
             f"checkpoint {directory} is corrupt: {error}. Load another step"

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from flatshard import comm
+from flatshard import agreement, comm
 from flatshard.checkpoint import commit, manifest
 from flatshard.checkpoint.state import (
     app_state,
@@ -76,7 +76,7 @@ def save(
     wait_for_pending_save()
     group = checkpoint_group()
     rank, world = rank_and_world(group)
-    comm.agree(
+    agreement.agree(
         f"step {step} is already saved in {directory}; pick a new step or delete it"
         if commit.exists(directory, step)
         else None,

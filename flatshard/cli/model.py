@@ -79,6 +79,26 @@ def reference_model(cfg: LlamaConfig) -> Llama | MoE:
     return MoE(cfg) if isinstance(cfg, MoEConfig) else Llama(cfg)
 
 
+def build_run_model(config, model_config: LlamaConfig | None, device: torch.device, load: bool):
+    """The model a training run config describes, sharded as its train.* keys say: the
+    Hugging Face model of model.hf (read from its files when `load`), else the reference
+    model of `model_config`."""
+    train = config.train
+    sharding = dict(
+        zero_stage=train.zero_stage,
+        precision=train.precision,
+        device=device,
+        dp_replicate=train.dp_replicate,
+        tp=train.tp,
+        ep=train.ep,
+        hpz_group=train.hpz_group,
+        offload=offload_policy(train.offload, train.offload_dir),
+    )
+    if config.model.hf:
+        return build_hf(config.model.hf, load=load, **sharding)
+    return build_sharded(model_config, seed=train.seed, **sharding)
+
+
 def build_sharded(
     cfg: LlamaConfig,
     *,

@@ -28,13 +28,7 @@ from flatshard.cli.errors import TrainingStopped
 from flatshard.cli.generate import sample_at_end
 from flatshard.cli.launch import EXIT_STOPPED, Ranks, init_distributed
 from flatshard.cli.meters import MemoryMeter, share_step, warm_up_runtime
-from flatshard.cli.model import (
-    build_hf,
-    build_sharded,
-    check_hf_vocab,
-    llama_config,
-    offload_policy,
-)
+from flatshard.cli.model import build_run_model, check_hf_vocab, llama_config
 from flatshard.cli.progress import Progress
 from flatshard.cli.run_header import run_header
 from flatshard.cli.schedule import learning_rate
@@ -92,20 +86,8 @@ class Trainer:
         warm_up_runtime(ranks.device)
         self.memory = MemoryMeter(ranks.device)  # from here on: what `flatshard plan` counts
         comm.traffic.take()  # count from here
-        sharding = dict(
-            zero_stage=train.zero_stage,
-            precision=train.precision,
-            device=ranks.device,
-            dp_replicate=train.dp_replicate,
-            tp=train.tp,
-            ep=train.ep,
-            hpz_group=train.hpz_group,
-            offload=offload_policy(train.offload, train.offload_dir),
-        )
-        if config.model.hf:  # on resume the checkpoint fills it: no need to read the HF files
-            self.model = build_hf(config.model.hf, load=resume_step is None, **sharding)
-        else:
-            self.model = build_sharded(self.model_config, seed=train.seed, **sharding)
+        # on resume the checkpoint fills the model: no need to read the HF files
+        self.model = build_run_model(config, self.model_config, ranks.device, resume_step is None)
         self.optimizer = torch.optim.AdamW(
             _parameter_groups(self.model, train.weight_decay),
             lr=train.lr,
@@ -207,7 +189,8 @@ class Trainer:
         if not (math.isfinite(loss) and math.isfinite(shared["grad_norm"])):
             self._non_finite(loss, shared["grad_norm"], lr)
         self.optimizer.step()
-        host_bytes, disk_bytes = offloaded_bytes(self.model, self.optimizer)
+        offloads = train.offload or train.offload_dir  # (a walk over the optimizer state)
+        host_bytes, disk_bytes = offloaded_bytes(self.model, self.optimizer) if offloads else (0, 0)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.position += train.global_batch

@@ -52,7 +52,9 @@ class RowShardedParameter(DTensor):
             # still on meta (FSDP2's flow): the unit gets real shards, whose new parameter
             # takes this one's place in the module and receives the values
             unit, managed = self._flatshard_param
-            unit.allocate(unit.mesh.device)
+            from flatshard.runtime import shard_placement  # (it builds these parameters)
+
+            shard_placement.allocate(unit, unit.mesh.device)
             target = managed.sharded
         with torch.no_grad():
             target.to_local().copy_(rows_in_layout(value, spec))

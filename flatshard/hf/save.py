@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from flatshard import comm
+from flatshard import agreement
 from flatshard.dtensor.sharded_param import param_spec
 from flatshard.hf.adapter import StateDictAdapter, adapter_for
 from flatshard.hf.checkpoint import INDEX_FILE, SINGLE_FILE
@@ -96,7 +96,7 @@ def save_pretrained(
             if last_use[name] == i:
                 del gathered[name]  # only the parameters of the tensors being written are alive
     problem = writer.finish(files) if writer is not None else None
-    comm.agree(problem, group, HFCheckpointError)  # also the barrier: files exist after it
+    agreement.agree(problem, group, HFCheckpointError)  # also the barrier: files exist after it
 
 
 def _hf_tensor(mapping: TensorMapping, info, full: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from flatshard.hf.checkpoint import read_hf_config
 from flatshard.hf.conversion import disk_mappings, model_tensors
 from flatshard.hf.errors import HFCheckpointError, HFConfigError
 from flatshard.hf.names import TensorMapping
+from flatshard.runtime import shard_placement
 
 # config.json fields that mean the weights are not plain tensors of the model's own code
 _REFUSED_FIELDS = {
@@ -77,7 +78,7 @@ class TransformersAdapter(StateDictAdapter):
         for module in model.modules():
             unit = getattr(module, "_flatshard_unit", None)
             if unit is not None:
-                unit.allocate(unit.mesh.device)
+                shard_placement.allocate(unit, unit.mesh.device)
         allocate_unsharded(model, device)
         for module in model.modules():
             for name, buffer in module._buffers.items():

@@ -22,6 +22,7 @@ from flatshard import comm
 from flatshard.dtensor.disk_tier import disk_tier
 from flatshard.layout.offload import BucketPieces, offload_cuts
 from flatshard.policy import OffloadPolicy
+from flatshard.runtime.shard_placement import place_offloaded
 
 
 def units_below(modules: list[nn.Module]) -> list:
@@ -56,7 +57,7 @@ def place(modules: list[nn.Module], policy: OffloadPolicy) -> None:
     tier = disk_tier(policy.path) if policy.path is not None else None
     for unit in units:
         unit_cuts = [cuts[id(unit), index] for index in range(len(unit.buckets))]
-        unit.place_offloaded(unit_cuts, pin, tier)
+        place_offloaded(unit, unit_cuts, pin, tier)
 
 
 def wait_for_host_gradients(units) -> None:

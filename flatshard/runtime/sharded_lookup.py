@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from flatshard import comm
+from flatshard import agreement, comm
 from flatshard.errors import TokenIdError
 from flatshard.runtime.gather_policy import looks_up, lookup_possible
 
@@ -87,7 +87,7 @@ class ShardedLookup:
         rows = self.module.num_embeddings
         out_of_range = ((ids < 0) | (ids >= rows)).any().to(torch.int64)
         count = torch.full((), ids.numel(), dtype=torch.int64, device=ids.device)
-        ranks = comm.all_gather_ints(torch.stack([count, out_of_range]), self.group)
+        ranks = agreement.all_gather_ints(torch.stack([count, out_of_range]), self.group)
         bad = [rank for rank, (_, out) in enumerate(ranks) if out]
         if bad:  # every rank raises: none is left waiting in a collective
             raise TokenIdError(

@@ -2,7 +2,9 @@
 
 Its buckets (storage), its parameters in their two forms (the sharded DTensors the user and
 the optimizer see; the unsharded views of the gathered buffers that forward and backward
-use), its settings and its explicit state (states.py). The hooks that drive it through a
+use), its settings and its explicit state (states.py). Where its shards live (allocated
+from meta, moved to the host by optimizer offload) is shard_placement.py. The hooks that
+drive it through a
 step are in hooks.py, the order and prefetch decisions in schedule.py, its gradients in
 grad_sync.py, an embedding's lookup from the shards in sharded_lookup.py.
 """
@@ -17,27 +19,12 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from flatshard import comm
-from flatshard.dtensor.sharded_param import RowShardedParameter, make_row_sharded_dtensor
 from flatshard.layout import UnitLayout
 from flatshard.policy import MixedPrecisionPolicy, OffloadPolicy
 from flatshard.runtime.flat_bucket import FlatBucket
 from flatshard.runtime.grad_sync import GradientSync
 from flatshard.runtime.sharded_lookup import ShardedLookup, lookup_capable
 from flatshard.runtime.states import Resharding, ShardedState, TrainingState, check_move
-
-
-def sharded_parameter(
-    bucket: FlatBucket, index: int, mesh, requires_grad: bool, tp_placement=None
-) -> nn.Parameter:
-    """The sharded parameter of slot `index` of `bucket`: a `RowShardedParameter` (a DTensor)
-    whose local tensor is this rank's rows, a view of the bucket's main weights (on the
-    host when the piece is offloaded: the optimizer then steps it there)."""
-    rows, spec = bucket.shard.rows(index), bucket.specs[index]
-    base, tier = bucket.shard.base(index), bucket.shard.tier_of(index)
-    dtensor = make_row_sharded_dtensor(rows, mesh, spec, base, tp_placement, tier)
-    param = nn.Parameter(dtensor, requires_grad=requires_grad)
-    param.__class__ = RowShardedParameter  # `.data =` loads instead of being dropped
-    return param
 
 
 @dataclass
@@ -214,41 +201,6 @@ class Unit:
             self._move_sharded(ShardedState.SHARDED)
         if not keep_for_backward:
             self._drop_secondaries()
-
-    def allocate(self, device: torch.device) -> None:
-        """Give a unit built on the meta device real (zeroed) shards on `device`, as FSDP2's
-        `to_empty` does: new sharded parameters take the meta ones' places."""
-        if not any(b.on_meta for b in self.buckets):
-            return
-        for bucket in self.buckets:
-            bucket.allocate(device)
-        self._new_sharded_params()
-
-    def place_offloaded(self, cuts: list[int], pin_memory: bool, tier) -> None:
-        """Move each bucket's shard from its cut on to the host (the layout's choice, made
-        over the whole model: runtime/offload.py); the moved pieces get new sharded
-        parameters there, as `to_empty` gives (before an optimizer is built on them)."""
-        moved = [
-            bucket.shard.place(cut, pin_memory, tier) for bucket, cut in zip(self.buckets, cuts)
-        ]
-        if any(moved):
-            self._new_sharded_params()
-
-    def _new_sharded_params(self) -> None:
-        for param in self.params:
-            old = param.sharded
-            param.sharded = sharded_parameter(
-                self.buckets[param.bucket],
-                param.index,
-                self.mesh,
-                old.requires_grad,
-                param.tp_placement,
-            )
-            param.sharded._flatshard_param = (self, param)
-            old._flatshard_replaced_by = param.sharded  # an optimizer built on it: an error
-            param.unsharded = None
-            for module, name in param.occurrences:
-                module._parameters[name] = param.sharded
 
     def mark_stale(self) -> None:
         """Force the next use to gather again."""
