@@ -29,6 +29,10 @@ from flatshard.errors import OffloadError
 # Ops an optimizer makes its state with: for a piece of the disk tier, their result is paged.
 STATE_FACTORIES = {"zeros_like", "empty_like", "full_like", "ones_like", "clone"}
 
+# Whether any paged buffer was ever made: until then no op needs its arguments searched
+# for one (the row-shard dispatch runs for every op an optimizer applies).
+in_use = False
+
 
 class DiskTier:
     """A directory holding paged optimizer state."""
@@ -69,6 +73,8 @@ class DiskTier:
             os.close(handle)
             os.unlink(name)
         tensor = torch.frombuffer(mapping, dtype=like.dtype, count=like.numel())
+        global in_use
+        in_use = True
         return PagedBuffer(tensor.view(like.shape), mapping)
 
     def _error(self, error: OSError) -> OffloadError:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from flatshard.dtensor import disk_tier
 from flatshard.dtensor.disk_tier import (
     STATE_FACTORIES,
     DiskTier,
@@ -135,7 +136,7 @@ class RowShard(torch.Tensor):
         if func is torch.ops.aten._foreach_norm.Scalar and _is_max_norm(args, kwargs):
             # a rank may hold no rows: the max of nothing is 0 here, not an error
             return [_max_abs(t.data_ if type(t) is RowShard else t) for t in args[0]]
-        if paged_pieces(args, kwargs):
+        if disk_tier.in_use and paged_pieces(args, kwargs):
             return _run_paged(func, op, args, kwargs)
         return _dispatch(func, op, args, kwargs)
 

@@ -115,3 +115,32 @@ def adapter_for_config(hf_config: dict) -> StateDictAdapter:
 
 def supported_architectures() -> list[str]:
     return [arch for adapter in _FAMILIES for arch in getattr(adapter, "architectures", ())]
+
+
+def config_differences(ours, theirs, skip=(), hf_names=None) -> list[str]:
+    """The fields in which two model configs (dataclasses) differ, as "field: model X,
+    config.json Y" (with the config.json name where `hf_names` gives one)."""
+    hf_names = hf_names or {}
+    return [
+        f"{field}{f' (config.json {hf_names[field]})' if field in hf_names else ''}: model "
+        f"{getattr(ours, field)!r}, config.json {getattr(theirs, field)!r}"
+        for field in ours.__dataclass_fields__
+        if field not in skip and getattr(ours, field) != getattr(theirs, field)
+    ]
+
+
+def export_dtype(model: nn.Module, dtype: torch.dtype | None) -> torch.dtype | None:
+    """The dtype an export records: the one asked for, else the parameters' one (if one)."""
+    dtypes = {p.dtype for p in model.parameters()}
+    return dtype or (dtypes.pop() if len(dtypes) == 1 else None)
+
+
+def with_extra_fields(hf: dict, extra: dict, ignorable: set[str]) -> dict:
+    """`hf` with the user's `extra` config.json fields, which may not change the model."""
+    not_ignorable = sorted(set(extra) - ignorable)
+    if not_ignorable:
+        raise HFCheckpointError(
+            f"extra_config may only add fields that do not change the model "
+            f"(flatshard.hf.IGNORED_FIELDS); {not_ignorable} are not among them"
+        )
+    return {**hf, **extra}

@@ -9,7 +9,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from flatshard.hf.adapter import StateDictAdapter, register
+from flatshard.hf.adapter import (
+    StateDictAdapter,
+    config_differences,
+    export_dtype,
+    register,
+    with_extra_fields,
+)
 from flatshard.hf.checkpoint import read_hf_config
 from flatshard.hf.errors import HFCheckpointError
 from flatshard.hf.llama_config import ARCHITECTURES, IGNORED_FIELDS, config_to_hf, hf_to_config
@@ -61,11 +67,7 @@ class LlamaAdapter(StateDictAdapter):
             return
         ours, theirs = model.config, hf_to_config(read_hf_config(path))
         # max_seq_len only bounds the inputs: a shorter limit than the checkpoint's is fine
-        differ = [
-            f"{field}: model {getattr(ours, field)!r}, config.json {getattr(theirs, field)!r}"
-            for field in ours.__dataclass_fields__
-            if field != "max_seq_len" and getattr(ours, field) != getattr(theirs, field)
-        ]
+        differ = config_differences(ours, theirs, skip={"max_seq_len"})
         if differ:
             raise HFCheckpointError(
                 f"the model's config differs from {path / 'config.json'}: {'; '.join(differ)}. "
@@ -74,15 +76,8 @@ class LlamaAdapter(StateDictAdapter):
             )
 
     def export_config(self, model: nn.Module, dtype: torch.dtype | None, extra: dict) -> dict:
-        dtypes = {p.dtype for p in model.parameters()}
-        hf = config_to_hf(model.config, dtype or (dtypes.pop() if len(dtypes) == 1 else None))
-        not_ignorable = sorted(set(extra) - IGNORED_FIELDS)
-        if not_ignorable:
-            raise HFCheckpointError(
-                f"extra_config may only add fields that do not change the model "
-                f"(flatshard.hf.IGNORED_FIELDS); {not_ignorable} are not among them"
-            )
-        return {**hf, **extra}
+        hf = config_to_hf(model.config, export_dtype(model, dtype))
+        return with_extra_fields(hf, extra, IGNORED_FIELDS)
 
     def mismatch_hints(self, model: nn.Module, unexpected: list[str]) -> list[str]:
         if "lm_head.weight" in unexpected and model.config.tie_embeddings:

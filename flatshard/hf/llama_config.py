@@ -185,13 +185,19 @@ def config_to_hf(config: LlamaConfig, dtype: torch.dtype | None = None) -> dict:
 
 
 def _model_type(hf: dict) -> str:
+    return model_type_of(hf, ARCHITECTURES, "flatshard imports")
+
+
+def model_type_of(hf: dict, architectures: dict[str, str], importer: str) -> str:
+    """The model_type of a config.json whose one architecture `importer` (a phrase: who
+    imports it) knows, checked against its own model_type field."""
     archs = hf.get("architectures")
-    if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in ARCHITECTURES:
+    if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in architectures:
         raise HFConfigError(
-            f"config.json field 'architectures' is {archs!r}; flatshard imports exactly one of "
-            f"{sorted(ARCHITECTURES)}"
+            f"config.json field 'architectures' is {archs!r}; {importer} exactly one of "
+            f"{sorted(architectures)}"
         )
-    model_type = ARCHITECTURES[archs[0]]
+    model_type = architectures[archs[0]]
     if hf.get("model_type", model_type) != model_type:
         raise HFConfigError(
             f"config.json field 'model_type' is {hf['model_type']!r} but 'architectures' is "

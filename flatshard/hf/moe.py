@@ -29,7 +29,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from flatshard.hf.adapter import StateDictAdapter, register
+from flatshard.hf.adapter import (
+    StateDictAdapter,
+    config_differences,
+    export_dtype,
+    register,
+    with_extra_fields,
+)
 from flatshard.hf.checkpoint import read_hf_config
 from flatshard.hf.errors import HFCheckpointError
 from flatshard.hf.llama import LLAMA_RULES
@@ -88,12 +94,8 @@ class MoEAdapter(StateDictAdapter):
         unchecked = set(_UNCHECKED)
         if not ours.first_k_dense and not theirs.first_k_dense:
             unchecked.add("ffn_dim")  # sizes only dense layers, and there are none
-        differ = [
-            f"{field} (config.json {HF_NAMES.get(field, field)}): model "
-            f"{getattr(ours, field)!r}, config.json {getattr(theirs, field)!r}"
-            for field in ours.__dataclass_fields__
-            if field not in unchecked and getattr(ours, field) != getattr(theirs, field)
-        ]
+        names = {field: HF_NAMES.get(field, field) for field in ours.__dataclass_fields__}
+        differ = config_differences(ours, theirs, skip=unchecked, hf_names=names)
         if differ:
             raise HFCheckpointError(
                 f"the model's config differs from {path / 'config.json'}: {'; '.join(differ)}. "
@@ -102,15 +104,8 @@ class MoEAdapter(StateDictAdapter):
             )
 
     def export_config(self, model: nn.Module, dtype: torch.dtype | None, extra: dict) -> dict:
-        dtypes = {p.dtype for p in model.parameters()}
-        hf = moe_config_to_hf(model.config, dtype or (dtypes.pop() if len(dtypes) == 1 else None))
-        not_ignorable = sorted(set(extra) - IGNORED_FIELDS)
-        if not_ignorable:
-            raise HFCheckpointError(
-                f"extra_config may only add fields that do not change the model "
-                f"(flatshard.hf.IGNORED_FIELDS); {not_ignorable} are not among them"
-            )
-        return {**hf, **extra}
+        hf = moe_config_to_hf(model.config, export_dtype(model, dtype))
+        return with_extra_fields(hf, extra, IGNORED_FIELDS)
 
     def mismatch_hints(self, model: nn.Module, unexpected: list[str]) -> list[str]:
         experts = [int(m.group(1)) for name in unexpected if (m := _EXPERT_INDEX.search(name))]

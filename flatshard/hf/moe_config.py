@@ -18,7 +18,7 @@ import re
 import torch
 
 from flatshard.hf.errors import HFConfigError
-from flatshard.hf.llama_config import IGNORED_FIELDS, _rope
+from flatshard.hf.llama_config import IGNORED_FIELDS, _rope, model_type_of
 from flatshard.models import MoEConfig
 
 ARCHITECTURES = {"Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
@@ -180,19 +180,7 @@ def moe_config_to_hf(config: MoEConfig, dtype: torch.dtype | None = None) -> dic
 
 
 def _model_type(hf: dict) -> str:
-    archs = hf.get("architectures")
-    if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in ARCHITECTURES:
-        raise HFConfigError(
-            f"config.json field 'architectures' is {archs!r}; flatshard's MoE model imports "
-            f"exactly one of {sorted(ARCHITECTURES)}"
-        )
-    model_type = ARCHITECTURES[archs[0]]
-    if hf.get("model_type", model_type) != model_type:
-        raise HFConfigError(
-            f"config.json field 'model_type' is {hf['model_type']!r} but 'architectures' is "
-            f"{archs[0]!r}, whose model_type is {model_type!r}; fix one of them"
-        )
-    return model_type
+    return model_type_of(hf, ARCHITECTURES, "flatshard's MoE model imports")
 
 
 def _resolved(hf: dict, model_type: str):
