@@ -1,5 +1,15 @@
 """flatshard: fully sharded data parallel training on flat, row-aligned buffers."""
 
+# The rest of `torch.distributed.fsdp`'s FSDP2 names, so a script ports by its import line:
+# flatshard's modules are FSDPModules, its unshard handles UnshardHandles, and
+# `fully_shard` takes FSDP2's CPUOffloadPolicy and DataParallelMeshDims as they are.
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    DataParallelMeshDims,
+    FSDPModule,
+    UnshardHandle,
+)
+
 from flatshard import checkpoint, hf
 from flatshard.api import fully_shard
 from flatshard.dtensor.clip import clip_grad_norm_
@@ -14,11 +24,20 @@ from flatshard.errors import (
     UnevenShardError,
     WrappingError,
 )
-from flatshard.fsdp_module import FlatShardModule, register_fsdp_forward_method, weights_changed
+from flatshard.fsdp_module import (
+    FlatShardModule,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+    weights_changed,
+)
 from flatshard.materialize import materialize
 from flatshard.policy import MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
+    "CPUOffloadPolicy",
+    "DataParallelMeshDims",
+    "FSDPModule",
+    "UnshardHandle",
     "FlatShardError",
     "FlatShardModule",
     "LayoutError",
@@ -37,5 +56,6 @@ __all__ = [
     "materialize",
     "register_fsdp_forward_method",
     "row_range",
+    "share_comm_ctx",
     "weights_changed",
 ]

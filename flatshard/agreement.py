@@ -40,8 +40,14 @@ def agree(local_problem: str | None, group, error_type: type[FlatShardError]) ->
         return
     problems: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(problems, local_problem, group=group)
-    found = [f"rank {rank}: {text}" for rank, text in enumerate(problems) if text]
-    raise error_type("; ".join(found))
+    raise error_type(_joined(problems))
+
+
+def _joined(problems: list) -> str:
+    """The ranks' problems as one message: once when every rank found the same."""
+    if len(set(problems)) == 1:
+        return problems[0]
+    return "; ".join(f"rank {rank}: {text}" for rank, text in enumerate(problems) if text)
 
 
 def fingerprint(value) -> int:
@@ -79,7 +85,7 @@ def agree_on(
         return
     gathered: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, (local_problem, description), group=group)
-    found = [f"rank {rank}: {text}" for rank, (text, _) in enumerate(gathered) if text]
-    if found:
-        raise error_type("; ".join(found))
+    problems = [text for text, _ in gathered]
+    if any(problems):
+        raise error_type(_joined(problems))
     raise error_type(explain_difference([described for _, described in gathered]))

@@ -17,12 +17,12 @@ from torch.distributed.tensor import DTensor, Shard
 
 from flatshard import agreement, load_hooks
 from flatshard.dtensor import patches
-from flatshard.dtensor.tp_params import tp_param_info, tp_placement
+from flatshard.dtensor.tp_params import onto_tp_mesh, tp_param_info, tp_placement
 from flatshard.errors import WrappingError
 from flatshard.fsdp_module import FlatShardModule, wrapped_class
 from flatshard.layout import ParamInfo, declared_components, plan_unit_layout
 from flatshard.layout.offload import needs_bucket_per_param
-from flatshard.mesh import ShardMesh
+from flatshard.mesh import ShardMesh, split_spmd_mesh
 from flatshard.policy import (
     MixedPrecisionPolicy,
     as_mixed_precision,
@@ -49,6 +49,7 @@ def fully_shard(
     offload_policy=None,
     ignored_params: set[nn.Parameter] | None = None,
     zero_stage: int | None = None,
+    dp_mesh_dims=None,
 ):
     """Shard `module`'s parameters (those not already managed by an inner `fully_shard`).
 
@@ -66,6 +67,9 @@ def fully_shard(
         below `module`: shard the root with the same policy); FSDP2's `OffloadPolicy()`
         (none) and `CPUOffloadPolicy()` (all) are accepted.
     ignored_params: parameters left alone: not sharded, not reduced.
+    dp_mesh_dims: FSDP2's `DataParallelMeshDims`: `mesh` is the whole SPMD mesh, these of
+        its dims are data-parallel (shard, replicate), the parameters are DTensors on it
+        (`Replicate` over those dims; a remaining dim is tensor parallelism).
     On a model root (a module some of whose children are already units), each run of
     consecutive children holding no unit, e.g. [embedding] and [norm, output head], gets a
     unit of its own with the same settings, gathered on first use (`runtime/first_use.py`).
@@ -75,7 +79,9 @@ def fully_shard(
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     for each in modules:
         _check_module(each)
-    mesh = ShardMesh.resolve(mesh)
+    if dp_mesh_dims is not None and mesh is not None:
+        onto_tp_mesh(modules, mesh, split_spmd_mesh(mesh, dp_mesh_dims)[1])
+    mesh = ShardMesh.resolve(mesh, dp_mesh_dims)
     group_size = forward_group_size(reshard_after_forward, mesh.shard_size)
     if reshard_after_forward == 1 and not isinstance(reshard_after_forward, bool):
         reshard_after_forward = False  # one rank keeps it all: no resharding
@@ -166,9 +172,8 @@ def _shard(members, mesh, settings, first_use_of, ignored, shard_placement_fn) -
             mesh.shard_group,
             # a model built on meta stays there until to_empty / materialize, as FSDP2's
             torch.device("meta") if on_meta else mesh.device,
-            main_dtype=bucket_layout.dtype,
-            param_dtype=policy.param_dtype or bucket_layout.dtype,
-            reduce_dtype=policy.reduce_dtype or policy.param_dtype or bucket_layout.dtype,
+            bucket_layout.dtype,
+            *policy.dtypes_for(bucket_layout.dtype),
         )
         for bucket_layout in layout.buckets
     ]
@@ -290,6 +295,14 @@ def _check_params(found) -> str | None:
             "module to one device (or the meta device) before fully_shard"
         )
     for fqn, param, _ in found:
+        subclass = _tensor_subclass(param)
+        if subclass is not None:
+            return (
+                f"parameter {fqn!r} is a {subclass} (a tensor subclass); flatshard keeps "
+                "parameters in flat buckets of plain tensors and does not run the "
+                "tensor-subclass all-gather (fsdp_pre_all_gather) yet: keep it a plain "
+                "tensor, or leave it out with ignored_params"
+            )
         if not torch.is_floating_point(param):
             return (
                 f"parameter {fqn!r} has dtype {param.dtype}; only floating-point parameters shard"
@@ -297,6 +310,15 @@ def _check_params(found) -> str | None:
         if param.dim() == 0:
             return f"parameter {fqn!r} is 0-dimensional; make it shape (1,) to shard it"
     return None
+
+
+def _tensor_subclass(param) -> str | None:
+    """The class name of a parameter that is a tensor subclass (a DTensor's local tensor
+    counts; DTensor itself, from tensor parallelism, does not)."""
+    tensor = param._local_tensor if isinstance(param, DTensor) else param
+    if type(tensor) in (torch.Tensor, nn.Parameter):
+        return None
+    return type(tensor).__name__
 
 
 def _describe_param(fqn: str, param) -> tuple:

@@ -43,6 +43,13 @@ def group_device(group) -> torch.device:
     return torch.device("cpu")
 
 
+def default_generator(device: torch.device) -> torch.Generator:
+    """The random-number generator that ops on `device` draw from when given none."""
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index or torch.cuda.current_device()]
+    return torch.default_generator
+
+
 def thread_device_setter():
     """A function that makes another thread use this thread's CUDA device (a no-op without
     CUDA). A thread starts on device 0: an async checkpoint writer would open a context

@@ -1,12 +1,14 @@
-"""`FlatShardModule`: the methods a `fully_shard`-ed module gains, as FSDP2's `FSDPModule`
-(unshard, reshard, gradient sync, resharding, prefetch, divide factor)."""
+"""`FlatShardModule`: the methods a `fully_shard`-ed module gains. It is a subclass of
+PyTorch's `torch.distributed.fsdp.FSDPModule` with every one of its methods, so code that
+finds FSDP units with `isinstance(m, FSDPModule)` (torchtitan, accelerate, Lightning)
+finds flatshard's too and reaches flatshard's state, never FSDP2's."""
 
 from __future__ import annotations
 
 import functools
 
-import torch
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule, UnshardHandle
 
 from flatshard.errors import WrappingError
 from flatshard.runtime import hooks, shard_placement
@@ -14,10 +16,14 @@ from flatshard.runtime.sharded_lookup import embedding_forward
 from flatshard.runtime.unit import Unit
 
 
-class FlatShardModule(nn.Module):
-    """Methods a `fully_shard`-ed module gains (the `FSDPModule` ones that apply here)."""
+class FlatShardModule(FSDPModule, nn.Module):
+    """Methods a `fully_shard`-ed module gains: FSDP2's `FSDPModule` ones."""
 
     _flatshard_unit: Unit
+    # FSDPModule.__new__ (indexing a wrapped container builds a new one) constructs the
+    # original class, found at this index of the wrapped class's MRO:
+    # [FlatShard<Orig>, FlatShardModule, FSDPModule, Orig, ...]
+    _orig_cls_mro_index = 3
 
     def unshard(self, async_op: bool = False):
         """Gather this unit's parameters now; with `async_op`, return a handle to `wait()` on."""
@@ -82,6 +88,75 @@ class FlatShardModule(nn.Module):
         for unit in self._units(recurse=True):
             unit.grads.divide_factor = float(factor)
 
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """FSDP2's deprecated name of `set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_all_reduce_hook(self, hook, *, stream=None) -> None:
+        """`hook(reduced)` runs on each of this unit's reduced gradient shards (in the
+        reduce dtype, before they are added to the parameters' gradients): the
+        reduce-scatter's output, or under HSDP the all-reduce's over the replicas, as in
+        FSDP2 (torchft sums over its own replicas here). Not recursive. `stream` is
+        accepted without HSDP; the hook runs on the current stream."""
+        unit = self._flatshard_unit
+        if stream is not None and unit.mesh.replicate_group is not None:
+            raise ValueError("stream cannot be set when using native HSDP")
+        unit.grads.all_reduce_hook = hook
+
+    def set_custom_all_gather(self, comm) -> None:
+        raise NotImplementedError(_NOT_YET.format(what="set_custom_all_gather"))
+
+    def set_custom_reduce_scatter(self, comm) -> None:
+        raise NotImplementedError(_NOT_YET.format(what="set_custom_reduce_scatter"))
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse=True):
+        """Accepted: flatshard always reduce-scatters a unit's whole buckets (a parameter a
+        rank did not use contributes zeros), so ranks that use different parameters never
+        mismatch their collectives: FSDP2's True, whatever the value."""
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse=True):
+        """Accepted (checked as FSDP2 checks it): flatshard's reduce-scatters read from a
+        buffer pool that backward reuses, so there is no cap to set; results never depend
+        on it."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"
+            )
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse=True) -> None:
+        """Accepted: a choice of FSDP2's NCCL streams and communicators; flatshard keeps its
+        collectives on the shard group. Results never depend on it."""
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Accepted: where FSDP2 allocates its staging buffers (NCCL); flatshard uses its
+        own buffer pool. Results never depend on it."""
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Accepted: FSDP2's symmetric-memory all-gather (NCCL); results never depend on it."""
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """Accepted: flatshard's gathers are always asynchronous, waited for where used."""
+
+    def reset_iter_state(self) -> None:
+        """After `forward()` or `backward()` raised: wait for collectives in flight, drop
+        the failed iteration's gradients (those held for accumulation too) and reshard
+        every unit, so that the next iteration runs normally. Call it on the root."""
+        unit = self._flatshard_unit
+        if unit.context is not None and unit.context.root is not unit:
+            raise RuntimeError(
+                "reset_iter_state() must be called on the root module (the one whose "
+                f"forward runs first), not on {type(self).__name__}"
+            )
+        hooks.reset_iteration(unit)
+
+    def _get_fsdp_state(self):
+        raise NotImplementedError(
+            f"{type(self).__name__} is sharded by flatshard, which keeps no FSDP2 FSDPState; "
+            "use the FSDPModule methods (set_requires_gradient_sync, unshard, ...) instead"
+        )
+
     def _units(self, recurse: bool) -> list[Unit]:
         if not recurse:
             return [self._flatshard_unit]
@@ -97,44 +172,34 @@ class FlatShardModule(nn.Module):
 
     def _apply(self, fn, recurse=True):
         # `to_empty()`, `.to()` etc. must not replace the sharded parameters: they are views
-        # of flat buffers. Hide them while the conversion runs over everything else, and
-        # refuse a conversion that would change their dtype or device.
-        _refuse_conversion(self._flatshard_unit, fn)
+        # of flat buffers. The unit converts its shards itself (allocates them when on meta,
+        # changes their dtype); the conversion runs over everything else with them hidden,
+        # and each module gets its parameters back in their order (an optimizer state
+        # loaded by position must find the same parameters).
+        unit = self._flatshard_unit
+        unit.reshard()
+        shard_placement.convert(unit, fn)
         below = set(self.modules())
-        hidden = []
-        for param in self._flatshard_unit.params:
+        orders, hidden = {}, {}
+        for param in unit.params:
             for module, name in param.occurrences:
                 if module in below:  # a unit over several modules: each hides its own
-                    hidden.append((module, name, module._parameters.pop(name)))
+                    orders.setdefault(module, list(module._parameters))
+                    hidden[(module, name)] = module._parameters.pop(name)
         try:
-            return super()._apply(fn, recurse)
+            return super(FSDPModule, self)._apply(fn, recurse)
         finally:
-            for module, name, value in reversed(hidden):
-                module._parameters[name] = value
+            for module, order in orders.items():
+                params = module._parameters
+                ordered = {name: hidden.get((module, name), params.get(name)) for name in order}
+                params.clear()
+                params.update(ordered)
 
 
-def _refuse_conversion(unit: Unit, fn) -> None:
-    """A conversion that would change the shards' dtype or device is refused (the shards are
-    views of flat buffers it would not reach); `to_empty` of a unit still on meta allocates
-    its shards on the mesh's device."""
-    for bucket in unit.buckets:
-        probe = bucket.shard.main.new_empty(0)
-        converted = fn(probe)
-        if bucket.on_meta and isinstance(converted, torch.Tensor):
-            if converted.dtype == probe.dtype and converted.device == unit.mesh.device:
-                shard_placement.allocate(
-                    unit, unit.mesh.device
-                )  # to_empty of a model built on meta
-                return
-        if isinstance(converted, torch.Tensor) and (
-            converted.dtype != probe.dtype or converted.device != probe.device
-        ):
-            raise WrappingError(
-                f"converting a fully_shard-ed module to {converted.dtype} on "
-                f"{converted.device} would leave its sharded parameters ({probe.dtype} on "
-                f"{probe.device}) as they are. Convert the model before fully_shard (for the "
-                "compute dtype use mp_policy=MixedPrecisionPolicy(param_dtype=...))."
-            )
+_NOT_YET = (
+    "{what}: flatshard gathers and reduces a unit's flat buckets with its own collectives; "
+    "custom collectives are not supported yet"
+)
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
@@ -154,6 +219,15 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     setattr(module, method_name, with_hooks)
 
 
+def share_comm_ctx(modules: list[nn.Module]) -> None:
+    """FSDP2's function of the same name (pipeline stages: several roots share CUDA streams).
+    Checked as FSDP2 checks it; flatshard's roots issue collectives on the current stream
+    and share no buffers across roots, so there is nothing else to share."""
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"Expects list of FSDPModules but got {module}")
+
+
 def weights_changed(model: nn.Module) -> None:
     """Make every unit gather again before its next use. In-place writes to the sharded
     weights are noticed on their own (version counters); this is for writes that bypass
@@ -163,7 +237,7 @@ def weights_changed(model: nn.Module) -> None:
             module._flatshard_unit.mark_stale()
 
 
-class _UnshardHandle:
+class _UnshardHandle(UnshardHandle):
     def __init__(self, unit: Unit):
         self._unit = unit
 

@@ -187,11 +187,16 @@ class ShardMesh:
         return self.replicate_size * self.shard_size * (self.tp_size if self.splits_data else 1)
 
     @classmethod
-    def resolve(cls, device_mesh: DeviceMesh | ShardMesh | None) -> ShardMesh:
-        """The mesh given to `fully_shard`, or all ranks of the default process group on its
-        backend's device (gloo: CPU, NCCL: CUDA), as FSDP2 defaults."""
+    def resolve(cls, device_mesh: DeviceMesh | ShardMesh | None, dp_mesh_dims=None) -> ShardMesh:
+        """The mesh given to `fully_shard` (with `dp_mesh_dims`, its data-parallel dims), or
+        all ranks of the default process group on its backend's device (gloo: CPU, NCCL:
+        CUDA), as FSDP2 defaults."""
         if isinstance(device_mesh, ShardMesh):
             return device_mesh
+        if dp_mesh_dims is not None:
+            if device_mesh is None:
+                raise MeshError("dp_mesh_dims names dims of a mesh: pass mesh= too")
+            device_mesh, _ = split_spmd_mesh(device_mesh, dp_mesh_dims)
         if device_mesh is None:
             if not dist.is_initialized():
                 raise MeshError(
@@ -206,6 +211,40 @@ class ShardMesh:
         replicas = f"{self.replicate_size} x " if self.replicate_size > 1 else ""
         tp = f" x tp {self.tp_size}" if self.tp_mesh is not None else ""
         return f"ShardMesh({replicas}{self.shard_size}{tp} ranks on {self.device})"
+
+
+def split_spmd_mesh(mesh: DeviceMesh, dims) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """FSDP2's `dp_mesh_dims` (a `DataParallelMeshDims`): `mesh` is the whole SPMD mesh.
+    Returns the data-parallel mesh `fully_shard` shards over (replicate dims then shard
+    dims, several names flattened into one) and the mesh of the other dim, where the
+    parameters' own (tensor-parallel) placements are (None: there is none)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    shard, replicate = tuple(dims.shard_names), tuple(dims.replicate_names)
+    if not shard:
+        raise MeshError(
+            "dp_mesh_dims without a shard dim (FSDP2's replicate-only mode) is not supported "
+            "by flatshard; name the dim(s) to shard over, e.g. DataParallelMeshDims(shard='dp')"
+        )
+    unknown = [n for n in (*shard, *replicate) if n not in names]
+    if unknown:
+        raise MeshError(f"dp_mesh_dims names {unknown}, which the mesh {names} does not have")
+    dp = [_one_dim(mesh, group) for group in (replicate, shard) if group]
+    rest = tuple(n for n in names if n not in (*shard, *replicate))
+    if len(rest) > 1:
+        raise MeshError(
+            f"dp_mesh_dims leaves the dims {rest} of the mesh {names}: flatshard composes "
+            "with one tensor-parallel dim (flatten the others into the data-parallel dims)"
+        )
+    return mesh[tuple(dp)] if len(dp) > 1 else mesh[dp[0]], mesh[rest[0]] if rest else None
+
+
+def _one_dim(mesh: DeviceMesh, group: tuple[str, ...]) -> str:
+    """The name of one mesh dim covering `group` (flattened when it has several)."""
+    if len(group) == 1:
+        return group[0]
+    name = "_".join(group)
+    mesh[group]._flatten(name)
+    return name
 
 
 def _joined(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:

@@ -27,6 +27,13 @@ class MixedPrecisionPolicy:
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
 
+    def dtypes_for(self, main_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+        """(compute dtype, reduce dtype) of parameters kept in `main_dtype`: as FSDP2, a
+        reduce dtype of None reduces in the compute dtype, and a param dtype of None
+        computes in the parameters' own."""
+        param_dtype = self.param_dtype or main_dtype
+        return param_dtype, self.reduce_dtype or param_dtype
+
 
 def as_mixed_precision(policy) -> MixedPrecisionPolicy:
     """Accept our policy or PyTorch FSDP2's (same fields), so FSDP2 scripts port by import."""

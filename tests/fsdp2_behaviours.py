@@ -77,6 +77,25 @@ def mine(x):
     return x[rank * per : (rank + 1) * per]
 
 
+def close(ours, theirs, tolerance, where=""):
+    """Assert `ours` agrees with `theirs`: tensors to `tolerance` (relative norm), lists of
+    floats element by element, dicts key by key, anything else exactly."""
+    if isinstance(theirs, dict):
+        assert ours.keys() == theirs.keys(), where
+        for key in theirs:
+            close(ours[key], theirs[key], tolerance, f"{where}.{key}")
+    elif isinstance(theirs, (list, tuple)) and theirs and isinstance(theirs[0], float):
+        assert len(ours) == len(theirs), where
+        for a, b in zip(ours, theirs):
+            assert abs(a - b) <= tolerance * max(abs(b), 1e-12), (where, ours, theirs)
+    elif isinstance(theirs, torch.Tensor):
+        scale = theirs.float().norm().clamp_min(1e-12)
+        error = ((ours.float() - theirs.float()).norm() / scale).item()
+        assert error <= tolerance, (where, error)
+    else:
+        assert ours == theirs, (where, ours, theirs)
+
+
 def full_weights(model) -> dict:
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     return {k: v.detach().clone() for k, v in state.items()}
@@ -88,8 +107,10 @@ def global_mean(value: torch.Tensor) -> float:
     return value.item()
 
 
-def train(model, step_loss, steps=4, optim=torch.optim.Adam, zero_to_none=True) -> dict:
-    optimizer = optim(model.parameters(), lr=1e-2)
+def train(
+    model, step_loss, steps=4, optim=torch.optim.Adam, zero_to_none=True, optimizer=None
+) -> dict:
+    optimizer = optimizer or optim(model.parameters(), lr=1e-2)
     losses = []
     for i, x in enumerate(inputs(steps)):
         loss = step_loss(model, mine(x), i)

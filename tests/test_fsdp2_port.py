@@ -6,9 +6,8 @@ exactly. Not ported (with why) is listed in NOT_PORTED; README gives the count."
 from __future__ import annotations
 
 import pytest
-import torch
 from distributed import run_distributed
-from fsdp2_behaviours import BEHAVIOURS, REFERENCES, WORLD, run
+from fsdp2_behaviours import BEHAVIOURS, REFERENCES, WORLD, close, run
 
 # FSDP2 test files whose behaviours cannot run here, or do not apply, and why.
 NOT_PORTED = {
@@ -25,23 +24,6 @@ NOT_PORTED = {
 }  # fmt: skip
 
 
-def _close(ours, theirs, tolerance, where=""):
-    if isinstance(theirs, dict):
-        assert ours.keys() == theirs.keys(), where
-        for key in theirs:
-            _close(ours[key], theirs[key], tolerance, f"{where}.{key}")
-    elif isinstance(theirs, (list, tuple)) and theirs and isinstance(theirs[0], float):
-        assert len(ours) == len(theirs), where
-        for a, b in zip(ours, theirs):
-            assert abs(a - b) <= tolerance * max(abs(b), 1e-12), (where, ours, theirs)
-    elif isinstance(theirs, torch.Tensor):
-        scale = theirs.float().norm().clamp_min(1e-12)
-        error = ((ours.float() - theirs.float()).norm() / scale).item()
-        assert error <= tolerance, (where, error)
-    else:
-        assert ours == theirs, (where, ours, theirs)
-
-
 @pytest.mark.parametrize("name", list(BEHAVIOURS))
 def test_behaves_as_fsdp2(name):
     world = WORLD.get(name, 2)
@@ -49,7 +31,7 @@ def test_behaves_as_fsdp2(name):
     theirs = run_distributed(run, world, name, peer)[0]
     ours = run_distributed(run, world, name, "flatshard")[0]
     tolerance = 2**-7 if theirs.get("bf16") else 1e-6
-    _close(ours, theirs, tolerance, name)
+    close(ours, theirs, tolerance, name)
 
 
 def test_the_count_in_readme():

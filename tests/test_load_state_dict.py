@@ -88,15 +88,17 @@ def _bad_inputs():
         model.load_state_dict({"norm.weight": torch.ones(31)}, strict=False)
     except RuntimeError as error:
         found["shape"] = str(error)
+    before = model.norm.weight.full_tensor()
+    model.to(torch.float64)  # as FSDP2: the shards convert (test_fsdp2_dropin trains on)
+    after = model.norm.weight.full_tensor()
+    found["to"] = (str(after.dtype), torch.equal(after, before.double()))
+    model.half()
+    found["half"] = sorted({str(p.dtype) for p in model.parameters()})
+    model.to(torch.float32)
     try:
-        model.to(torch.float64)
+        model.to("meta")
     except WrappingError as error:
-        found["to"] = str(error)
-    try:
-        model.half()
-    except WrappingError as error:
-        found["half"] = str(error)
-    model.to(torch.float32)  # no change: fine
+        found["device"] = str(error)
     try:
         with torch.no_grad():
             model.norm.weight.copy_(distribute_tensor(torch.ones(32), mesh, [Shard(0)]))
@@ -111,7 +113,8 @@ def _bad_inputs():
 def test_bad_loads_and_conversions_raise_clearly():
     for found in run_distributed(_bad_inputs, 2):
         assert "norm.weight" in found["shape"] and "(31,)" in found["shape"]
-        assert "float64" in found["to"] and "before fully_shard" in found["to"]
-        assert "float16" in found["half"]
+        assert found["to"] == ("torch.float64", True)
+        assert found["half"] == ["torch.float16"]
+        assert "meta" in found["device"] and "before fully_shard" in found["device"]
         assert "row_range" in found["copy"]
         assert found["mul"] == 0.0

@@ -14,6 +14,7 @@ from flatshard.dtensor import full_state_dict
 from flatshard.dtensor.optimizer_check import check_first_step
 from flatshard.dtensor.redistribute import redistribute_rows
 from flatshard.dtensor.row_shard import RowShard
+from flatshard.dtensor.sharded_param import in_row_layout
 
 _installed = False
 
@@ -24,6 +25,7 @@ def install() -> None:
         return
     _route_redistribution()
     _route_full_state_dict_loading()
+    _route_optimizer_state_loading()
     # An optimizer built before fully_shard holds the replaced parameters and would
     # silently train nothing: its first step raises instead.
     register_optimizer_step_pre_hook(check_first_step)
@@ -46,6 +48,21 @@ def _route_redistribution() -> None:
 
     for module in (_api, _dispatch, _redistribute):
         module.redistribute_local_tensor = redistribute_local_tensor
+
+
+def _route_optimizer_state_loading() -> None:
+    """`optimizer.load_state_dict` keeps each state as given: a DTensor cut by another
+    layout (the FSDP2 example rebuilds Adam's state with `distribute_tensor(full,
+    p.device_mesh, p.placements)`, which cuts `torch.chunk` rows) is re-cut to flatshard's
+    rows as it enters the optimizer (sharded_param.in_row_layout)."""
+    from torch.optim import Optimizer
+
+    original = Optimizer._process_value_according_to_param_policy
+
+    def process_value(param, value, param_id, param_groups, key=None):
+        return original(param, in_row_layout(param, value), param_id, param_groups, key)
+
+    Optimizer._process_value_according_to_param_policy = staticmethod(process_value)
 
 
 def _route_full_state_dict_loading() -> None:

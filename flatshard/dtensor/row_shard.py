@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from flatshard import comm
 from flatshard.dtensor import disk_tier
 from flatshard.dtensor.disk_tier import (
     STATE_FACTORIES,
@@ -133,12 +134,54 @@ class RowShard(torch.Tensor):
             raise UnevenShardError(unsupported(f"the collective {func}"))
         if func is torch.ops.aten.copy_.default:
             _check_copy_source(*args[:2])
+        # a rank may hold no rows: the max of nothing is 0 here, not an error (on one
+        # rank only, which would leave the others waiting in the next collective)
         if func is torch.ops.aten._foreach_norm.Scalar and _is_max_norm(args, kwargs):
-            # a rank may hold no rows: the max of nothing is 0 here, not an error
             return [_max_abs(t.data_ if type(t) is RowShard else t) for t in args[0]]
+        if func is torch.ops.aten.linalg_vector_norm.default and _is_whole_max_norm(args, kwargs):
+            dtype = (kwargs or {}).get("dtype", args[4] if len(args) > 4 else None)
+            return _max_abs(args[0].data_.to(dtype or args[0].dtype))
         if disk_tier.in_use and paged_pieces(args, kwargs):
             return _run_paged(func, op, args, kwargs)
+        if op.seeded:
+            return _draw_as_fsdp2(func, op, args, kwargs)
         return _dispatch(func, op, args, kwargs)
+
+
+def _draw_as_fsdp2(func, op: _OpInfo, args, kwargs):
+    """A random op (an init's `uniform_`, `normal_`, ...) on a row shard draws what FSDP2's
+    `torch.chunk` pieces draw. On the CPU every FSDP2 rank draws its chunk from the same
+    generator state, so here every rank draws the first chunk, and gives its row i what
+    FSDP2's rank holding row i has there (row i % chunk rows): the same values as FSDP2
+    wherever its chunks are equal, and every rank's generator left where FSDP2's first
+    rank leaves it (all of them, when the chunks are equal), so a batch drawn next is the
+    same on every rank. (On CUDA, DTensor's RNG tracker around this call decides the
+    generator's state afterwards.) An op whose values depend on the input's (bernoulli of
+    a probability tensor) runs on this rank's rows, and only the generator is moved."""
+    like = _first_row_shard(args)
+    rest = (_unwrap_args(args[1:]), _unwrap_kwargs(kwargs) if kwargs else {})
+    scratch = like.data_.new_empty(like.spec.first_chunk_shape)
+    if not op.fills:
+        generator = (kwargs or {}).get("generator") or comm.default_generator(like.device)
+        start = generator.get_state()
+        out = _dispatch(func, op, args, kwargs)
+        generator.set_state(start)
+        func(scratch, *rest[0], **rest[1])
+        return out
+    values = _rows_of_chunk(func(scratch, *rest[0], **rest[1]), like.spec)
+    if not op.written:  # rand_like and friends: a new tensor with this rank's rows
+        return RowShard(values, like.spec, None, like.mesh_dim, like.tier)
+    like.data_.copy_(values)
+    _bump_versions(like)
+    return like
+
+
+def _rows_of_chunk(chunk: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """This rank's piece of a tensor that repeats `chunk` along dim 0 (what FSDP2's ranks
+    hold after each drew `chunk` from the same state)."""
+    box = spec.param_box
+    rows = torch.arange(box.offset[0], box.offset[0] + box.shape[0]) % chunk.shape[0]
+    return chunk[rows.to(chunk.device)][(slice(None), *box.slices[1:])]
 
 
 def _dispatch(func, op: _OpInfo, args, kwargs):
@@ -204,6 +247,9 @@ class _OpInfo:
         self.foreach = name.startswith("_foreach_")
         self.by_piece = self.foreach or name.startswith("_fused_")  # lists of pieces
         self.makes_state = name in STATE_FACTORIES
+        self.seeded = torch.Tag.nondeterministic_seeded in func.tags
+        # random ops that only take the input's shape (fill it, or make one like it)
+        self.fills = name in _RANDOM_FILLS or func is torch.ops.aten.bernoulli_.float
         self.view = func in _VIEWS
         self.aliases = self.view or name in _ALIASES
         self.keeps_rows = torch.Tag.pointwise in func.tags or self.foreach or name in _ROW_KEEPING
@@ -288,6 +334,10 @@ _ROW_KEEPING = {
     "fill_",
     "contiguous",
 }
+_RANDOM_FILLS = {
+    "uniform_", "normal_", "random_", "exponential_", "cauchy_", "log_normal_", "geometric_",
+    "rand_like", "randn_like", "randint_like",
+}  # fmt: skip
 _VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
 _ALIASES = {"detach", "alias"}
 
@@ -304,6 +354,12 @@ def _bump_versions(written) -> None:
 def _is_max_norm(args, kwargs) -> bool:
     ord_ = args[1] if len(args) > 1 else (kwargs or {}).get("ord", 2)
     return ord_ in (float("inf"), -float("inf")) and ord_ > 0
+
+
+def _is_whole_max_norm(args, kwargs) -> bool:
+    """`linalg.vector_norm(x, inf)` over all of `x` (torch's per-tensor clipping path)."""
+    dim = args[2] if len(args) > 2 else (kwargs or {}).get("dim")
+    return dim is None and type(args[0]) is RowShard and _is_max_norm(args, kwargs)
 
 
 def _max_abs(tensor: torch.Tensor) -> torch.Tensor:

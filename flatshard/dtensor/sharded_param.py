@@ -26,6 +26,27 @@ def rows_in_layout(value: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     return spec.piece_of(value.full_tensor())
 
 
+def in_row_layout(param, value):
+    """An optimizer state `value` for `param` in flatshard's rows: a DTensor of another
+    layout (e.g. `distribute_tensor(full, p.device_mesh, p.placements)`, which cuts
+    `torch.chunk` rows) is re-cut (its full tensor gathered: every rank loads the same
+    state, so every rank joins); anything else, or any state of another parameter, is
+    returned as it is."""
+    local = param._local_tensor if isinstance(param, DTensor) else None
+    if not isinstance(local, RowShard) or not isinstance(value, DTensor):
+        return value
+    if isinstance(value._local_tensor, RowShard) and (
+        value._local_tensor.spec.pieces == local.spec.pieces
+    ):
+        return value
+    if tuple(value.shape) != local.spec.global_shape:
+        return value  # not a state of this shape: the optimizer's own checks speak
+    rows = torch.zeros_like(param.detach(), dtype=value.dtype)
+    with torch.no_grad():
+        rows.to_local().copy_(rows_in_layout(value, local.spec))
+    return rows
+
+
 _TENSOR_DATA = torch._C.TensorBase.data
 
 

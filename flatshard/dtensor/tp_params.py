@@ -10,6 +10,7 @@ block of the fused rows (at TP 2, all of gate on rank 0): refused, it pairs the 
 
 from __future__ import annotations
 
+import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -76,3 +77,44 @@ def tp_param_info(fqn: str, param: DTensor, components) -> ParamInfo:
 def tp_placement(param) -> object | None:
     """The TP placement of a DTensor parameter (None for a plain tensor)."""
     return param.placements[0] if isinstance(param, DTensor) else None
+
+
+def onto_tp_mesh(modules, spmd_mesh, tp_mesh) -> None:
+    """FSDP2's `dp_mesh_dims` flow: parameters that are DTensors on the whole SPMD mesh
+    (`Replicate` over its data-parallel dims) become DTensors of the same local tensor on
+    its tensor-parallel dim `tp_mesh` (plain tensors when there is none), the form
+    `fully_shard` composes with. Tied parameters stay one."""
+    done: dict[int, nn.Parameter] = {}
+    dp_dims = [d for d, name in enumerate(spmd_mesh.mesh_dim_names) if tp_mesh is None or (
+        name not in tp_mesh.mesh_dim_names)]  # fmt: skip
+    for module in (m for each in modules for m in each.modules()):
+        for name, param in list(module._parameters.items()):
+            if not isinstance(param, DTensor) or hasattr(param, "_flatshard_param"):
+                continue
+            if id(param) not in done:
+                done[id(param)] = _on_tp_mesh(name, param, spmd_mesh, tp_mesh, dp_dims)
+            module._parameters[name] = done[id(param)]
+
+
+def _on_tp_mesh(name, param: DTensor, spmd_mesh, tp_mesh, dp_dims) -> nn.Parameter:
+    if param.device_mesh.mesh.tolist() != spmd_mesh.mesh.tolist():
+        raise WrappingError(
+            f"parameter {name!r} is a DTensor on {param.device_mesh}, not on fully_shard's "
+            f"mesh {spmd_mesh} (with dp_mesh_dims, parameters live on the whole mesh)"
+        )
+    placements = param.placements
+    if any(not isinstance(placements[d], Replicate) for d in dp_dims):
+        raise WrappingError(
+            f"parameter {name!r} has placements {placements}: with dp_mesh_dims it must be "
+            "Replicate() over the data-parallel dims, which fully_shard then shards"
+        )
+    local = param._local_tensor
+    if tp_mesh is None:
+        value = local
+    else:
+        tp_dim = spmd_mesh.mesh_dim_names.index(tp_mesh.mesh_dim_names[0])
+        value = DTensor.from_local(
+            local, tp_mesh, [placements[tp_dim]], run_check=False,
+            shape=param.shape, stride=param.stride(),
+        )  # fmt: skip
+    return nn.Parameter(value, requires_grad=param.requires_grad)

@@ -191,11 +191,9 @@ def model_class(model: nn.Module) -> type:
     """The model's own class (fully_shard puts a FlatShard subclass in front of it)."""
     from flatshard import FlatShardModule
 
-    return (
-        next(c for c in type(model).__mro__[1:] if not issubclass(c, FlatShardModule))
-        if isinstance(model, FlatShardModule)
-        else type(model)
-    )
+    if isinstance(model, FlatShardModule):
+        return type(model).__mro__[FlatShardModule._orig_cls_mro_index]
+    return type(model)
 
 
 def _transformers():

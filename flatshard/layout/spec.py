@@ -157,6 +157,14 @@ class ShardSpec:
         return tuple(b - a for a, b in zip(self.row_bounds, self.row_bounds[1:]))
 
     @property
+    def first_chunk_shape(self) -> tuple[int, ...]:
+        """The piece of the (local) parameter that `torch.chunk` gives the first rank
+        (FSDP2's `Shard(0)`): what FSDP2's random initialisation draws for on every rank
+        that holds a full chunk."""
+        shape, ranks = self.info.shape, len(self.row_bounds) - 1
+        return (min(shape[0], -(-shape[0] // ranks)), *shape[1:])
+
+    @property
     def global_strides(self) -> tuple[int, ...]:
         """Strides of the contiguous global tensor."""
         return contiguous_strides(self.global_shape)

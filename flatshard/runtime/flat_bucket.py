@@ -53,6 +53,16 @@ class FlatBucket:
         self.shard.allocate(device)
         self._allocate_unsharded(device)
 
+    def convert(self, dtype: torch.dtype, policy) -> None:
+        """Keep the main weights in `dtype` (their values converted), with the compute and
+        reduce dtypes `policy` (a MixedPrecisionPolicy) gives it; nothing gathered or
+        reduced survives. The unit must be resharded."""
+        self.shard.convert(dtype)
+        self.param_dtype, self.reduce_dtype = policy.dtypes_for(dtype)
+        self._allocate_unsharded(self.shard.main.device)
+        self.unsharded_grad = self._unsynced = self.secondary = self.unreplicated = None
+        self._main_version = (-1, -1)
+
     def _allocate_unsharded(self, device: torch.device) -> None:
         # freed until gathered (on `meta` nothing to free)
         self.unsharded = torch.empty(self.layout.padded_size, dtype=self.param_dtype, device=device)
@@ -129,6 +139,11 @@ class FlatBucket:
         grad, self.unsharded_grad = self.unsharded_grad, None
         if grad is not None:
             pool.give_back(grad)
+
+    def drop_gradients(self, pool: comm.BufferPool) -> None:
+        """Forget every gradient not yet reduced into the shard (a failed iteration's)."""
+        self.release_unsharded_grad(pool)
+        self._unsynced = self.unreplicated = None
 
     def hold_unsynced_grad(self) -> bool:
         """Keep this microbatch's gradient for a later sync. Low-precision gradients are

@@ -53,6 +53,7 @@ class GradientSync:
         self.requires_all_reduce = True  # HSDP: sum over the replicas on every sync
         self.force_sum = False  # SUM then divide, never the collective's AVG
         self.divide_factor = float(unit.mesh.dp_size)
+        self.all_reduce_hook = None  # FSDP2's set_all_reduce_hook: sees each reduced shard
         self._holds_unsynced = False
 
     def _trainable_in(self, bucket: FlatBucket):
@@ -143,7 +144,18 @@ class GradientSync:
                 return
             bucket.unreplicated = None
             comm.all_reduce(reduced, mesh.replicate_group)
+        if self.all_reduce_hook is not None:
+            self.all_reduce_hook(reduced)
         self.add_reduced(bucket, reduced)
+
+    def discard(self) -> None:
+        """Drop every gradient not yet added to the parameters (a failed iteration's)."""
+        for bucket in self.unit.buckets:
+            bucket.drop_gradients(self.unit.context.buffers)
+        self._holds_unsynced = False
+        for param in self.unit.params:
+            if param.unsharded is not None:
+                param.unsharded.grad = None
 
     def add_reduced(self, bucket: FlatBucket, reduced: torch.Tensor) -> None:
         """Add a bucket's reduced gradient shard to its parameters' `.grad`s (set them

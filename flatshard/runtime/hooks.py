@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from flatshard.runtime.offload import wait_for_host_gradients
 from flatshard.runtime.schedule import RootContext, context_of
-from flatshard.runtime.states import TrainingState
+from flatshard.runtime.states import ShardedState, TrainingState
 
 
 def attach(unit, module) -> None:
@@ -75,7 +75,6 @@ def post_forward(unit, output):
     if unit.lookup is not None and unit.lookup.looking_up:
         unit.lookup.looking_up = False
         return _cast_output(unit, output)
-    unit.register("sharded")
     grad_enabled = torch.is_grad_enabled()
     if not context.in_backward:
         context.ran_post_forward(unit)
@@ -84,6 +83,11 @@ def post_forward(unit, output):
             unit.reshard(keep_for_backward=grad_enabled)
         if unit is context.root:
             context.end_forward()
+    # As FSDP2: a unit that stays gathered until its backward keeps its unsharded
+    # parameters registered (plain tensors, usable by a loss outside forward), else the
+    # sharded DTensors.
+    gathered = unit.sharded_state is ShardedState.UNSHARDED and not context.in_backward
+    unit.register("unsharded" if gathered and grad_enabled else "sharded")
     if grad_enabled:
         for tensor in tree_flatten(output)[0]:
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
@@ -173,6 +177,27 @@ def end_backward(context: RootContext) -> None:
         if unit.resharding.after_backward:
             unit.reshard()
     context.end_backward()
+
+
+def reset_iteration(root) -> None:
+    """FSDP2's `reset_iter_state`: after a forward or backward that raised, wait for the
+    collectives in flight (their results dropped), drop the iteration's gradients and
+    reshard every unit of the model, so the next iteration starts clean."""
+    context = root.context
+    if context is None:  # no forward ran yet: nothing in flight
+        return
+    for pending in context.reduces.pending:
+        pending.work.wait()
+    context.reduces.pending.clear()
+    for unit in context.units:
+        unit.wait_unshard()
+        unit.grads.discard()
+        unit.training_state = TrainingState.IDLE
+        unit.forward_calls = unit.input_gradients_seen = 0
+        unit.post_backward_at_end = unit.kept_for_backward = False
+        unit.register("sharded")
+        unit.reshard()
+    context.end_backward()  # nothing runs now; pooled buffers go back
 
 
 def _cast_output(unit, output):

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from flatshard.dtensor.sharded_param import RowShardedParameter, make_row_sharded_dtensor
+from flatshard.errors import WrappingError
 from flatshard.runtime.flat_bucket import FlatBucket
 
 
@@ -38,6 +39,33 @@ def allocate(unit, device: torch.device) -> None:
     for bucket in unit.buckets:
         bucket.allocate(device)
     _renew_sharded_params(unit)
+
+
+def convert(unit, fn) -> None:
+    """A module conversion (`to_empty`, `.to(dtype)`, `.double()`, ...) applied to a unit's
+    shards: `to_empty` of a unit still on meta allocates them on the mesh's device; a new
+    floating-point dtype converts them (and the compute and reduce dtypes the mixed
+    precision policy leaves open), as FSDP2 converts its sharded parameters. Moving them
+    to another device is refused: they live where the mesh communicates."""
+    changed = False
+    for bucket in unit.buckets:
+        probe = bucket.shard.main.new_empty(0)
+        converted = fn(probe)
+        if not isinstance(converted, torch.Tensor):
+            continue
+        if bucket.on_meta and converted.device == unit.mesh.device:
+            allocate(unit, unit.mesh.device)  # to_empty of a model built on meta
+        elif converted.device != probe.device:
+            raise WrappingError(
+                f"moving a fully_shard-ed module to {converted.device} would leave its "
+                f"sharded parameters on {probe.device}, where its mesh communicates. Move "
+                "the model before fully_shard, or build it on the meta device."
+            )
+        if converted.dtype != bucket.shard.dtype and converted.dtype.is_floating_point:
+            bucket.convert(converted.dtype, unit.mp_policy)
+            changed = True
+    if changed:
+        _renew_sharded_params(unit)
 
 
 def place_offloaded(unit, cuts: list[int], pin_memory: bool, tier) -> None:

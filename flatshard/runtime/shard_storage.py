@@ -45,6 +45,16 @@ class ShardStorage:
         else:
             self.host_main = comm.host_zeros(size, dtype, self.pin_memory)
 
+    def convert(self, dtype: torch.dtype) -> None:
+        """The same values kept in `dtype` (a module's `.to(dtype)` after fully_shard)."""
+        main, host_main = self.main, self.host_main
+        self.allocate(main.device, dtype)
+        self._grad = None
+        if not main.is_meta:
+            self.main.copy_(main)
+            if host_main is not None:
+                self.host_main.copy_(host_main)
+
     def place(self, cut: int, pin_memory: bool, tier=None) -> bool:
         """Move the shard so that `[cut, shard_size)` lives on the host, its optimizer state
         in `tier` when given; returns whether anything changed."""
