@@ -196,12 +196,14 @@ def _norms():
     x = torch.linspace(-1, 1, 6).view(6, 1)
     out = {}
     for norm_type in (float("inf"), 1.0, 2.0):
-        for m in (model, reference):
-            m.zero_grad()
-            m(x).pow(2).sum().backward()
-        ours = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9, norm_type=norm_type)
-        theirs = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9, norm_type=norm_type)
-        out[norm_type] = (ours.full_tensor().item(), theirs.item())
+        for foreach in (None, False):  # False: torch's per-tensor path (linalg.vector_norm)
+            for m in (model, reference):
+                m.zero_grad()
+                m(x).pow(2).sum().backward()
+            clip = torch.nn.utils.clip_grad_norm_
+            ours = clip(model.parameters(), 1e9, norm_type=norm_type, foreach=foreach)
+            theirs = clip(reference.parameters(), 1e9, norm_type=norm_type, foreach=foreach)
+            out[(norm_type, foreach)] = (ours.full_tensor().item(), theirs.item())
     return out
 
 
