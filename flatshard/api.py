@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Shard
 from flatshard import agreement, load_hooks
 from flatshard.dtensor import patches
 from flatshard.dtensor.tp_params import onto_tp_mesh, tp_param_info, tp_placement
-from flatshard.errors import WrappingError
+from flatshard.errors import LayoutError, WrappingError
 from flatshard.fsdp_module import FlatShardModule, wrapped_class
 from flatshard.layout import ParamInfo, declared_components, plan_unit_layout
 from flatshard.layout.offload import needs_bucket_per_param
@@ -61,7 +61,7 @@ def fully_shard(
     zero_stage: 1, 2 or 3, the same choice by name; 1 also keeps gradients unsharded
         between optimizer steps (only the optimizer state and main weights are sharded).
     mp_policy: mixed precision, as in FSDP2 (param_dtype, reduce_dtype, output_dtype).
-    shard_placement_fn: as FSDP2's; each parameter's placement must be `Shard(0)` or None.
+    shard_placement_fn: as FSDP2's: `Shard(d)` (any dim of the parameter) or None (rows).
     offload_policy: `flatshard.OffloadPolicy(fraction=f)` keeps a fraction f of each rank's
         main weights, gradients and optimizer state on the host (chosen over every unit
         below `module`: shard the root with the same policy); FSDP2's `OffloadPolicy()`
@@ -122,17 +122,25 @@ def _check_module(module) -> None:
         )
 
 
-def _check_placements(shard_placement_fn, found) -> None:
-    """Rows (`Shard(0)`, or None for the default) are the only placement for now."""
+def _shard_dims(shard_placement_fn, found) -> list[int]:
+    """The dim each parameter's pieces split: FSDP2's `shard_placement_fn` gives `Shard(d)`
+    (or None: rows, `Shard(0)`) per parameter."""
     if shard_placement_fn is None:
-        return None
+        return [0] * len(found)
+    dims = []
     for fqn, param, _ in found:
         placement = shard_placement_fn(param)
-        if placement is not None and placement != Shard(0):
+        if placement is None:
+            dims.append(0)
+            continue
+        if type(placement) is not Shard or not -param.dim() <= placement.dim < param.dim():
             raise NotImplementedError(
-                f"shard_placement_fn gave {placement} for {fqn!r}: flatshard shards parameters "
-                "by rows (Shard(0)); return Shard(0) or None"
+                f"shard_placement_fn gave {placement!r} for {fqn!r} (shape "
+                f"{tuple(param.shape)}): flatshard takes Shard(d) for a dim d of the "
+                "parameter, or None (Shard(0)); per-parameter meshes are not supported"
             )
+        dims.append(placement.dim % param.dim())
+    return dims
 
 
 def _shard(members, mesh, settings, first_use_of, ignored, shard_placement_fn) -> Unit:
@@ -143,7 +151,7 @@ def _shard(members, mesh, settings, first_use_of, ignored, shard_placement_fn) -
     if group_size is not None:
         mesh.forward_group(group_size)  # every rank creates the groups here, together
     found = [entry for entry in _collect_params(members) if id(entry[1]) not in ignored]
-    _check_placements(shard_placement_fn, found)
+    shard_dims = _shard_dims(shard_placement_fn, found)
     problem = _check_params(found)
     names = "+".join(type(m).__name__ for _, m in members)
     # Ranks that build different models would crash (or hang) in the first collective:
@@ -153,7 +161,9 @@ def _shard(members, mesh, settings, first_use_of, ignored, shard_placement_fn) -
         agreement.agree_on(problem, described, group, WrappingError, _model_differences)
 
     rank, world_size = mesh.shard_rank, mesh.shard_size
-    infos = [_param_info(fqn, p, places) for fqn, p, places in found]
+    infos = [
+        _param_info(fqn, p, places, dim) for (fqn, p, places), dim in zip(found, shard_dims)
+    ]
     layout = plan_unit_layout(infos, world_size, needs_bucket_per_param(offload.fraction))
     if found and layout.empty_ranks():
         # Legal (e.g. 8 experts over 64 ranks) but wasteful: say so, with the fix.
@@ -189,7 +199,10 @@ def _shard(members, mesh, settings, first_use_of, ignored, shard_placement_fn) -
         placement = tp_placement(original)
         sharded = sharded_parameter(bucket, index, mesh, original.requires_grad, placement)
         managed.append(
-            ManagedParam(fqn, occurrences, bucket_index, index, sharded, tp_placement=placement)
+            ManagedParam(
+                fqn, occurrences, bucket_index, index, sharded, tp_placement=placement,
+                shard_dim=bucket.specs[index].info.shard_dim,
+            )  # fmt: skip
         )
         _retire(original, sharded)
 
@@ -209,12 +222,23 @@ def _shard(members, mesh, settings, first_use_of, ignored, shard_placement_fn) -
     return unit
 
 
-def _param_info(fqn: str, param, places) -> ParamInfo:
+def _param_info(fqn: str, param, places, shard_dim: int = 0) -> ParamInfo:
     """What the layout needs of a parameter: a TP DTensor's local piece, or the whole."""
     components = declared_components(*places[0], tuple(param.shape))
     if isinstance(param, DTensor):
+        if shard_dim:
+            raise NotImplementedError(
+                f"shard_placement_fn gave Shard({shard_dim}) for the tensor-parallel "
+                f"parameter {fqn!r}: flatshard shards TP pieces by rows (Shard(0))"
+            )
         return tp_param_info(fqn, param, components)
-    return ParamInfo(fqn, tuple(param.shape), param.dtype, param.requires_grad, components)
+    try:
+        return ParamInfo(
+            fqn, tuple(param.shape), param.dtype, param.requires_grad, components,
+            shard_dim=shard_dim,
+        )  # fmt: skip
+    except LayoutError as error:
+        raise NotImplementedError(str(error)) from error
 
 
 def _tp_mesh(modules):

@@ -140,6 +140,17 @@ def training_hpz(lib):
     return train(shard_net(net(), lib, reshard_after_forward=2), plain_loss)
 
 
+def shard_dim1(lib):
+    """`shard_placement_fn` giving `Shard(1)` to the matrices (test_fully_shard_training's
+    shard-placement parity)."""
+    from torch.distributed.tensor import Shard
+
+    by_dim = lambda param: Shard(1) if param.dim() == 2 else None
+    model = shard_net(net(), lib, shard_placement_fn=by_dim)
+    placements = sorted({str(p.placements) for p in model.parameters()})
+    return {**train(model, plain_loss), "placements": placements}
+
+
 def training_zero_grad_keeps_tensors(lib):
     return train(shard_net(net(), lib), plain_loss, zero_to_none=False)
 
@@ -453,7 +464,7 @@ def forward_method(lib):
 BEHAVIOURS = {
     fn.__name__: fn
     for fn in (
-        training_zero3, training_zero2, training_hpz, training_zero_grad_keeps_tensors,
+        training_zero3, training_zero2, training_hpz, shard_dim1, training_zero_grad_keeps_tensors,
         training_sgd_momentum, cpu_offload, accumulation_without_sync, two_forwards_one_backward,
         explicit_prefetching, explicit_unshard_async, divide_factor, force_sum_reduction,
         list_of_modules_unit, shared_parameters, hsdp, unused_forward_output, unused_module,

@@ -224,7 +224,7 @@ def _arguments():
     )
     for name, call, error in (
         ("dim1", lambda: flatshard.fully_shard(model.layers[1],
-                                               shard_placement_fn=lambda p: Shard(1)),
+                                               shard_placement_fn=lambda p: Shard(p.dim())),
          NotImplementedError),
         ("offload", lambda: flatshard.fully_shard(model.norm, offload_policy="cpu"),
          ValueError),
@@ -241,7 +241,7 @@ def _arguments():
 
 def test_fsdp2_arguments_and_error_types():
     for found in run_distributed(_arguments, 2):
-        assert "S(1)" in found["dim1"] and "Shard(0)" in found["dim1"]
+        assert "Shard(d)" in found["dim1"] and "Shard(dim=1)" in found["dim1"]
         assert "CPUOffloadPolicy" in found["offload"] and "got str" in found["offload"]
         assert "ModuleList" in found["container"]
         assert "deepcopy" in found["deepcopy"]

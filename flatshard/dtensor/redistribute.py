@@ -21,7 +21,8 @@ def gather_rows(shard: RowShard, group: dist.ProcessGroup) -> torch.Tensor:
     counts, row_shape = spec.global_row_counts, spec.row_shape
     longest = max(counts)
     send = torch.zeros(longest * spec.row_size, dtype=shard.dtype, device=shard.device)
-    send[: spec.numel].copy_(shard.data_.reshape(-1))
+    d = spec.info.shard_dim  # rows along d > 0: sent in the buffers' order, d first
+    send[: spec.numel].copy_((shard.data_.movedim(d, 0) if d else shard.data_).reshape(-1))
     received = torch.empty(
         longest * spec.row_size * len(counts), dtype=shard.dtype, device=shard.device
     )
@@ -31,6 +32,8 @@ def gather_rows(shard: RowShard, group: dist.ProcessGroup) -> torch.Tensor:
         rows = received.view(-1, *row_shape)  # no padding to squeeze out: no copy
     else:
         rows = torch.cat([received[r, :n] for r, n in enumerate(counts)])
+    if d:
+        return rows.view(spec.info.stored_shape).movedim(0, d).contiguous()
     return rows.view(spec.info.shape) if spec.info.row_dims > 1 else rows
 
 

@@ -177,11 +177,12 @@ def _draw_as_fsdp2(func, op: _OpInfo, args, kwargs):
 
 
 def _rows_of_chunk(chunk: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
-    """This rank's piece of a tensor that repeats `chunk` along dim 0 (what FSDP2's ranks
-    hold after each drew `chunk` from the same state)."""
-    box = spec.param_box
-    rows = torch.arange(box.offset[0], box.offset[0] + box.shape[0]) % chunk.shape[0]
-    return chunk[rows.to(chunk.device)][(slice(None), *box.slices[1:])]
+    """This rank's piece of a tensor that repeats `chunk` along the shard dim (what FSDP2's
+    ranks hold after each drew `chunk` from the same state)."""
+    box, d = spec.param_box, spec.info.shard_dim
+    rows = torch.arange(box.offset[d], box.offset[d] + box.shape[d]) % chunk.shape[d]
+    picked = chunk.index_select(d, rows.to(chunk.device))
+    return picked[tuple(slice(None) if i == d else s for i, s in enumerate(box.slices))]
 
 
 def _dispatch(func, op: _OpInfo, args, kwargs):

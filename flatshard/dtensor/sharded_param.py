@@ -5,7 +5,7 @@ the spec and global rows of a parameter, the shape a checkpoint stores."""
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from flatshard.dtensor.row_shard import RowShard
 from flatshard.errors import UnevenShardError
@@ -129,13 +129,17 @@ def make_row_sharded_dtensor(
     tp_placement=None,
     tier=None,
 ) -> DTensor:
-    """A DTensor on `mesh` (a ShardMesh: `Shard(0)` over its shard dim, replicated over
-    HSDP's replicas, `tp_placement` over TP) whose local tensor is `local` (a view of
-    `version_base`); `tier`: the disk tier its optimizer state goes to."""
+    """A DTensor on `mesh` (a ShardMesh: `Shard(0)`, or the `Shard(d)` its spec splits,
+    over its shard dim, replicated over HSDP's replicas, `tp_placement` over TP) whose
+    local tensor is `local` (a view of `version_base`); `tier`: the disk tier its optimizer
+    state goes to."""
+    placements = list(mesh.placements_for(tp_placement))
+    if spec.info.shard_dim:  # FSDP2's Shard(d) from shard_placement_fn
+        placements[mesh.shard_mesh_dim] = Shard(spec.info.shard_dim)
     return DTensor.from_local(
         RowShard(local, spec, version_base, mesh.shard_mesh_dim, tier),
         mesh.param_mesh,
-        list(mesh.placements_for(tp_placement)),
+        placements,
         run_check=False,
         shape=torch.Size(spec.global_shape),
         stride=spec.global_strides,

@@ -139,14 +139,18 @@ class BucketLayout:
         return slot.offset + param_offset
 
     def param_to_global(self, slot: ParamSlot, param_offset: int) -> tuple[int, ...]:
-        """Flat param offset -> multi-dim index in the global tensor (row-major)."""
+        """Flat param offset (row-major over the stored shape: the shard dim first) ->
+        multi-dim index in the global tensor."""
         self._check_slot(slot)
         self._check_range("param offset", param_offset, slot.numel)
         index = []
-        for dim in reversed(slot.info.shape):
+        for dim in reversed(slot.info.stored_shape):
             param_offset, i = divmod(param_offset, dim)
             index.append(i)
-        return tuple(o + i for o, i in zip(slot.info.global_offset, reversed(index)))
+        index.reverse()
+        d = slot.info.shard_dim
+        index = [*index[1 : d + 1], index[0], *index[d + 1 :]] if d else index
+        return tuple(o + i for o, i in zip(slot.info.global_offset, index))
 
     def global_to_param(self, slot: ParamSlot, index: tuple[int, ...]) -> int:
         self._check_slot(slot)
@@ -156,8 +160,10 @@ class BucketLayout:
             not 0 <= i < d for i, d in zip(local, shape, strict=True)
         ):
             raise ValueError(f"index {index} is outside {slot.info.name!r} in its global tensor")
+        d = slot.info.shard_dim
+        local = (local[d], *local[:d], *local[d + 1 :]) if d else local
         offset = 0
-        for i, dim in zip(local, shape, strict=True):
+        for i, dim in zip(local, slot.info.stored_shape, strict=True):
             offset = offset * dim + i
         return offset
 

@@ -64,6 +64,10 @@ class ParamInfo:
         (the default); 2, the "finer row" of grouped experts `(E, R, C)` fewer than ranks,
         one dim-1 slice of `C` elements, so ranks split an expert's `R` rows. The planner
         chooses it (planner.py, `finer_row`).
+    shard_dim: the dim ranks split (FSDP2's `Shard(d)` from `shard_placement_fn`; 0 by
+        default). For d > 0 a row is one slice along d and the flat buffers keep the
+        parameter with dim d moved first (`stored_shape`), so every rank's piece is still
+        contiguous there; views move it back (a strided view of the parameter's shape).
     """
 
     name: str
@@ -75,6 +79,7 @@ class ParamInfo:
     global_offset: tuple[int, ...] | None = None
     split_by_components: bool = False
     row_dims: int = 1
+    shard_dim: int = 0
 
     def __post_init__(self) -> None:
         # Accept torch.Size / lists, but store plain tuples so equality and hashing are exact.
@@ -105,6 +110,17 @@ class ParamInfo:
             raise LayoutError(
                 f"parameter {self.name!r} of shape {shape}: row_dims {self.row_dims} is not 1, "
                 "or 2 for a parameter of at least 2 dims"
+            )
+        if self.shard_dim and not (
+            0 < self.shard_dim < len(shape)
+            and self.row_dims == 1
+            and not self.components
+            and global_shape == shape
+        ):
+            raise LayoutError(
+                f"parameter {self.name!r} of shape {shape}: sharding along dim "
+                f"{self.shard_dim} needs a dim of the parameter, no fused components and no "
+                "tensor parallelism (shard such parameters by rows: Shard(0))"
             )
         object.__setattr__(self, "global_shape", global_shape)
         object.__setattr__(self, "global_offset", offset)
@@ -145,20 +161,26 @@ class ParamInfo:
         return math.prod(self.shape)
 
     @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """The parameter as the flat buffers hold it: `shape` with `shard_dim` moved first."""
+        d = self.shard_dim
+        return (self.shape[d], *self.shape[:d], *self.shape[d + 1 :]) if d else self.shape
+
+    @property
     def row_size(self) -> int:
-        """Elements per row (a dim-0 row, or with `row_dims` 2 a dim-1 slice); 1 for 0-d and
-        1-d params, 0 if a trailing dim is 0."""
-        return math.prod(self.shape[self.row_dims :])
+        """Elements per row (a dim-0 row, with `row_dims` 2 a dim-1 slice, with `shard_dim` d
+        a slice along d); 1 for 0-d and 1-d params, 0 if another dim is 0."""
+        return math.prod(self.stored_shape[self.row_dims :])
 
     @property
     def rows(self) -> int:
-        """Rows of the parameter: the product of its `row_dims` leading dims."""
-        return math.prod(self.shape[: self.row_dims]) if self.shape else 1
+        """Rows of the parameter: the product of its `row_dims` leading (stored) dims."""
+        return math.prod(self.stored_shape[: self.row_dims]) if self.shape else 1
 
     @property
     def row_shape(self) -> tuple[int, ...]:
-        """The shape of one row."""
-        return self.shape[self.row_dims :]
+        """The shape of one row, as stored."""
+        return self.stored_shape[self.row_dims :]
 
 
 def _ints(name: str, what: str, values) -> tuple[int, ...]:

@@ -68,6 +68,7 @@ def finer_row(info: ParamInfo, world_size: int) -> ParamInfo | None:
     """
     if (
         info.row_dims != 1
+        or info.shard_dim != 0
         or len(info.shape) < 3
         or info.numel == 0
         or info.split_by_components

@@ -93,7 +93,9 @@ class ShardSpec:
         if not shape:
             return Box((), ())
         if self.info.row_dims == 1:
-            return Box((start, *(0,) * (len(shape) - 1)), (rows, *shape[1:]))
+            d = self.info.shard_dim
+            offset = tuple(start if i == d else 0 for i in range(len(shape)))
+            return Box(offset, tuple(rows if i == d else n for i, n in enumerate(shape)))
         per_expert, rest = shape[1], (0,) * (len(shape) - 2)
         expert, first = divmod(start, per_expert)
         if rows == 0 or (first == 0 and rows % per_expert == 0):  # whole experts
@@ -108,6 +110,14 @@ class ShardSpec:
     @property
     def local_shape(self) -> tuple[int, ...]:
         return self.param_box.shape
+
+    @property
+    def stored_local_shape(self) -> tuple[int, ...]:
+        """The piece as the flat buffers hold it (`local_shape` with the shard dim first;
+        the same for `shard_dim` 0)."""
+        if self.info.shard_dim == 0 or not self.info.shape:
+            return self.local_shape
+        return (self.local_rows, *self.info.row_shape)
 
     @property
     def global_shape(self) -> tuple[int, ...]:
@@ -161,8 +171,9 @@ class ShardSpec:
         """The piece of the (local) parameter that `torch.chunk` gives the first rank
         (FSDP2's `Shard(0)`): what FSDP2's random initialisation draws for on every rank
         that holds a full chunk."""
-        shape, ranks = self.info.shape, len(self.row_bounds) - 1
-        return (min(shape[0], -(-shape[0] // ranks)), *shape[1:])
+        shape, ranks, d = self.info.shape, len(self.row_bounds) - 1, self.info.shard_dim
+        rows = min(shape[d], -(-shape[d] // ranks))
+        return tuple(rows if i == d else n for i, n in enumerate(shape))
 
     @property
     def global_strides(self) -> tuple[int, ...]:
@@ -210,7 +221,7 @@ class ShardSpec:
     def to_local_row(self, global_row):
         """A global dim-0 row index (an int or an index tensor) in this rank's local rows
         (a piece of whole dim-0 rows: an embedding table)."""
-        if self.info.row_dims != 1:
+        if self.info.row_dims != 1 or self.info.shard_dim != 0:
             raise ValueError(f"{self.info.name!r} is not sharded by dim-0 rows")
         return global_row - self.global_offset[0]
 

@@ -12,7 +12,7 @@ import torch
 
 from flatshard import comm
 from flatshard.layout import BucketLayout
-from flatshard.runtime.shard_storage import ShardStorage
+from flatshard.runtime.shard_storage import ShardStorage, as_param
 
 
 class FlatBucket:
@@ -76,7 +76,8 @@ class FlatBucket:
     # --- views -------------------------------------------------------------------------
     def unsharded_view(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
         slot = self.layout.slots[index]
-        return buffer[slot.offset : slot.offset + slot.numel].view(slot.info.shape)
+        flat = buffer[slot.offset : slot.offset + slot.numel]
+        return as_param(flat, self.specs[index], slot.info.stored_shape)
 
     # --- all-gather ----------------------------------------------------------------------
     def start_all_gather(self, pool: comm.BufferPool | None = None):

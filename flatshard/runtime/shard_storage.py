@@ -19,6 +19,14 @@ from flatshard import comm
 from flatshard.layout import ShardSpec
 
 
+def as_param(flat: torch.Tensor, spec: ShardSpec, stored_shape=None) -> torch.Tensor:
+    """A flat piece in the shape of this rank's piece (`stored_shape` given: of that
+    stored shape, e.g. the whole parameter's). The buffers hold a parameter sharded along a
+    dim d > 0 with d first, so its view moves d back: a strided view."""
+    view = flat.view(stored_shape or spec.stored_local_shape)
+    return view.movedim(0, spec.info.shard_dim) if spec.info.shard_dim else view
+
+
 class ShardStorage:
     def __init__(
         self, specs: list[ShardSpec], shard_size: int, device: torch.device, dtype: torch.dtype
@@ -122,14 +130,14 @@ class ShardStorage:
     def piece(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         """The index-th param's rows of a whole shard-sized buffer on the device."""
         spec = self.specs[index]
-        return flat[spec.shard_offset : spec.shard_offset + spec.numel].view(spec.local_shape)
+        return as_param(flat[spec.shard_offset : spec.shard_offset + spec.numel], spec)
 
     def _split_rows(self, device_part, host_part, index: int) -> torch.Tensor:
         spec = self.specs[index]
         shard, start = device_part, spec.shard_offset
         if self.on_host(index):
             shard, start = host_part, start - self.cut
-        return shard[start : start + spec.numel].view(spec.local_shape)
+        return as_param(shard[start : start + spec.numel], spec)
 
     # --- the gradient shard ---------------------------------------------------------------
     # It lives exactly as long as the parameters' `.grad` views of it (a view keeps its base

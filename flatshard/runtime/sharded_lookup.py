@@ -50,6 +50,7 @@ def lookup_capable(modules: list[nn.Module], params: list, stage: int, ranks: in
         and not module.scale_grad_by_freq
         and params[0].occurrences == [(module, "weight")]
         and params[0].tp_placement is None  # a vocab-parallel embedding looks up by TP
+        and params[0].shard_dim == 0  # rows of the table, not columns
     )
 
 

@@ -38,6 +38,7 @@ class ManagedParam:
     sharded: nn.Parameter
     unsharded: nn.Parameter | None = None
     tp_placement: object = None  # a TP parameter's placement on the TP mesh (None: not TP)
+    shard_dim: int = 0  # the dim its pieces split (FSDP2's Shard(d) from shard_placement_fn)
 
     def as_unsharded(self, tensor: torch.Tensor, mesh, spec) -> torch.Tensor:
         """A view of the gathered buffer (or its gradient) as forward sees the parameter:
