@@ -180,8 +180,9 @@ def _rows_of_chunk(chunk: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     """This rank's piece of a tensor that repeats `chunk` along the shard dim (what FSDP2's
     ranks hold after each drew `chunk` from the same state)."""
     box, d = spec.param_box, spec.info.shard_dim
-    rows = torch.arange(box.offset[d], box.offset[d] + box.shape[d]) % chunk.shape[d]
-    picked = chunk.index_select(d, rows.to(chunk.device))
+    start, count = box.offset[d], box.shape[d]
+    rows = torch.arange(start, start + count, device=chunk.device) % chunk.shape[d]
+    picked = chunk.index_select(d, rows)
     return picked[tuple(slice(None) if i == d else s for i, s in enumerate(box.slices))]
 
 
