@@ -13,6 +13,7 @@ from torch.distributed.fsdp import FSDPModule, UnshardHandle
 from flatshard.errors import WrappingError
 from flatshard.runtime import hooks, shard_placement
 from flatshard.runtime.sharded_lookup import embedding_forward
+from flatshard.runtime.states import ShardedState
 from flatshard.runtime.unit import Unit
 
 
@@ -26,14 +27,23 @@ class FlatShardModule(FSDPModule, nn.Module):
     _orig_cls_mro_index = 3
 
     def unshard(self, async_op: bool = False):
-        """Gather this unit's parameters now; with `async_op`, return a handle to `wait()` on."""
+        """Gather this unit's parameters; once gathered (now, or with `async_op` when the
+        returned handle is waited on) the unsharded parameters are registered on the
+        modules, as FSDP2's (`reshard()` registers the sharded ones again). Not recursive:
+        a root's first-use groups (api.py) are units of their own."""
         unit = self._flatshard_unit
         unit.unshard(async_op=async_op)
-        return _UnshardHandle(unit) if async_op else None
+        handle = _UnshardHandle([unit])
+        if async_op:
+            return handle
+        handle.wait()
+        return None
 
     def reshard(self) -> None:
-        """Free this unit's unsharded parameters."""
-        self._flatshard_unit.reshard()
+        """Free this unit's unsharded parameters; the sharded ones are registered again."""
+        unit = self._flatshard_unit
+        unit.reshard()
+        unit.register("sharded")
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
         """False: keep accumulating unsharded gradients locally, with no communication."""
@@ -176,8 +186,8 @@ class FlatShardModule(FSDPModule, nn.Module):
         # changes their dtype); the conversion runs over everything else with them hidden,
         # and each module gets its parameters back in their order (an optimizer state
         # loaded by position must find the same parameters).
+        self.reshard()
         unit = self._flatshard_unit
-        unit.reshard()
         shard_placement.convert(unit, fn)
         below = set(self.modules())
         orders, hidden = {}, {}
@@ -238,11 +248,15 @@ def weights_changed(model: nn.Module) -> None:
 
 
 class _UnshardHandle(UnshardHandle):
-    def __init__(self, unit: Unit):
-        self._unit = unit
+    def __init__(self, units: list[Unit]):
+        self._units = units
 
     def wait(self) -> None:
-        self._unit.wait_unshard()
+        for unit in self._units:
+            unit.wait_unshard()
+            if unit.sharded_state is ShardedState.UNSHARDED:  # not freed since by a forward
+                unit.make_unsharded_params()
+                unit.register("unsharded")
 
 
 def _require_unit(module) -> Unit:

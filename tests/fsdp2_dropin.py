@@ -146,7 +146,12 @@ def example_fresh_run(lib, mixed_precision=False, prefetch=False) -> dict:
         _prefetch(model)
     model.to_empty(device="cpu")
     model.reset_parameters()
+    layer = model.layers[0]  # the example's inspect_mixed_precision, on a block
+    layer.unshard()
+    gathered = sorted({str(p.dtype) for p in layer.parameters()})
+    layer.reshard()
     result = example_steps(model, prefetch=prefetch)
+    result["gathered_dtypes"] = gathered
     result.pop("optimizer")
     # the ranks' generators after init and training: where a same-seed batch comes from
     result["rng"] = torch.rand(4)
