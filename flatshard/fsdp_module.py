@@ -41,9 +41,7 @@ class FlatShardModule(FSDPModule, nn.Module):
 
     def reshard(self) -> None:
         """Free this unit's unsharded parameters; the sharded ones are registered again."""
-        unit = self._flatshard_unit
-        unit.reshard()
-        unit.register("sharded")
+        self._flatshard_unit.reshard()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
         """False: keep accumulating unsharded gradients locally, with no communication."""

@@ -119,3 +119,23 @@ def test_random_init_leaves_every_rank_where_fsdp2s_first_rank_is():
     assert not torch.equal(theirs[0], theirs[2])  # FSDP2 itself: ranks differ
     for ours in run_distributed(_rng_after_uneven_init, 3):
         assert torch.equal(ours, theirs[0])
+
+
+def _unshard_then_forward_from_shards():
+    from reference import build_model, config, full_state, shard
+
+    model = shard(build_model(config()))
+    weights = full_state(model)
+    model.embed_tokens.unshard()  # registers the gathered table ...
+    with torch.no_grad():  # ... which this forward looks up from its shards, freeing it
+        model(torch.arange(16).remainder(61).view(2, 8))
+    registered = sorted({type(p).__name__ for p in model.parameters()})
+    return registered, all(torch.equal(v, weights[k]) for k, v in full_state(model).items())
+
+
+def test_freed_buffers_are_never_left_registered():
+    """Whatever frees a unit's gathered buffers registers its sharded parameters again (an
+    explicit `unshard()` followed by a forward that looks the embedding up from its shards
+    would otherwise leave views of freed memory on the module)."""
+    for registered, same in run_distributed(_unshard_then_forward_from_shards, 2):
+        assert registered == ["RowShardedParameter"] and same

@@ -194,6 +194,7 @@ class Unit:
         gradients) keep this rank's piece of them for a gather inside its small group."""
         self.wait_unshard()
         if self.sharded_state is ShardedState.UNSHARDED:
+            self.register("sharded")  # nothing may hold on to the views of freed buffers
             size = self.resharding.forward_group_size
             for bucket in self.buckets:
                 if keep_for_backward and size is not None:
