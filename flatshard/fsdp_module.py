@@ -27,21 +27,34 @@ class FlatShardModule(FSDPModule, nn.Module):
     _orig_cls_mro_index = 3
 
     def unshard(self, async_op: bool = False):
-        """Gather this unit's parameters; once gathered (now, or with `async_op` when the
-        returned handle is waited on) the unsharded parameters are registered on the
-        modules, as FSDP2's (`reshard()` registers the sharded ones again). Not recursive:
-        a root's first-use groups (api.py) are units of their own."""
-        unit = self._flatshard_unit
-        unit.unshard(async_op=async_op)
-        handle = _UnshardHandle([unit])
+        """Gather this module's parameters (a root's: also its first-use groups, as FSDP2's
+        root group holds them); once gathered (now, or with `async_op` when the returned
+        handle is waited on) the unsharded parameters are registered on the modules, as
+        FSDP2's (`reshard()` registers the sharded ones again). Not recursive."""
+        units = self._own_units()
+        for unit in units:
+            unit.unshard(async_op=async_op)
+        handle = _UnshardHandle(units)
         if async_op:
             return handle
         handle.wait()
         return None
 
     def reshard(self) -> None:
-        """Free this unit's unsharded parameters; the sharded ones are registered again."""
-        self._flatshard_unit.reshard()
+        """Free this module's unsharded parameters; the sharded ones are registered again."""
+        for unit in self._own_units():
+            unit.reshard()
+
+    def _own_units(self) -> list[Unit]:
+        """This module's unit and the first-use groups made of its children (api.py): the
+        parameters FSDP2's group of this module would hold."""
+        unit = self._flatshard_unit
+        groups = {
+            m._flatshard_unit
+            for m in self.modules()
+            if isinstance(m, FlatShardModule) and m._flatshard_unit.first_use_of is self
+        }
+        return [unit, *sorted(groups - {unit}, key=lambda u: u.created)]
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
         """False: keep accumulating unsharded gradients locally, with no communication."""

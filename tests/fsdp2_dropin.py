@@ -134,6 +134,8 @@ def _prefetch(model, forward=2, backward=2):
 
 def example_fresh_run(lib, mixed_precision=False, prefetch=False) -> dict:
     """Meta init, fully_shard, FSDPModule checks, to_empty, reset_parameters, train."""
+    from torch.distributed.tensor import DTensor
+
     torch.manual_seed(0)
     with torch.device("meta"):
         model = Transformer()
@@ -146,10 +148,13 @@ def example_fresh_run(lib, mixed_precision=False, prefetch=False) -> dict:
         _prefetch(model)
     model.to_empty(device="cpu")
     model.reset_parameters()
-    layer = model.layers[0]  # the example's inspect_mixed_precision, on a block
-    layer.unshard()
-    gathered = sorted({str(p.dtype) for p in layer.parameters()})
-    layer.reshard()
+    gathered = []  # the example's inspect_mixed_precision: on a block, and on the root's group
+    for module, params in ((model.layers[0], lambda: model.layers[0].parameters()),
+                           (model, lambda: (model.output.weight, model.norm.weight))):  # fmt: skip
+        module.unshard()
+        gathered.append(sorted({(isinstance(p, DTensor), str(p.dtype)) for p in params()}))
+        module.reshard()
+    gathered.append(sorted({isinstance(p, DTensor) for p in model.parameters()}))
     result = example_steps(model, prefetch=prefetch)
     result["gathered_dtypes"] = gathered
     result.pop("optimizer")
