@@ -87,25 +87,13 @@ def test_tensor_subclass_parameter_is_refused_by_name():
         assert "rank 1" not in message  # one line, the same on every rank
 
 
-def _rng_after_uneven_init():
+def _rng_after_uneven_init(lib):
     from fsdp2_dropin import Transformer, shard_transformer
 
     torch.manual_seed(0)
     with torch.device("meta"):
         model = Transformer(vocab=61, dim=20)  # 61 rows: uneven torch.chunk pieces
-    shard_transformer(model, "flatshard")
-    model.to_empty(device="cpu")
-    model.reset_parameters()
-    return torch.rand(4)
-
-
-def _rng_after_uneven_init_fsdp2():
-    from fsdp2_dropin import Transformer, shard_transformer
-
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = Transformer(vocab=61, dim=20)
-    shard_transformer(model, "fsdp2")
+    shard_transformer(model, lib)
     model.to_empty(device="cpu")
     model.reset_parameters()
     return torch.rand(4)
@@ -115,9 +103,9 @@ def test_random_init_leaves_every_rank_where_fsdp2s_first_rank_is():
     """With uneven chunks FSDP2's ranks end in different generator states; flatshard's all
     end where FSDP2's first rank does (with even chunks, test_fsdp2_example_flow: where
     all of FSDP2's do)."""
-    theirs = run_distributed(_rng_after_uneven_init_fsdp2, 3)
+    theirs = run_distributed(_rng_after_uneven_init, 3, "fsdp2")
     assert not torch.equal(theirs[0], theirs[2])  # FSDP2 itself: ranks differ
-    for ours in run_distributed(_rng_after_uneven_init, 3):
+    for ours in run_distributed(_rng_after_uneven_init, 3, "flatshard"):
         assert torch.equal(ours, theirs[0])
 
 
