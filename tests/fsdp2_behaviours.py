@@ -55,9 +55,10 @@ def net(seed=0, **kwargs) -> Net:
     return Net(**kwargs)
 
 
-def shard_net(model, lib, **kwargs):
+def shard_net(model, lib, blocks="blocks", **kwargs):
+    """`fully_shard` each of `model.<blocks>`, then the root, with either library."""
     fully_shard, _ = api(lib)
-    for block in model.blocks:
+    for block in getattr(model, blocks):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model

@@ -100,11 +100,7 @@ class Transformer(nn.Module):
 
 
 def shard_transformer(model, lib, **kwargs):
-    fully_shard, _ = api(lib)
-    for layer in model.layers:
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
+    return shard_net(model, lib, blocks="layers", **kwargs)
 
 
 def example_steps(model, steps=3, prefetch=False, optimizer=None) -> dict:
