@@ -8,6 +8,7 @@ wraps it."""
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import shutil
 import sys
@@ -28,7 +29,7 @@ from flatshard.models import (  # noqa: E402
     MoEConfig,
     load_balancing_loss,
 )
-from flatshard.parallel import ExpertParallel, parallelize_llama  # noqa: E402
+from flatshard.parallel import parallelize_llama  # noqa: E402
 
 PRESETS = {
     # LlamaConfig.tiny(): mixed row counts (vocab 61, gate_up 90 rows) so padding shows.
@@ -193,44 +194,29 @@ TP_DEGREE = 2
 EP_DEGREE = 2
 
 
-def hsdp_mesh():
-    """(2 replicas, world / 2 shards), for the HSDP modes."""
+@functools.cache
+def parallel_dims(kind: str = "dp"):
+    """The degrees of a kind of mode ("dp", "hsdp", "tp", "ep") over every rank; cached, so
+    its meshes are built once per worker (every rank builds them in the first such mode)."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
-    shards = dist.get_world_size() // HSDP_REPLICAS
-    return init_device_mesh("cpu", (HSDP_REPLICAS, shards), mesh_dim_names=("rep", "shard"))
-
-
-_TP_MESH = []
-
-
-def tp_mesh():
-    """(world / TP_DEGREE data-parallel, TP_DEGREE tensor-parallel), named as torchtitan's;
-    built once per worker (every rank builds it in the first TP mode) and shared by the TP
-    modes and their data slicing."""
-    if not _TP_MESH:
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-
-        dp = dist.get_world_size() // TP_DEGREE
-        _TP_MESH.append(init_device_mesh("cpu", (dp, TP_DEGREE), mesh_dim_names=("dp_shard", "tp")))
-    return _TP_MESH[0]
+    world = dist.get_world_size()
+    if kind == "hsdp":
+        return flatshard.ParallelDims(world, dp_replicate=HSDP_REPLICAS)
+    if kind == "tp":
+        return flatshard.ParallelDims(world, tp=TP_DEGREE)
+    if kind == "ep":
+        return flatshard.ParallelDims(world, ep=EP_DEGREE)
+    return flatshard.ParallelDims(world)
 
 
-_EP_MESH = []
-
-
-def ep_mesh():
-    """(world / EP_DEGREE expert-data-parallel, EP_DEGREE expert-parallel), named as
-    torchtitan's; built once per worker, as `tp_mesh`."""
-    if not _EP_MESH:
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-
-        efsdp = dist.get_world_size() // EP_DEGREE
-        _EP_MESH.append(init_device_mesh("cpu", (efsdp, EP_DEGREE), mesh_dim_names=("efsdp", "ep")))
-    return _EP_MESH[0]
+def dims_for(mode: str):
+    """The `parallel_dims` a mode runs on."""
+    if mode in ("hsdp3", "fsdp2-hsdp"):
+        return parallel_dims("hsdp")
+    if mode in TP_MODES:
+        return parallel_dims("tp")
+    return parallel_dims("ep" if mode == "ep3" else "dp")
 
 
 def is_moe(preset: str) -> bool:
@@ -244,8 +230,7 @@ def data_slice(mode: str) -> tuple[int, int]:
     import torch.distributed as dist
 
     if mode in TP_MODES:
-        dp = tp_mesh()["dp_shard"]
-        return dp.get_local_rank(), dp.size()
+        return parallel_dims("tp").build().dp_rank, parallel_dims("tp").dp
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -382,12 +367,12 @@ def build_mode(mode: str, cfg: LlamaConfig, param_dtype: torch.dtype):
 
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         policy = policy if low else MixedPrecisionPolicy()
-        mesh = hsdp_mesh() if mode == "fsdp2-hsdp" else None
+        meshes = dims_for(mode).build("cpu")
+        mesh = meshes.fsdp
         if mode == "fsdp2-tp":
             # the same plan as flatshard's (the fused gate_up _StridedShard(0, 2) over TP):
             # FSDP2 2.13 accepts it and shards it _StridedShard(0, TP) over dp_shard
-            parallelize_llama(model, tp_mesh()["tp"])
-            mesh = tp_mesh()["dp_shard"]
+            parallelize_llama(model, meshes.tp)
         # None is FSDP2's default: blocks reshard after forward, the root stays gathered for
         # its backward (an explicit True reshards the root too and gathers it again)
         reshard = HPZ_GROUP if mode == "fsdp2-hpz" else None
@@ -403,26 +388,11 @@ def build_mode(mode: str, cfg: LlamaConfig, param_dtype: torch.dtype):
         policy = flatshard.MixedPrecisionPolicy(
             param_dtype=param_dtype if low else None, reduce_dtype=torch.float32 if low else None
         )
-        mesh = hsdp_mesh() if mode == "hsdp3" else None
-        if mode == "tp3":
-            parallelize_llama(model, tp_mesh()["tp"])
-            mesh = tp_mesh()["dp_shard"]
         extra = {"reshard_after_forward": HPZ_GROUP} if mode == "hpz3" else {"zero_stage": stage}
         offload = offload_policy(mode)
         if offload is not None:
             extra["offload_policy"] = offload  # the same policy object everywhere
-        if mode == "ep3":
-            # each EP rank owns its experts (Shard(0) over ep), sharded over efsdp
-            from torch.distributed.tensor.parallel import parallelize_module
-
-            for layer in model.layers:
-                experts = getattr(layer.mlp, "experts", None)
-                if experts is not None:
-                    parallelize_module(experts, ep_mesh()["ep"], ExpertParallel())
-                    flatshard.fully_shard(
-                        experts, mp_policy=policy, mesh=ep_mesh()["efsdp"], **extra
-                    )
-        for layer in model.layers:
-            flatshard.fully_shard(layer, mp_policy=policy, mesh=mesh, **extra)
-        flatshard.fully_shard(model, mp_policy=policy, mesh=mesh, **extra)
+        # TP, then each EP rank's experts (Shard(0) over ep) sharded over efsdp, then the
+        # blocks and the root
+        flatshard.parallelize(model, dims_for(mode).build("cpu"), mp_policy=policy, **extra)
     return model, (lambda tokens: loss(model, tokens)), (lambda value: value.backward())

@@ -10,7 +10,7 @@ from torch.distributed.fsdp import (
     UnshardHandle,
 )
 
-from flatshard import checkpoint, hf
+from flatshard import checkpoint, hf, models
 from flatshard.api import fully_shard
 from flatshard.dtensor.clip import clip_grad_norm_
 from flatshard.dtensor.sharded_param import row_range
@@ -31,6 +31,9 @@ from flatshard.fsdp_module import (
     weights_changed,
 )
 from flatshard.materialize import materialize
+from flatshard.mesh import Meshes, ParallelDims
+from flatshard.parallelize import parallelize
+from flatshard.plan import ParallelPlan, register_plan
 from flatshard.policy import MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
@@ -42,10 +45,13 @@ __all__ = [
     "FlatShardModule",
     "LayoutError",
     "MeshError",
+    "Meshes",
     "MixedPrecisionPolicy",
     "OffloadError",
     "OffloadPolicy",
     "OptimizerOrderError",
+    "ParallelDims",
+    "ParallelPlan",
     "TokenIdError",
     "UnevenShardError",
     "WrappingError",
@@ -54,6 +60,9 @@ __all__ = [
     "fully_shard",
     "hf",
     "materialize",
+    "models",
+    "parallelize",
+    "register_plan",
     "register_fsdp_forward_method",
     "row_range",
     "share_comm_ctx",

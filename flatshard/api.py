@@ -90,7 +90,7 @@ def fully_shard(
     offload = as_offload(offload_policy)
     settings = (stage, policy, group_size if stage == 3 else None, offload)
     patches.install()
-    mesh = mesh.with_tp(*_tp_mesh(modules))
+    mesh = mesh.joined(*_inner_mesh(modules))
     ignored = {id(p) for p in ignored_params or ()}
     if len(modules) == 1:
         for members in first_use_groups(module):
@@ -241,8 +241,8 @@ def _param_info(fqn: str, param, places, shard_dim: int = 0) -> ParamInfo:
         raise NotImplementedError(str(error)) from error
 
 
-def _tp_mesh(modules):
-    """(mesh, splits data) of the tensor- or expert-parallel DTensor parameters below
+def _inner_mesh(modules):
+    """(mesh, is expert-parallel) of the tensor- or expert-parallel DTensor parameters below
     `modules` (made by a `ParallelStyle`; those of inner units included). A root's
     embedding and head, which TP does not split, join an inner unit's TP mesh too
     (`Replicate` over it): every parameter of a TP model lives on one mesh, as one
@@ -252,13 +252,13 @@ def _tp_mesh(modules):
     for module in modules:
         for sub in module.modules():
             unit = getattr(sub, "_flatshard_unit", None)
-            if unit is not None and unit.mesh.tp_mesh is not None and not unit.mesh.splits_data:
+            if unit is not None and unit.mesh.tp_mesh is not None:
                 meshes.append(unit.mesh.tp_mesh)
                 splits.add(False)
             for param in sub._parameters.values():
                 if isinstance(param, DTensor) and not hasattr(param, "_flatshard_param"):
                     meshes.append(param.device_mesh)
-                    splits.add(getattr(param, "_flatshard_splits_data", False))
+                    splits.add(getattr(param, "_flatshard_expert_parallel", False))
     # torch may hand out equal sub-meshes as different objects: compare their ranks
     if len({(tuple(m.mesh.flatten().tolist()), m.mesh_dim_names) for m in meshes}) > 1 or (
         len(splits) > 1

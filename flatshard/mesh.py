@@ -2,22 +2,24 @@
 
 `ParallelDims` is the arithmetic (no process group; the planner uses it on paper):
 `dp_replicate x dp_shard x tp` ranks, and expert parallelism `ep`, which borrows its ranks
-from `dp_shard x tp` (the experts' own data-parallel degree is `efsdp = dp_shard * tp /
-ep`, as in torchtitan). `ShardMesh` is a `DeviceMesh` as `fully_shard` uses it: it
-validates the mesh once and answers which group a unit shards over, this rank's index in
-it, its size, the replica group of HSDP, the DTensor placements of a sharded parameter and
-the device buffers live on. Nothing else takes a mesh apart.
+from the data-parallel ranks (the experts are sharded over the other `efsdp = world / ep`
+ranks). `ParallelDims.build()` makes every `DeviceMesh` of a run (`Meshes`): no
+other code in flatshard, its trainer, benchmarks or tests builds one. `ShardMesh` is a
+`DeviceMesh` as `fully_shard` uses it: it validates the mesh once and answers which group a
+unit shards over, this rank's index in it, its size, the replica group of HSDP, the DTensor
+placements of a sharded parameter and the device buffers live on. Nothing else takes a mesh
+apart.
 
 As FSDP2's, `fully_shard`'s mesh is 1-D (shard) or 2-D (dim 0 replicate, dim 1 shard:
-HSDP). Tensor parallelism joins from the parameters: a unit whose parameters are DTensors
-on a TP mesh (sliced from the same named mesh) gets a `ShardMesh` whose DTensors live on
-the (data-parallel..., tp) mesh, `Replicate` over TP for the parameters TP does not split.
-Expert parallelism is planned on paper and not run yet.
+HSDP). Tensor and expert parallelism join from the parameters: a unit whose parameters are
+DTensors on a TP (or EP) mesh sliced from the same named mesh gets a `ShardMesh` whose
+DTensors live on the (data-parallel..., tp) mesh, `Replicate` over TP for the parameters TP
+does not split.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -31,13 +33,20 @@ from flatshard.errors import MeshError
 @dataclass(frozen=True)
 class ParallelDims:
     """Degrees of parallelism over `world_size` ranks. -1 for `dp_shard` (the default) or
-    `dp_replicate`: whatever the other dense degrees leave."""
+    `dp_replicate`: whatever the other dense degrees leave.
+
+    Ranks are laid out `(dp_replicate, dp_shard, tp)`, TP innermost. Expert parallelism
+    borrows `ep` of the data-parallel ranks (ranks holding different tokens, replicas
+    included); each expert is sharded over all `efsdp = world_size / ep` other ranks, TP
+    ranks included (they compute the experts for the same tokens). `build()` makes the
+    meshes."""
 
     world_size: int
     dp_replicate: int = 1
     dp_shard: int = -1
     tp: int = 1
     ep: int = 1
+    _built: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("world_size", "tp", "ep"):
@@ -63,28 +72,112 @@ class ParallelDims:
                 f"dp_replicate x dp_shard x tp = {self.dp_replicate} x {self.dp_shard} x "
                 f"{self.tp} = {dense} ranks, but world_size is {self.world_size}"
             )
-        if (self.dp_shard * self.tp) % self.ep:
+        if self.dp % self.ep:
             raise MeshError(
-                f"ep ({self.ep}) must divide dp_shard x tp ({self.dp_shard} x {self.tp}): "
-                "expert parallelism borrows its ranks from them"
+                f"ep ({self.ep}) must divide the data-parallel ranks, dp_replicate x dp_shard "
+                f"({self.dp_replicate} x {self.dp_shard}): expert parallelism borrows its ranks "
+                "from the ones holding different tokens (TP ranks hold the same ones)"
             )
 
     @property
     def efsdp(self) -> int:
         """Ranks each expert is FSDP-sharded over."""
-        return self.dp_shard * self.tp // self.ep
+        return self.world_size // self.ep
 
     @property
     def dp(self) -> int:
+        """Data-parallel ranks: each trains on its own data."""
         return self.dp_replicate * self.dp_shard
 
-    def unsupported(self) -> str | None:
-        """What of this the runtime cannot run yet (None: all of it)."""
-        beyond = {n: getattr(self, n) for n in ("dp_replicate", "tp", "ep") if getattr(self, n) > 1}
-        if not beyond:
-            return None
-        named = ", ".join(f"{n}={v}" for n, v in beyond.items())
-        return f"fully_shard runs 1-D data parallelism (dp_shard) only for now; got {named}"
+    @property
+    def dense_grad_divide_factor(self) -> int:
+        """What a dense parameter's summed gradient is divided by: the data-parallel ranks
+        (TP ranks hold pieces of one gradient, not copies)."""
+        return self.dp
+
+    @property
+    def expert_grad_divide_factor(self) -> int:
+        """What an expert's gradient, summed over its `efsdp x ep` ranks (every rank), is
+        divided by: every rank (the TP ranks' copies count as the same tokens)."""
+        return self.world_size
+
+    def build(self, device_type: str | None = None) -> Meshes:
+        """Every DeviceMesh of these degrees (on the default process group's device unless
+        `device_type` is given), built once: every rank must call it, in the same order."""
+        if not dist.is_initialized():
+            raise MeshError(
+                "torch.distributed is not initialised: call dist.init_process_group() "
+                "(torchrun sets the environment) before building meshes"
+            )
+        if dist.get_world_size() != self.world_size:
+            raise MeshError(
+                f"ParallelDims is for world_size {self.world_size}, but the process group "
+                f"has {dist.get_world_size()} ranks"
+            )
+        device_type = device_type or comm.group_device(None).type
+        if device_type not in self._built:
+            self._built[device_type] = Meshes._build(self, device_type)
+        return self._built[device_type]
+
+
+@dataclass(frozen=True)
+class Meshes:
+    """The named meshes of a `ParallelDims`: `world` over (dp_replicate, dp_shard, tp) (a
+    dim of degree 1 included), `experts` over (efsdp, ep) when ep > 1, and `dp`, every
+    data-parallel rank as one dim (data loading, loss averaging)."""
+
+    dims: ParallelDims
+    world: DeviceMesh
+    dp: DeviceMesh
+    experts: DeviceMesh | None
+
+    @staticmethod
+    def _build(dims: ParallelDims, device_type: str) -> Meshes:
+        shape = (dims.dp_replicate, dims.dp_shard, dims.tp)
+        names = ("dp_replicate", "dp_shard", "tp")
+        world = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        dp = world["dp_shard"]
+        if dims.dp_replicate > 1:
+            dp = world["dp_replicate", "dp_shard"]._flatten("dp")
+        experts = None
+        if dims.ep > 1:
+            # rank = data-parallel index x tp + TP index; an EP group: `ep` consecutive
+            # data-parallel indices at one TP index; efsdp: every other rank
+            ranks = torch.arange(dims.world_size).view(dims.dp // dims.ep, dims.ep, dims.tp)
+            ranks = ranks.permute(0, 2, 1).reshape(dims.efsdp, dims.ep)
+            experts = DeviceMesh(device_type, ranks, mesh_dim_names=("efsdp", "ep"))
+        return Meshes(dims, world, dp, experts)
+
+    @property
+    def fsdp(self) -> DeviceMesh:
+        """What `fully_shard` shards the dense parameters over: (dp_replicate, dp_shard)."""
+        if self.dims.dp_replicate > 1:
+            return self.world["dp_replicate", "dp_shard"]
+        return self.world["dp_shard"]
+
+    @property
+    def tp(self) -> DeviceMesh | None:
+        """The tensor-parallel mesh (None without tensor parallelism)."""
+        return self.world["tp"] if self.dims.tp > 1 else None
+
+    @property
+    def ep(self) -> DeviceMesh | None:
+        return self.experts["ep"] if self.experts is not None else None
+
+    @property
+    def expert_fsdp(self) -> DeviceMesh | None:
+        """What `fully_shard` shards the experts over."""
+        return self.experts["efsdp"] if self.experts is not None else None
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel ranks (which data it reads)."""
+        return self.dp.get_local_rank()
+
+
+def default_mesh(device_type: str) -> DeviceMesh:
+    """All ranks of the default process group as one 1-D mesh (FSDP2's default)."""
+    return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
 def _check_degree(name: str, value) -> None:
@@ -99,8 +192,8 @@ class ShardMesh:
     def __init__(
         self,
         device_mesh: DeviceMesh,
-        tp_mesh: DeviceMesh | None = None,
-        splits_data: bool = False,
+        inner_mesh: DeviceMesh | None = None,
+        expert_parallel: bool = False,
     ):
         if device_mesh.ndim not in (1, 2):
             names = device_mesh.mesh_dim_names or ""
@@ -123,43 +216,41 @@ class ShardMesh:
         hsdp = device_mesh.ndim == 2
         self.replicate_group = device_mesh.get_group(0) if hsdp else None
         self.replicate_size = device_mesh.size(0) if hsdp else 1
-        self.tp_mesh = tp_mesh
-        self.tp_size = 1 if tp_mesh is None else tp_mesh.size()
-        # the inner mesh dim's ranks see different data (expert parallelism), not the same
-        # batch (tensor parallelism): gradients are averaged over them too
-        self.splits_data = splits_data and tp_mesh is not None
-        self.dims = ParallelDims(
-            device_mesh.size() * self.tp_size,
-            dp_replicate=self.replicate_size,
-            dp_shard=self.shard_size * (self.tp_size if self.splits_data else 1),
-            tp=1 if self.splits_data else self.tp_size,
-            ep=self.tp_size if self.splits_data else 1,
-        )
+        # the parameters' own mesh dim: TP, or EP (whose ranks see different data, not the
+        # same batch: gradients are averaged over them too)
+        self.inner_mesh = inner_mesh
+        self.inner_size = 1 if inner_mesh is None else inner_mesh.size()
+        self.expert_parallel = expert_parallel and inner_mesh is not None
         # a sharded parameter: rows over the shard dim, the same rows on every replica;
         # with TP, its TP placement on the last dim (placements_for)
         self.placements = (Replicate(), Shard(0)) if hsdp else (Shard(0),)
         self.shard_mesh_dim = shard_dim
-        self.param_mesh = device_mesh if tp_mesh is None else _joined(device_mesh, tp_mesh)
+        self.param_mesh = device_mesh if inner_mesh is None else _joined(device_mesh, inner_mesh)
         self.device = comm.compute_device(device_mesh.device_type)
         self._forward_groups: dict[int, object] = {}
-        self._with_tp: dict[int, ShardMesh] = {}
+        self._joined: dict[tuple, ShardMesh] = {}
 
-    def with_tp(self, tp_mesh: DeviceMesh | None, splits_data: bool = False) -> ShardMesh:
-        """This data-parallel mesh joined with a tensor- (or, `splits_data`, expert-)
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        """The tensor-parallel mesh of the parameters (None: no TP)."""
+        return None if self.expert_parallel else self.inner_mesh
+
+    def joined(self, inner_mesh: DeviceMesh | None, expert_parallel: bool = False) -> ShardMesh:
+        """This data-parallel mesh joined with the parameters' tensor- (or expert-)
         parallel mesh; itself for None."""
-        if tp_mesh is None or tp_mesh is self.tp_mesh:
+        if inner_mesh is None or inner_mesh is self.inner_mesh:
             return self
-        if self.tp_mesh is not None:
-            raise MeshError("a unit's parameters are DTensors on two different TP meshes")
-        key = (id(tp_mesh), splits_data)
-        if key not in self._with_tp:
-            self._with_tp[key] = ShardMesh(self.device_mesh, tp_mesh, splits_data)
-        return self._with_tp[key]
+        if self.inner_mesh is not None:
+            raise MeshError("a unit's parameters are DTensors on two different TP/EP meshes")
+        key = (id(inner_mesh), expert_parallel)
+        if key not in self._joined:
+            self._joined[key] = ShardMesh(self.device_mesh, inner_mesh, expert_parallel)
+        return self._joined[key]
 
     def placements_for(self, tp_placement=None) -> tuple:
         """A sharded parameter's placements on `param_mesh`: its rows over the shard dim
         and, with TP, its TP placement (`Replicate` for a parameter TP does not split)."""
-        if self.tp_mesh is None:
+        if self.inner_mesh is None:
             return self.placements
         return (*self.placements, tp_placement or Replicate())
 
@@ -184,7 +275,8 @@ class ShardMesh:
     @property
     def dp_size(self) -> int:
         """Ranks a gradient is averaged over: every rank training on its own data."""
-        return self.replicate_size * self.shard_size * (self.tp_size if self.splits_data else 1)
+        experts = self.inner_size if self.expert_parallel else 1
+        return self.replicate_size * self.shard_size * experts
 
     @classmethod
     def resolve(cls, device_mesh: DeviceMesh | ShardMesh | None, dp_mesh_dims=None) -> ShardMesh:
@@ -203,13 +295,13 @@ class ShardMesh:
                     "torch.distributed is not initialised: call dist.init_process_group() "
                     "(torchrun sets the environment) or pass mesh=init_device_mesh(...)"
                 )
-            device_type = comm.group_device(None).type
-            device_mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+            device_mesh = default_mesh(comm.group_device(None).type)
         return cls(device_mesh)
 
     def __repr__(self) -> str:
         replicas = f"{self.replicate_size} x " if self.replicate_size > 1 else ""
-        tp = f" x tp {self.tp_size}" if self.tp_mesh is not None else ""
+        kind = "ep" if self.expert_parallel else "tp"
+        tp = f" x {kind} {self.inner_size}" if self.inner_mesh is not None else ""
         return f"ShardMesh({replicas}{self.shard_size}{tp} ranks on {self.device})"
 
 

@@ -14,6 +14,8 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
+import flatshard
+
 DIM = 16
 
 
@@ -255,10 +257,7 @@ def shared_parameters(lib):
 
 
 def hsdp(lib):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    shape, names = (2, dist.get_world_size() // 2), ("replicate", "shard")
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    mesh = flatshard.ParallelDims(dist.get_world_size(), dp_replicate=2).build().fsdp
     return train(shard_net(net(), lib, mesh=mesh), plain_loss)
 
 

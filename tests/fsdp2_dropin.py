@@ -34,6 +34,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
+import flatshard
+
 VOCAB, SEQ = 64, 8
 
 
@@ -373,14 +375,13 @@ def reset_after_failure(lib) -> dict:
 def spmd_mesh_dims(lib) -> dict:
     """torch 2.13's `fully_shard(mesh=whole_mesh, dp_mesh_dims=...)` with the parameters
     DTensors replicated on the mesh, against the plain mesh's run."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import DataParallelMeshDims
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     fully_shard, _ = api(lib)
-    world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    dims = DataParallelMeshDims(shard="shard", replicate="replicate")
+    world = flatshard.ParallelDims(dist.get_world_size(), dp_replicate=2).build().world
+    mesh = world["dp_replicate", "dp_shard"]
+    dims = DataParallelMeshDims(shard="dp_shard", replicate="dp_replicate")
     model = net()
     for module in model.modules():
         for name, param in list(module._parameters.items()):

@@ -103,11 +103,7 @@ def shard(model, zero_stage: int = 3, mp_policy=None, mesh=None, offload_policy=
 
 def hsdp_mesh(replicas: int):
     """(dp_replicate, dp_shard) over every rank: HSDP's 2-D mesh."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    world = dist.get_world_size()
-    names = ("dp_replicate", "dp_shard")
-    return init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=names)
+    return flatshard.ParallelDims(dist.get_world_size(), dp_replicate=replicas).build().fsdp
 
 
 def full_state(model) -> dict[str, torch.Tensor]:

@@ -136,13 +136,14 @@ def test_parallel_dims_validate_once_with_clear_messages():
     from flatshard.mesh import ParallelDims
 
     dims = ParallelDims(16, dp_replicate=2, tp=2, ep=4)
-    assert (dims.dp_shard, dims.efsdp, dims.dp) == (4, 2, 8)
-    assert "dp_replicate=2, tp=2, ep=4" in dims.unsupported()
-    assert ParallelDims(8).unsupported() is None
+    assert (dims.dp_shard, dims.efsdp, dims.dp) == (4, 4, 8)
+    assert (dims.dense_grad_divide_factor, dims.expert_grad_divide_factor) == (8, 16)
     with pytest.raises(MeshError, match=r"dp_replicate x tp \(3 x 1\) must divide world_size"):
         ParallelDims(8, dp_replicate=3)
-    with pytest.raises(MeshError, match=r"ep \(3\) must divide dp_shard x tp"):
+    with pytest.raises(MeshError, match=r"ep \(3\) must divide the data-parallel ranks"):
         ParallelDims(8, ep=3)
+    with pytest.raises(MeshError, match=r"ep \(4\) must divide the data-parallel ranks"):
+        ParallelDims(8, tp=4, ep=4)  # TP ranks hold the same tokens
     with pytest.raises(MeshError, match="2 x 2 x 1 = 4 ranks, but world_size is 8"):
         ParallelDims(8, dp_replicate=2, dp_shard=2)
     with pytest.raises(MeshError, match="tp must be an int >= 1"):

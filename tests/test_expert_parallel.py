@@ -24,13 +24,12 @@ from reference import (
 )
 from test_gradients import _full_grads, _per_tensor_errors
 from test_moe_training import moe_loss
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import flatshard
 from flatshard import checkpoint
 from flatshard.models import MoE, MoEConfig
-from flatshard.parallel import ExpertParallel
+from flatshard.models.plans import split_experts
 
 STEPS = 5
 TOLERANCE = 1e-6
@@ -55,20 +54,12 @@ def build(style="qwen3_moe", seed=0, silent_expert=None):
 
 
 def ep_model(ep: int, style="qwen3_moe", zero_stage=3, seed=0, silent_expert=None, **settings):
-    """Experts split over `ep` ranks and sharded over world/ep; the rest over every rank.
-    `settings`: more fully_shard arguments for every unit (mp_policy, offload_policy)."""
-    world = dist.get_world_size()
-    sparse = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+    """Experts split over `ep` ranks and sharded over world/ep (ep 1: no EP, experts in
+    their blocks' units); the rest over every rank. `settings`: more fully_shard arguments
+    for every unit (mp_policy, offload_policy)."""
     model = build(style, seed, silent_expert)
-    settings["zero_stage"] = zero_stage
-    for block in model.layers:
-        experts = getattr(block.mlp, "experts", None)
-        if experts is not None:
-            parallelize_module(experts, sparse["ep"], ExpertParallel())
-            flatshard.fully_shard(experts, mesh=sparse["efsdp"], **settings)
-        flatshard.fully_shard(block, **settings)
-    flatshard.fully_shard(model, **settings)
-    return model
+    dims = flatshard.ParallelDims(dist.get_world_size(), ep=ep)
+    return flatshard.parallelize(model, dims, zero_stage=zero_stage, **settings)
 
 
 def _reference(style, steps, silent_expert=None):
@@ -242,25 +233,22 @@ def test_out_of_range_expert_index_raises_on_every_rank():
 def _tp_and_ep():
     """Dense layers TP over pairs of ranks (attention split by heads), experts EP over the
     ranks holding different data (the same TP index) and sharded over each TP pair."""
-    dp, tp = 2, 2
-    dense = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp_shard", "tp"))
-    # rank = dp index x tp + tp index; an EP group: one TP index, both data-parallel ranks
-    by_tp = torch.arange(dist.get_world_size()).view(dp, tp).t()
-    sparse = DeviceMesh("cpu", by_tp, mesh_dim_names=("efsdp", "ep"))
-    model = build("mixtral")
+    dims = flatshard.ParallelDims(dist.get_world_size(), tp=2, ep=2)
     attention = {f"attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")}
     attention["attn.o_proj"] = RowwiseParallel()
-    for block in model.layers:
-        parallelize_module(block, dense["tp"], attention)
-        parallelize_module(block.mlp.experts, sparse["ep"], ExpertParallel())
-        flatshard.fully_shard(block.mlp.experts, mesh=sparse["efsdp"])
-        flatshard.fully_shard(block, mesh=dense["dp_shard"])
-    flatshard.fully_shard(model, mesh=dense["dp_shard"])
+    plan = flatshard.ParallelPlan(
+        "layers",
+        lambda model, tp_mesh: [parallelize_module(b, tp_mesh, attention) for b in model.layers],
+        split_experts,
+    )
+    model = flatshard.parallelize(build("mixtral"), dims, plan=plan)
+    meshes = dims.build()
     data = batches(_config("mixtral"), STEPS)
-    group = dense["dp_shard"].get_group()
-    dp_rank = dense["dp_shard"].get_local_rank()
-    losses = train(model, data, rank=dp_rank, world=dp, loss_fn=partial(moe_loss, group=group))
-    return [loss / tp for loss in losses], full_state(model)  # train() summed tp copies
+    group = meshes.dp.get_group()
+    losses = train(
+        model, data, rank=meshes.dp_rank, world=dims.dp, loss_fn=partial(moe_loss, group=group)
+    )
+    return [loss / dims.tp for loss in losses], full_state(model)  # train() summed tp copies
 
 
 def test_tensor_parallel_dense_layers_with_expert_parallel_experts():

@@ -16,14 +16,11 @@ import torch.distributed as dist
 from distributed import run_distributed
 from reference import batches, full_optimizer_state, full_state, rel_diff, rel_losses, train
 from test_moe_training import moe_loss
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.parallel import parallelize_module
 
 import flatshard
 from flatshard import checkpoint
 from flatshard.dtensor.sharded_param import shard_spec
 from flatshard.models import MoE, MoEConfig
-from flatshard.parallel import ExpertParallel
 
 STEPS = 5
 TOLERANCE = 1e-6
@@ -49,15 +46,7 @@ def _sharded(ep: int, seed=0, meta=False):
     model = _build(seed, meta)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        sparse = None
-        if ep:
-            sparse = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
-        for block in model.layers:
-            if sparse is not None:
-                parallelize_module(block.mlp.experts, sparse["ep"], ExpertParallel())
-                flatshard.fully_shard(block.mlp.experts, mesh=sparse["efsdp"])
-            flatshard.fully_shard(block)
-        flatshard.fully_shard(model)
+        flatshard.parallelize(model, flatshard.ParallelDims(world, ep=ep or 1))
     if meta:
         torch.manual_seed(seed)
         flatshard.materialize(model)

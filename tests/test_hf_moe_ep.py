@@ -14,14 +14,11 @@ import torch
 import torch.distributed as dist
 from distributed import run_distributed
 from test_hf import assert_bit_exact, hf_logits, read_all, rel
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.parallel import parallelize_module
 
 import flatshard
 from flatshard import hf
 from flatshard.dtensor.sharded_param import shard_spec
 from flatshard.models import MoE, MoEConfig
-from flatshard.parallel import ExpertParallel
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
@@ -94,15 +91,7 @@ def checkpoints(tmp_path_factory):
 def _shard_with_ep(model, ep: int):
     """Experts over `ep` ranks (EP), each rank's experts sharded over the other world / ep
     ranks; attention, routers and dense MLPs sharded over all ranks."""
-    world = dist.get_world_size()
-    sparse = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
-    for block in model.layers:
-        experts = getattr(block.mlp, "experts", None)
-        if experts is not None:
-            parallelize_module(experts, sparse["ep"], ExpertParallel())
-            flatshard.fully_shard(experts, mesh=sparse["efsdp"])
-        flatshard.fully_shard(block)
-    flatshard.fully_shard(model)
+    flatshard.parallelize(model, flatshard.ParallelDims(dist.get_world_size(), ep=ep))
 
 
 def _import_export(path, out, tokens, ep):

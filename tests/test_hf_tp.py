@@ -11,11 +11,9 @@ import pytest
 import torch
 from distributed import run_distributed
 from test_hf import assert_bit_exact, hf_logits, rel
-from torch.distributed.device_mesh import init_device_mesh
 
 import flatshard
 from flatshard import hf
-from flatshard.parallel import parallelize_llama
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
@@ -49,11 +47,7 @@ def checkpoint(tmp_path_factory):
 
 
 def _tp_shard(model, shard: int, tp: int):
-    mesh = init_device_mesh("cpu", (shard, tp), mesh_dim_names=("dp_shard", "tp"))
-    parallelize_llama(model, mesh["tp"])
-    for layer in model.layers:
-        flatshard.fully_shard(layer, mesh=mesh["dp_shard"])
-    flatshard.fully_shard(model, mesh=mesh["dp_shard"])
+    flatshard.parallelize(model, flatshard.ParallelDims(shard * tp, tp=tp))
 
 
 def _import_export(path, out, tokens, shard, tp):

@@ -8,9 +8,9 @@ import pytest
 import torch
 from distributed import run_distributed
 from reference import adamw, batches, build_model, config, lm_loss, rel_diff, rel_losses
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+import flatshard
 from flatshard.errors import MeshError
 from flatshard.parallel import check_tp, parallelize_llama
 
@@ -27,7 +27,7 @@ def _full(model) -> dict:
 def _train_tp(steps):
     tp = torch.distributed.get_world_size()
     model = build_model(config(**CFG))
-    parallelize_llama(model, init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",)))
+    parallelize_llama(model, flatshard.ParallelDims(tp, tp=tp).build().tp)
     optimizer = adamw(model.parameters())
     losses = []
     for tokens in batches(config(**CFG), steps):

@@ -6,6 +6,8 @@ ZeRO-2, with accumulation and tied embeddings."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,7 +26,6 @@ from reference import (
 from reference import shard as shard_model
 from reference import train as train_ranks
 from test_gradients import _backward, _full_grads, _per_tensor_errors
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
@@ -44,16 +45,14 @@ def tp_model(
     replicate: int, shard: int, tp: int, zero_stage: int = 3, seed=0, sp=False, **overrides
 ):
     """The reference Llama, TP over `tp` ranks, then fully_shard over (replicate, shard)."""
-    names = ("dp_replicate", "dp_shard", "tp")
-    mesh = init_device_mesh("cpu", (replicate, shard, tp), mesh_dim_names=names)
+    dims = flatshard.ParallelDims(replicate * shard * tp, dp_replicate=replicate, tp=tp)
     model = build_model(config(**{**CFG, **overrides}), seed=seed)
-    parallelize_llama(model, mesh["tp"], sequence_parallel=sp)
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if replicate > 1 else mesh["dp_shard"]
-    for layer in model.layers:
-        flatshard.fully_shard(layer, mesh=dp_mesh, zero_stage=zero_stage)
-    flatshard.fully_shard(model, mesh=dp_mesh, zero_stage=zero_stage)
-    dp_rank = mesh["dp_replicate", "dp_shard"]._flatten().get_local_rank()
-    return model, dp_rank
+    plan = flatshard.ParallelPlan("layers", partial(parallelize_llama, sequence_parallel=sp))
+    if tp == 1:  # TP over one rank: applied by hand (parallelize applies it for tp > 1)
+        plan.apply_tensor_parallel(model, dims.build().world["tp"])
+        plan = flatshard.ParallelPlan("layers")
+    flatshard.parallelize(model, dims, plan=plan, zero_stage=zero_stage)
+    return model, dims.build().dp_rank
 
 
 def _train(layout, zero_stage, microbatches, sync_last_only, tied, sp=False):
@@ -390,7 +389,7 @@ def _fsdp2_tp_model():
         parallelize_module,
     )
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    mesh = flatshard.ParallelDims(4, tp=2).build().world  # (dp_shard, tp)
     model = build_model(config(**CFG), seed=5)
     plan = {name: ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")}
     plan = {f"attn.{name}": style for name, style in plan.items()}

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 from flatshard.cli.errors import ConfigError
 from flatshard.cli.options import BY_KEY, OPTIONS, PRESETS, SECTIONS, Option
+from flatshard.errors import MeshError
 from flatshard.mesh import ParallelDims
 
 try:
@@ -266,7 +267,10 @@ def resume_conflicts(
 def parallel_dims(config: RunConfig, world_size: int) -> ParallelDims:
     """The run's degrees over `world_size` processes (dp_shard: what the others leave)."""
     train = config.train
-    return ParallelDims(world_size, dp_replicate=train.dp_replicate, tp=train.tp, ep=train.ep)
+    try:
+        return ParallelDims(world_size, dp_replicate=train.dp_replicate, tp=train.tp, ep=train.ep)
+    except MeshError as error:  # it names the degree: say which key holds it
+        raise ConfigError(f"train.{error}") from None
 
 
 def check(config: RunConfig, world_size: int | None = None) -> None:
@@ -280,7 +284,7 @@ def check(config: RunConfig, world_size: int | None = None) -> None:
             f"({train.micro_batch})"
         )
     if world_size is not None:
-        dims = parallel_dims(config, world_size)  # MeshError: what
+        dims = parallel_dims(config, world_size)
         if train.hpz_group and (
             train.zero_stage != 3
             or dims.dp_shard % train.hpz_group
@@ -293,11 +297,6 @@ def check(config: RunConfig, world_size: int | None = None) -> None:
                 f"(train.dp_replicate=1), no TP or EP (train.tp=1, train.ep=1) and must divide "
                 f"the processes "
                 f"({dims.dp_shard})"
-            )
-        if train.tp > 1 and train.ep > 1 and dims.dp % train.ep:
-            raise ConfigError(
-                f"train.ep ({train.ep}) must divide the data-parallel ranks ({dims.dp}): "
-                "with TP, an EP group is made of ranks that hold different tokens"
             )
         if train.global_batch % (train.micro_batch * dims.dp):
             per_step = train.micro_batch * dims.dp

@@ -9,8 +9,6 @@ import functools
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor.parallel import parallelize_module
 
 import flatshard
 from flatshard import hf
@@ -18,8 +16,9 @@ from flatshard.cli import runs
 from flatshard.cli.config import RunConfig
 from flatshard.cli.errors import ConfigError, RunError, warn
 from flatshard.errors import MeshError
+from flatshard.mesh import ParallelDims
 from flatshard.models import Llama, LlamaConfig, MoE, MoEConfig
-from flatshard.parallel import ExpertParallel, check_tp, parallelize_llama, parallelize_moe
+from flatshard.parallel import check_tp
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -79,18 +78,18 @@ def reference_model(cfg: LlamaConfig) -> Llama | MoE:
     return MoE(cfg) if isinstance(cfg, MoEConfig) else Llama(cfg)
 
 
-def build_run_model(config, model_config: LlamaConfig | None, device: torch.device, load: bool):
-    """The model a training run config describes, sharded as its train.* keys say: the
-    Hugging Face model of model.hf (read from its files when `load`), else the reference
-    model of `model_config`."""
+def build_run_model(
+    config, model_config: LlamaConfig | None, dims: ParallelDims, device: torch.device, load: bool
+):
+    """The model a training run config describes, sharded over `dims` as its train.* keys
+    say: the Hugging Face model of model.hf (read from its files when `load`), else the
+    reference model of `model_config`."""
     train = config.train
     sharding = dict(
         zero_stage=train.zero_stage,
         precision=train.precision,
         device=device,
-        dp_replicate=train.dp_replicate,
-        tp=train.tp,
-        ep=train.ep,
+        dims=dims,
         hpz_group=train.hpz_group,
         offload=offload_policy(train.offload, train.offload_dir),
     )
@@ -106,17 +105,17 @@ def build_sharded(
     precision: str,
     seed: int,
     device: torch.device,
-    dp_replicate: int = 1,
-    tp: int = 1,
-    ep: int = 1,
+    dims: ParallelDims | None = None,
     hpz_group: int = 0,
     offload: flatshard.OffloadPolicy | None = None,
 ) -> Llama | MoE:
-    """Every block's attention and dense MLP split over `tp` ranks (flatshard.parallel),
-    MoE experts over `ep` data-parallel ranks (sharded over the rest), then every block and the root
-    `fully_shard`-ed (HSDP over `dp_replicate` replicas); weights equal
-    `reference_model(cfg)` built eagerly after `torch.manual_seed(seed)`, at any layout, and
-    no rank ever holds them all."""
+    """`flatshard.parallelize` over `dims` (default: every rank data-parallel): attention
+    and dense MLPs split over `tp` ranks, MoE experts over `ep` data-parallel ranks (sharded
+    over the rest), every block and the root `fully_shard`-ed (HSDP over `dp_replicate`
+    replicas); weights equal `reference_model(cfg)` built eagerly after
+    `torch.manual_seed(seed)`, at any layout, and no rank ever holds them all."""
+    dims = dims or ParallelDims(dist.get_world_size())
+    tp, ep = dims.tp, dims.ep
     if tp > 1:
         try:
             check_tp(cfg, tp)
@@ -128,27 +127,9 @@ def build_sharded(
         raise ConfigError(f"train.ep ({ep}) must divide model.n_experts ({cfg.n_experts})")
     with torch.device("meta"):
         model = reference_model(cfg)
-    policy = mixed_precision(precision)
     stage = _stage(zero_stage, hpz_group, offload)
-    if ep > 1:  # experts over (efsdp, ep): their own units, before their blocks'
-        sparse = expert_mesh(device.type, dist.get_world_size(), tp, ep)
-        for block in model.layers:
-            experts = getattr(block.mlp, "experts", None)
-            if experts is not None:
-                parallelize_module(experts, sparse["ep"], ExpertParallel())
-                flatshard.fully_shard(experts, mp_policy=policy, mesh=sparse["efsdp"], **stage)
-    mesh = None
-    if dp_replicate > 1 or tp > 1:
-        shards = dist.get_world_size() // (dp_replicate * tp)
-        names = ("dp_replicate", "dp_shard", "tp")
-        world = init_device_mesh(device.type, (dp_replicate, shards, tp), mesh_dim_names=names)
-        if tp > 1:
-            split = parallelize_moe if isinstance(cfg, MoEConfig) else parallelize_llama
-            split(model, world["tp"])
-        mesh = world["dp_replicate", "dp_shard"] if dp_replicate > 1 else world["dp_shard"]
-    for block in model.layers:
-        flatshard.fully_shard(block, mp_policy=policy, mesh=mesh, **stage)
-    flatshard.fully_shard(model, mp_policy=policy, mesh=mesh, **stage)
+    policy = mixed_precision(precision)
+    flatshard.parallelize(model, dims.build(device.type), mp_policy=policy, **stage)
     torch.manual_seed(seed)
     flatshard.materialize(model, device)
     return model
@@ -158,14 +139,6 @@ def _stage(zero_stage: int, hpz_group: int, offload) -> dict:
     """The fully_shard settings every unit of a trainer's model shares besides precision."""
     stage = {"reshard_after_forward": hpz_group} if hpz_group else {"zero_stage": zero_stage}
     return {**stage, "offload_policy": offload}
-
-
-def expert_mesh(device_type: str, world: int, tp: int, ep: int) -> DeviceMesh:
-    """(efsdp, ep): an EP group is `ep` data-parallel ranks holding different tokens, at one
-    TP index (rank = data-parallel index x tp + TP index); the experts are sharded over the
-    rest, the TP ranks included (they compute the experts for the same tokens)."""
-    ranks = torch.arange(world).view(world // (ep * tp), ep, tp).permute(0, 2, 1)
-    return DeviceMesh(device_type, ranks.reshape(-1, ep), mesh_dim_names=("efsdp", "ep"))
 
 
 def build_plain(cfg: LlamaConfig, device: torch.device | str = "cpu") -> Llama | MoE:
@@ -186,9 +159,7 @@ def build_hf(
     zero_stage: int,
     precision: str,
     device: torch.device,
-    dp_replicate: int = 1,
-    tp: int = 1,
-    ep: int = 1,
+    dims: ParallelDims,
     hpz_group: int = 0,
     offload: flatshard.OffloadPolicy | None = None,
     load: bool = True,
@@ -197,19 +168,17 @@ def build_hf(
     the root `fully_shard`-ed as build_sharded does, each rank reading only its rows:
     flatshard's Llama for Llama/Qwen2/Qwen3 checkpoints, the transformers model otherwise.
     load False: allocated only (a checkpoint will fill it)."""
-    if tp > 1 or ep > 1:
+    if dims.tp > 1 or dims.ep > 1:
         raise ConfigError(
             "model.hf with train.tp or train.ep > 1: a Hugging Face model has no tensor- or "
             "expert-parallel plan in flatshard yet; use train.tp=1 and train.ep=1"
         )
-    policy = mixed_precision(precision)
-    mesh = None
-    if dp_replicate > 1:
-        shards = dist.get_world_size() // dp_replicate
-        names = ("dp_replicate", "dp_shard")
-        mesh = init_device_mesh(device.type, (dp_replicate, shards), mesh_dim_names=names)
-    stage = _stage(zero_stage, hpz_group, offload)
-    shard = functools.partial(hf.shard_decoder_layers, mp_policy=policy, mesh=mesh, **stage)
+    shard = functools.partial(
+        flatshard.parallelize,
+        dims=dims.build(device.type),
+        mp_policy=mixed_precision(precision),
+        **_stage(zero_stage, hpz_group, offload),
+    )
     if load:
         return hf.from_pretrained(path, shard=shard, device=device)
     hf_config = hf.read_hf_config(path)

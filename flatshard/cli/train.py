@@ -22,7 +22,7 @@ import flatshard
 from flatshard import checkpoint, comm
 from flatshard.checkpoint import commit
 from flatshard.cli import runs
-from flatshard.cli.config import RunConfig, check
+from flatshard.cli.config import RunConfig, check, parallel_dims
 from flatshard.cli.data import SequenceOrder, load_tokens
 from flatshard.cli.errors import TrainingStopped
 from flatshard.cli.generate import sample_at_end
@@ -79,15 +79,18 @@ class Trainer:
             self.model_config = None
         else:
             self.model_config = llama_config(config, self.data.vocab_size)
-        # the TP ranks of a group (consecutive ranks: TP is innermost) share a batch
-        self.dp_world = ranks.world_size // train.tp
-        self.dp_rank = ranks.rank // train.tp
+        # the TP ranks of a group share a batch
+        self.dims = parallel_dims(config, ranks.world_size)
+        self.dp_world = self.dims.dp
+        self.dp_rank = self.dims.build(ranks.device.type).dp_rank
         self.accumulation = train.global_batch // (train.micro_batch * self.dp_world)
         warm_up_runtime(ranks.device)
         self.memory = MemoryMeter(ranks.device)  # from here on: what `flatshard plan` counts
         comm.traffic.take()  # count from here
         # on resume the checkpoint fills the model: no need to read the HF files
-        self.model = build_run_model(config, self.model_config, ranks.device, resume_step is None)
+        self.model = build_run_model(
+            config, self.model_config, self.dims, ranks.device, resume_step is None
+        )
         self.optimizer = torch.optim.AdamW(
             _parameter_groups(self.model, train.weight_decay),
             lr=train.lr,

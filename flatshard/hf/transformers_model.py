@@ -22,6 +22,7 @@ from flatshard.hf.checkpoint import read_hf_config
 from flatshard.hf.conversion import disk_mappings, model_tensors
 from flatshard.hf.errors import HFCheckpointError, HFConfigError
 from flatshard.hf.names import TensorMapping
+from flatshard.plan import ParallelPlan, register_plan
 from flatshard.runtime import shard_placement
 
 # config.json fields that mean the weights are not plain tensors of the model's own code
@@ -155,6 +156,14 @@ def build_causal_lm(hf_config: dict, dtype: torch.dtype | None = None) -> nn.Mod
 def shard_decoder_layers(model: nn.Module, **fully_shard_kwargs) -> nn.Module:
     """fully_shard every decoder layer (the classes its `_no_split_modules` names), then the
     root: what `from_pretrained(..., shard=...)` needs for a transformers model."""
+    for layer in decoder_layers(model):
+        flatshard.fully_shard(layer, **fully_shard_kwargs)
+    flatshard.fully_shard(model, **fully_shard_kwargs)
+    return model
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The modules of the classes the model's `_no_split_modules` names (its blocks)."""
     classes = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if m is not model and type(m).__name__ in classes]
     if not layers:
@@ -163,10 +172,14 @@ def shard_decoder_layers(model: nn.Module, **fully_shard_kwargs) -> nn.Module:
             "model is of those classes, so flatshard cannot tell its decoder layers; pass a "
             "sharding function of your own"
         )
-    for layer in layers:
-        flatshard.fully_shard(layer, **fully_shard_kwargs)
-    flatshard.fully_shard(model, **fully_shard_kwargs)
-    return model
+    return layers
+
+
+# a transformers model's blocks are its decoder layers (`parallelize` finds them)
+register_plan(
+    lambda model: getattr(model, "_no_split_modules", None) is not None,
+    lambda model: ParallelPlan(blocks=decoder_layers),
+)
 
 
 @contextlib.contextmanager

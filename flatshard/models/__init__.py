@@ -1,5 +1,6 @@
 """Reference models for flatshard's tests and examples."""
 
+from flatshard.models import plans  # noqa: F401  (registers the reference models' plans)
 from flatshard.models.llama import Llama, LlamaConfig
 from flatshard.models.moe import MoE
 from flatshard.models.moe_balance import update_score_bias

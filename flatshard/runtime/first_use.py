@@ -49,7 +49,7 @@ def _holds_unit(module: nn.Module) -> bool:
 def _holds_block_unit(module: nn.Module) -> bool:
     units = (getattr(m, "_flatshard_unit", None) for m in module.modules())
     return any(
-        unit is not None and not getattr(getattr(unit, "mesh", None), "splits_data", False)
+        unit is not None and not getattr(getattr(unit, "mesh", None), "expert_parallel", False)
         for unit in units
     )
 

@@ -47,7 +47,7 @@ class ManagedParam:
             return tensor
         return DTensor.from_local(
             tensor,
-            mesh.tp_mesh,
+            mesh.inner_mesh,
             [self.tp_placement],
             run_check=False,
             shape=torch.Size(spec.global_shape),

@@ -1,0 +1,63 @@
+"""`parallelize`: the one composition of tensor, expert and fully sharded data parallelism.
+
+TP first (the blocks' parameters become DTensors on the TP mesh), then EP (each block's
+experts split over the EP mesh and sharded, in units of their own, over the other ranks),
+then `fully_shard` of every block, then of the root, all on the meshes of one
+`ParallelDims`. The trainer, the benchmarks and the tests build their models through it;
+`fully_shard` stays FSDP2's drop-in for scripts that compose by hand.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from flatshard.api import fully_shard
+from flatshard.mesh import Meshes, ParallelDims
+from flatshard.plan import ParallelPlan, plan_for
+
+
+def parallelize(
+    model: nn.Module,
+    dims: ParallelDims | Meshes,
+    *,
+    plan: ParallelPlan | None = None,
+    mp_policy=None,
+    offload_policy=None,
+    reshard_after_forward: bool | int | None = None,
+    zero_stage: int | None = None,
+    activation_checkpointing=None,
+    compile: bool = False,
+) -> nn.Module:
+    """Split `model` (on the meta device or a real one) over `dims` in place and return it.
+
+    plan: how (default: the plan of the model's family, see `flatshard.plan`).
+    mp_policy, offload_policy, reshard_after_forward, zero_stage: `fully_shard`'s, for
+    every unit. Materialise a meta model afterwards with `flatshard.materialize`."""
+    if activation_checkpointing is not None:
+        raise NotImplementedError(
+            "parallelize(activation_checkpointing=...) is not built yet; wrap the blocks "
+            "with torch.utils.checkpoint yourself before parallelize"
+        )
+    if compile:
+        raise NotImplementedError(
+            "parallelize(compile=True) is not built yet; compile the blocks' forward "
+            "yourself (block.forward = torch.compile(block.forward)) after parallelize"
+        )
+    meshes = dims if isinstance(dims, Meshes) else dims.build()
+    plan = plan if plan is not None else plan_for(model)
+    blocks = plan.blocks_of(model)
+    shard = dict(
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        reshard_after_forward=reshard_after_forward,
+        zero_stage=zero_stage,
+    )
+    if meshes.tp is not None:
+        plan.apply_tensor_parallel(model, meshes.tp)
+    if meshes.ep is not None:  # experts: their own units, before their blocks'
+        for experts in plan.apply_expert_parallel(model, meshes.ep):
+            fully_shard(experts, mesh=meshes.expert_fsdp, **shard)
+    for block in blocks:
+        fully_shard(block, mesh=meshes.fsdp, **shard)
+    fully_shard(model, mesh=meshes.fsdp, **shard)
+    return model

@@ -1,0 +1,100 @@
+"""What `parallelize` needs to know about a model: its blocks, its tensor-parallel plan, its
+experts -- a `ParallelPlan`, found by the model's family.
+
+A model family (`flatshard/models/<family>/`) registers a function from a model to its plan
+(`register_plan`); `plan_for(model)` looks the model's class up (its bases too, so a
+`transformers` family can register `PreTrainedModel`). A model nobody registered gets the
+data-parallel plan of its `layers` (a `ModuleList`), or passes its own plan to `parallelize`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+from flatshard.errors import MeshError
+
+# a function of (model, mesh), or parallelize_module's {module name or pattern: style}
+MeshPlan = Callable[[nn.Module, DeviceMesh], None] | dict[str, ParallelStyle]
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """How a model is split.
+
+    blocks: the modules `fully_shard`-ed before the root (transformer blocks, in order): a
+        function of the model, or the name of a `ModuleList` attribute ("layers").
+    tensor_parallel: splits the model over the TP mesh, in place: a function of (model,
+        tp_mesh) or a `parallelize_module` plan (names may use `*`, e.g.
+        "layers.*.attn.q_proj").
+    expert_parallel: splits the experts over the EP mesh, in place, and returns the expert
+        modules (each becomes a unit of its own, sharded over the other ranks):
+        a function of (model, ep_mesh)."""
+
+    blocks: Callable[[nn.Module], list[nn.Module]] | str = "layers"
+    tensor_parallel: MeshPlan | None = None
+    expert_parallel: Callable[[nn.Module, DeviceMesh], list[nn.Module]] | None = None
+
+    def blocks_of(self, model: nn.Module) -> list[nn.Module]:
+        if callable(self.blocks):
+            return list(self.blocks(model))
+        try:
+            found = model.get_submodule(self.blocks)
+        except AttributeError:
+            found = None
+        if not isinstance(found, (nn.ModuleList, nn.Sequential)):
+            raise MeshError(
+                f"{type(model).__name__} has no ModuleList {self.blocks!r} of blocks: pass "
+                "parallelize(..., plan=flatshard.ParallelPlan(blocks=...)) naming its blocks"
+            )
+        return list(found)
+
+    def apply_tensor_parallel(self, model: nn.Module, tp_mesh: DeviceMesh) -> None:
+        if self.tensor_parallel is None:
+            raise MeshError(
+                f"tp={tp_mesh.size()}, but {type(model).__name__} has no tensor-parallel "
+                "plan: pass parallelize(..., plan=flatshard.ParallelPlan(tensor_parallel="
+                "{'layers.*.attn.q_proj': ColwiseParallel(), ...})) or use tp=1"
+            )
+        if isinstance(self.tensor_parallel, dict):
+            parallelize_module(model, tp_mesh, self.tensor_parallel)
+        else:
+            self.tensor_parallel(model, tp_mesh)
+
+    def apply_expert_parallel(self, model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Module]:
+        experts = self.expert_parallel(model, ep_mesh) if self.expert_parallel else []
+        if not experts:
+            raise MeshError(
+                f"ep={ep_mesh.size()}, but {type(model).__name__} has no experts to split "
+                "(expert parallelism needs a mixture-of-experts model); use ep=1"
+            )
+        return list(experts)
+
+
+_PLANS: list[tuple[type | Callable[[nn.Module], bool], Callable[[nn.Module], ParallelPlan]]] = []
+
+
+def register_plan(
+    model_type: type | Callable[[nn.Module], bool], plan: Callable[[nn.Module], ParallelPlan]
+) -> None:
+    """Models of `model_type` (its subclasses too; or models a predicate accepts) are split
+    by `plan(model)`. The latest registration wins."""
+    _PLANS.insert(0, (model_type, plan))
+
+
+def plan_for(model: nn.Module) -> ParallelPlan:
+    """The plan registered for `model`'s class, else for a predicate accepting it, else
+    the plan of its `layers`."""
+    by_type = [(t, plan) for t, plan in _PLANS if isinstance(t, type)]
+    by_predicate = [(t, plan) for t, plan in _PLANS if not isinstance(t, type)]
+    for model_type, plan in by_type:
+        if isinstance(model, model_type):
+            return plan(model)
+    for accepts, plan in by_predicate:
+        if accepts(model):
+            return plan(model)
+    return ParallelPlan()
