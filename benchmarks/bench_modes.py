@@ -29,7 +29,7 @@ from flatshard.models import (  # noqa: E402
     MoEConfig,
     load_balancing_loss,
 )
-from flatshard.parallel import parallelize_llama  # noqa: E402
+from flatshard.models.llama import parallelize_llama  # noqa: E402
 
 PRESETS = {
     # LlamaConfig.tiny(): mixed row counts (vocab 61, gate_up 90 rows) so padding shows.
@@ -145,7 +145,7 @@ MODES = ["single", "ddp", "fsdp2", "zero3", "zero2", "zero1"]
 # HSDP (2 replicas x world/2 shards) and hpZ (reshard_after_forward=2: backward gathers
 # inside pairs of ranks), run when asked for with --modes
 HSDP_MODES = ["fsdp2-hsdp", "hsdp3", "fsdp2-hpz", "hpz3"]
-# Tensor parallelism (flatshard.parallel.parallelize_llama over TP_DEGREE ranks) composed
+# Tensor parallelism (flatshard.models.llama.parallelize_llama over TP_DEGREE ranks) composed
 # with FSDP2's / flatshard's fully_shard over the data-parallel dim of a (world / TP_DEGREE,
 # TP_DEGREE) mesh, run when asked for with --modes
 TP_MODES = ["fsdp2-tp", "tp3"]

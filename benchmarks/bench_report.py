@@ -333,7 +333,7 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
         dp = world // TP_DEGREE
         notes.append(
             f"- TP modes: a ({dp} dp_shard, {TP_DEGREE} tp) mesh; "
-            "`flatshard.parallel.parallelize_llama` over tp (q/k/v colwise, o rowwise, "
+            "`flatshard.models.llama.parallelize_llama` over tp (q/k/v colwise, o rowwise, "
             "gate_up `FusedColwiseParallel` placed `_StridedShard(0, 2)`, down rowwise), then "
             "FSDP2's or flatshard's `fully_shard` per block and on the root over dp_shard; "
             f"each data-parallel rank trains on {preset['micro_batch'] * TP_DEGREE} sequences "

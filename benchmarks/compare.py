@@ -9,7 +9,7 @@ every mode, inside one set of spawned worker processes (one gloo process group):
     ZeRO-3/2/1  flatshard.fully_shard(..., zero_stage=3|2|1) per block, then the root
 
 and on request (--modes) HSDP, hpZ, and tensor parallelism (`fsdp2-tp`, `tp3`:
-flatshard.parallel.parallelize_llama over 2 ranks, then FSDP2's or flatshard's fully_shard
+flatshard.models.llama.parallelize_llama over 2 ranks, then FSDP2's or flatshard's fully_shard
 over the data-parallel dim of a (world / 2, 2) mesh; every rank of a TP group trains on its
 data-parallel rank's slice of the same global batch), and with an MoE preset (`tiny-moe`,
 `moe-small`) the MoE modes: `fsdp2-moe` and `moe3` (FSDP2's or flatshard's fully_shard per
@@ -83,7 +83,7 @@ from comm_counter import COUNTER
 from mode_run import ModeRun
 
 from flatshard.errors import MeshError
-from flatshard.parallel import check_tp
+from flatshard.models.llama import check_tp
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXACT_MEMORY_MMAP_THRESHOLD = 65536

@@ -29,6 +29,7 @@ from bench_modes import (
 from comm_counter import COUNTER, nbytes
 
 from flatshard import comm as flatshard_comm
+from flatshard import registry
 from flatshard.runtime.gather_policy import LOOKUP_PLAN_BYTES, all_gathers_per_step, lookup_payloads
 from flatshard.runtime.offload import offloaded_bytes
 
@@ -97,8 +98,7 @@ def trainable_shard_elements(optimizer) -> int:
 
 def _units(model) -> list:
     """flatshard's units, once each (a first-use group spans several modules)."""
-    found = (getattr(m, "_flatshard_unit", None) for m in model.modules())
-    return list(dict.fromkeys(u for u in found if u is not None))
+    return registry.units_below(model)
 
 
 def padding_info(model) -> dict | None:

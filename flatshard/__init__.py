@@ -35,6 +35,8 @@ from flatshard.mesh import Meshes, ParallelDims
 from flatshard.parallelize import parallelize
 from flatshard.plan import ParallelPlan, register_plan
 from flatshard.policy import MixedPrecisionPolicy, OffloadPolicy
+from flatshard.registry import unit_of as state
+from flatshard.registry import units_below as units
 
 __all__ = [
     "CPUOffloadPolicy",
@@ -66,5 +68,7 @@ __all__ = [
     "register_fsdp_forward_method",
     "row_range",
     "share_comm_ctx",
+    "state",
+    "units",
     "weights_changed",
 ]

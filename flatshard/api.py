@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from flatshard import agreement, load_hooks
+from flatshard import agreement, load_hooks, registry
 from flatshard.dtensor import patches
 from flatshard.dtensor.tp_params import onto_tp_mesh, tp_param_info, tp_placement
 from flatshard.errors import LayoutError, WrappingError
@@ -211,11 +211,11 @@ def _shard(members, mesh, settings, first_use_of, ignored, shard_placement_fn) -
     resharding.forward_group_size = group_size
     unit = Unit(modules, mesh, layout, buckets, managed, resharding, policy, first_use_of, offload)
     for param in managed:
-        param.sharded._flatshard_param = (unit, param)
+        registry.bind_param(param.sharded, unit, param)
         for owner, name in param.occurrences:
             owner._parameters[name] = param.sharded
     for module in modules:
-        module._flatshard_unit = unit
+        registry.bind_unit(module, unit)
         module.__class__ = wrapped_class(type(module))
         attach(unit, module)
         load_hooks.install(unit, module)
@@ -251,14 +251,14 @@ def _inner_mesh(modules):
     meshes, splits = [], set()
     for module in modules:
         for sub in module.modules():
-            unit = getattr(sub, "_flatshard_unit", None)
+            unit = registry.unit_of(sub)
             if unit is not None and unit.mesh.tp_mesh is not None:
                 meshes.append(unit.mesh.tp_mesh)
                 splits.add(False)
             for param in sub._parameters.values():
-                if isinstance(param, DTensor) and not hasattr(param, "_flatshard_param"):
+                if isinstance(param, DTensor) and registry.managed_of(param) is None:
                     meshes.append(param.device_mesh)
-                    splits.add(getattr(param, "_flatshard_expert_parallel", False))
+                    splits.add(registry.is_expert_parallel(param))
     # torch may hand out equal sub-meshes as different objects: compare their ranks
     if len({(tuple(m.mesh.flatten().tolist()), m.mesh_dim_names) for m in meshes}) > 1 or (
         len(splits) > 1
@@ -289,9 +289,9 @@ def _collect_params(members):
             if param is None:
                 continue
             fqn = prefix + name
-            managed = getattr(param, "_flatshard_replaced_by", param)
-            if hasattr(managed, "_flatshard_param"):
-                owner = managed._flatshard_param[0]
+            managed = (registry.replacement_of(param) or param)
+            if (registry.managed_of(managed) is not None):
+                owner = registry.managed_of(managed)[0]
                 raise WrappingError(
                     f"parameter {fqn!r} is shared with a parameter that the fully_shard unit "
                     f"of {type(owner.modules[0]).__name__} already manages (tied weights). "
@@ -388,6 +388,6 @@ def _model_differences(described: list) -> str:
 
 def _retire(original: nn.Parameter, replacement: nn.Parameter) -> None:
     """Free the unsharded original and mark it, so an optimizer built on it is caught."""
-    original._flatshard_replaced_by = replacement
+    registry.mark_replaced(original, replacement)
     if not original.is_meta and not isinstance(original, DTensor):
         original.data = torch.empty(0, dtype=original.dtype, device=original.device)

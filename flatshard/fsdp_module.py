@@ -10,6 +10,7 @@ import functools
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, UnshardHandle
 
+from flatshard import registry
 from flatshard.errors import WrappingError
 from flatshard.runtime import hooks, shard_placement
 from flatshard.runtime.sharded_lookup import embedding_forward
@@ -20,7 +21,6 @@ from flatshard.runtime.unit import Unit
 class FlatShardModule(FSDPModule, nn.Module):
     """Methods a `fully_shard`-ed module gains: FSDP2's `FSDPModule` ones."""
 
-    _flatshard_unit: Unit
     # FSDPModule.__new__ (indexing a wrapped container builds a new one) constructs the
     # original class, found at this index of the wrapped class's MRO:
     # [FlatShard<Orig>, FlatShardModule, FSDPModule, Orig, ...]
@@ -48,11 +48,11 @@ class FlatShardModule(FSDPModule, nn.Module):
     def _own_units(self) -> list[Unit]:
         """This module's unit and the first-use groups made of its children (api.py): the
         parameters FSDP2's group of this module would hold."""
-        unit = self._flatshard_unit
+        unit = registry.unit_of(self)
         groups = {
-            m._flatshard_unit
+            registry.unit_of(m)
             for m in self.modules()
-            if isinstance(m, FlatShardModule) and m._flatshard_unit.first_use_of is self
+            if isinstance(m, FlatShardModule) and registry.unit_of(m).first_use_of is self
         }
         return [unit, *sorted(groups - {unit}, key=lambda u: u.created)]
 
@@ -76,15 +76,15 @@ class FlatShardModule(FSDPModule, nn.Module):
             unit.resharding.after_forward = reshard_after_forward
 
     def set_modules_to_forward_prefetch(self, modules: list[FlatShardModule]) -> None:
-        self._flatshard_unit.forward_prefetch = [_require_unit(m) for m in modules]
+        registry.unit_of(self).forward_prefetch = [_require_unit(m) for m in modules]
 
     def set_modules_to_backward_prefetch(self, modules: list[FlatShardModule]) -> None:
-        self._flatshard_unit.backward_prefetch = [_require_unit(m) for m in modules]
+        registry.unit_of(self).backward_prefetch = [_require_unit(m) for m in modules]
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """False: backward does not gather this unit's parameters (its backward does not
         read them, e.g. an embedding's); gradients are still reduced."""
-        self._flatshard_unit.unshard_in_backward = unshard_in_backward
+        registry.unit_of(self).unshard_in_backward = unshard_in_backward
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Reduce gradients with SUM and divide afterwards, never the collective's AVG."""
@@ -100,7 +100,7 @@ class FlatShardModule(FSDPModule, nn.Module):
     def set_post_optim_event(self, event) -> None:
         """The next forward's all-gathers wait for `event` (a CUDA event recorded after the
         optimizer step); nothing to wait for on the CPU."""
-        self._flatshard_unit.post_optim_event = event
+        registry.unit_of(self).post_optim_event = event
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide summed gradients by `factor` instead of the data-parallel world size."""
@@ -119,7 +119,7 @@ class FlatShardModule(FSDPModule, nn.Module):
         reduce-scatter's output, or under HSDP the all-reduce's over the replicas, as in
         FSDP2 (torchft sums over its own replicas here). Not recursive. `stream` is
         accepted without HSDP; the hook runs on the current stream."""
-        unit = self._flatshard_unit
+        unit = registry.unit_of(self)
         if stream is not None and unit.mesh.replicate_group is not None:
             raise ValueError("stream cannot be set when using native HSDP")
         unit.grads.all_reduce_hook = hook
@@ -164,7 +164,7 @@ class FlatShardModule(FSDPModule, nn.Module):
         """After `forward()` or `backward()` raised: wait for collectives in flight, drop
         the failed iteration's gradients (those held for accumulation too) and reshard
         every unit, so that the next iteration runs normally. Call it on the root."""
-        unit = self._flatshard_unit
+        unit = registry.unit_of(self)
         if unit.context is not None and unit.context.root is not unit:
             raise RuntimeError(
                 "reset_iter_state() must be called on the root module (the one whose "
@@ -180,9 +180,8 @@ class FlatShardModule(FSDPModule, nn.Module):
 
     def _units(self, recurse: bool) -> list[Unit]:
         if not recurse:
-            return [self._flatshard_unit]
-        units = [m._flatshard_unit for m in self.modules() if isinstance(m, FlatShardModule)]
-        return list(dict.fromkeys(units))  # a unit over several modules once
+            return [registry.unit_of(self)]
+        return registry.units_below(self)
 
     def __deepcopy__(self, memo):
         raise WrappingError(
@@ -198,7 +197,7 @@ class FlatShardModule(FSDPModule, nn.Module):
         # and each module gets its parameters back in their order (an optimizer state
         # loaded by position must find the same parameters).
         self.reshard()
-        unit = self._flatshard_unit
+        unit = registry.unit_of(self)
         shard_placement.convert(unit, fn)
         below = set(self.modules())
         orders, hidden = {}, {}
@@ -229,7 +228,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     fully_shard-ed."""
     if not isinstance(module, FlatShardModule):
         return
-    unit = module._flatshard_unit
+    unit = registry.unit_of(module)
     method = getattr(module, method_name)
 
     @functools.wraps(method)
@@ -255,7 +254,7 @@ def weights_changed(model: nn.Module) -> None:
     autograd's version tracking (e.g. through `.data` or raw storage)."""
     for module in model.modules():
         if isinstance(module, FlatShardModule):
-            module._flatshard_unit.mark_stale()
+            registry.unit_of(module).mark_stale()
 
 
 class _UnshardHandle(UnshardHandle):
@@ -273,7 +272,7 @@ class _UnshardHandle(UnshardHandle):
 def _require_unit(module) -> Unit:
     if not isinstance(module, FlatShardModule):
         raise WrappingError(f"{type(module).__name__} is not fully_shard-ed; prefetch needs units")
-    return module._flatshard_unit
+    return registry.unit_of(module)
 
 
 _CLASS_CACHE: dict[type, type] = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from flatshard import registry
 from flatshard.errors import WrappingError
 from flatshard.mesh import default_device
 from flatshard.runtime import shard_placement
@@ -26,7 +27,7 @@ def materialize(model: nn.Module, device: torch.device | str | None = None) -> n
     tying. Call it on every rank with the same RNG seed.
     """
     device = torch.device(device) if device is not None else _units_device(model)
-    for unit in {m._flatshard_unit for m in model.modules() if hasattr(m, "_flatshard_unit")}:
+    for unit in registry.units_below(model):
         shard_placement.allocate(unit, device)  # shards still on meta (fully_shard of a meta model)
     done: dict[int, nn.Parameter] = {}  # id(original) -> what now holds its values
     for module in model.modules():
@@ -51,17 +52,14 @@ def materialize(model: nn.Module, device: torch.device | str | None = None) -> n
 def _units_device(model: nn.Module) -> torch.device:
     """Where the model's units keep their shards (the default process group's device when
     nothing is sharded)."""
-    for module in model.modules():
-        unit = getattr(module, "_flatshard_unit", None)
-        if unit is not None:
-            return unit.mesh.device
-    return default_device()
+    units = registry.units_below(model)
+    return units[0].mesh.device if units else default_device()
 
 
 def _swap_in_full_tensors(module: nn.Module, device, done: dict) -> dict:
     pending = {}
     for name, param in list(module._parameters.items()):
-        if param is None or not (hasattr(param, "_flatshard_param") or param.is_meta):
+        if param is None or not ((registry.managed_of(param) is not None) or param.is_meta):
             continue
         full = torch.empty(param.shape, dtype=param.dtype, device=device)
         pending[name] = (param, full, id(param) not in done)
@@ -71,13 +69,13 @@ def _swap_in_full_tensors(module: nn.Module, device, done: dict) -> dict:
 
 def _keep(module: nn.Module, name: str, original, full: torch.Tensor, first: bool, done):
     """Put the initialised values where they belong; returns the parameter that holds them."""
-    if not hasattr(original, "_flatshard_param"):
+    if registry.managed_of(original) is None:
         # not sharded: a new full-size parameter replaces the meta one (tied ones share it)
         value = module._parameters[name] if first else done[id(original)]
         module._parameters[name] = value
         return value
     if first:
-        unit, managed = original._flatshard_param
+        unit, managed = registry.managed_of(original)
         bucket = unit.buckets[managed.bucket]
         bucket.shard.rows(managed.index).copy_(bucket.specs[managed.index].piece_of(full))
     module._parameters[name] = original

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from distributed import run_distributed
 from reference import adamw, batches, build_model, config, lm_loss, rank_slice, shard
 
-from flatshard import comm
+from flatshard import comm, registry
 from flatshard.runtime.flat_bucket import FlatBucket
 
 
@@ -64,7 +64,7 @@ def _reuse_in_one_step():
         FlatBucket.prepare_unsharded_grad = recording if step == 1 else original
         try:
             loss = lm_loss(model, rank_slice(tokens, rank, world))
-            pool = model._flatshard_unit.context.buffers
+            pool = registry.unit_of(model).context.buffers
             after_forward = dict(pool._free)  # blocks' buffers must not idle at the peak
             loss.backward()
         finally:

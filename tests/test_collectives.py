@@ -19,6 +19,8 @@ import torch.distributed as dist
 from distributed import run_distributed
 from reference import adamw, batches, build_model, config, lm_loss, rank_slice, shard
 
+from flatshard import registry
+
 COUNTED = [
     "all_gather_single",
     "reduce_scatter_single",
@@ -92,11 +94,11 @@ def _count_one_step(param_dtype):
                 counter.phase = "optimizer"
             optimizer.step()
             optimizer.zero_grad()
-    units = list(dict.fromkeys(m._flatshard_unit for m in model.modules() if _is_unit(m)))
+    units = list(dict.fromkeys(registry.unit_of(m) for m in model.modules() if _is_unit(m)))
     # stay gathered from forward into backward: the root, its first-use groups and the
     # last block (its backward comes right after theirs)
-    kept = [u for u in units if u.root_part or u is model._flatshard_unit]
-    kept.append(model.layers[-1]._flatshard_unit)
+    kept = [u for u in units if u.root_part or u is registry.unit_of(model)]
+    kept.append(registry.unit_of(model.layers[-1]))
     assert [u.kept_for_backward for u in units] == [u in kept for u in units]
     element = 2 if param_dtype == torch.bfloat16 else 4
     peers = world - 1  # an all-gather sends this rank's shard to each peer, receives theirs
@@ -120,7 +122,7 @@ def _count_one_step(param_dtype):
         b.layout.padded_size for u in units for b in u.buckets if b.layout.requires_grad
     )
     deciding = [u for u in units if u.lookup is not None]
-    assert deciding == [model.embed_tokens._flatshard_unit]
+    assert deciding == [registry.unit_of(model.embed_tokens)]
     assert not deciding[0].looked_up_from_shards()
     expected_calls[("forward", "all_gather_single")] = 1
     # each rank's token count and whether its ids fit the table: two int64s
@@ -129,7 +131,7 @@ def _count_one_step(param_dtype):
 
 
 def _is_unit(module) -> bool:
-    return hasattr(module, "_flatshard_unit")
+    return (registry.unit_of(module) is not None)
 
 
 class _null:
@@ -159,7 +161,7 @@ def _order_one_step():
     model = shard(build_model(cfg), 3)
     names = {}
     for name, module in model.named_modules():
-        for bucket in module._flatshard_unit.buckets if _is_unit(module) else ():
+        for bucket in registry.unit_of(module).buckets if _is_unit(module) else ():
             names.setdefault(id(bucket), name or "root")
     log = []
     gather, reduce = FlatBucket.start_all_gather, FlatBucket.start_reduce_scatter
@@ -187,8 +189,8 @@ def _order_one_step():
         optimizer.zero_grad()
     return (
         log,
-        model._flatshard_unit.params,
-        model.norm._flatshard_unit is model.lm_head._flatshard_unit,
+        registry.unit_of(model).params,
+        registry.unit_of(model.norm) is registry.unit_of(model.lm_head),
     )
 
 

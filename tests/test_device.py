@@ -8,6 +8,7 @@ from distributed import run_distributed
 from reference import build_model, config
 
 import flatshard
+from flatshard import registry
 from flatshard.models import Llama
 
 
@@ -20,7 +21,7 @@ def _shard_with_cuda_visible():
             flatshard.fully_shard(block)
         flatshard.fully_shard(model)
         devices = {p.to_local().device.type for p in model.parameters()}
-        units = {m._flatshard_unit for m in model.modules() if hasattr(m, "_flatshard_unit")}
+        units = registry.units_below(model)
         buffers = {b.shard.main.device.type for u in units for b in u.buckets}
         with torch.device("meta"):  # materialize's default device follows the units
             meta = Llama(config())

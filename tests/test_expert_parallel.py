@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import flatshard
 from flatshard import checkpoint
 from flatshard.models import MoE, MoEConfig
-from flatshard.models.plans import split_experts
+from flatshard.models.moe import split_experts
 
 STEPS = 5
 TOLERANCE = 1e-6

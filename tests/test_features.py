@@ -24,6 +24,7 @@ from reference import (
 )
 
 import flatshard
+from flatshard import registry
 from flatshard.models import Llama, LlamaConfig
 
 
@@ -118,8 +119,8 @@ def _gradient_shards_after_zero_grad():
     buckets = [
         b
         for m in model.modules()
-        if hasattr(m, "_flatshard_unit")
-        for b in m._flatshard_unit.buckets
+        if (registry.unit_of(m) is not None)
+        for b in registry.unit_of(m).buckets
     ]
     tokens = rank_slice(batches(cfg, 1)[0], rank, world)
     lm_loss(model, tokens).backward()
@@ -190,7 +191,7 @@ def _methods():
     tokens = rank_slice(batches(cfg, 1)[0], rank, world)
     model = shard(build_model(cfg))
     layer = model.layers[0]
-    unit = layer._flatshard_unit
+    unit = registry.unit_of(layer)
     handle = layer.unshard(async_op=True)
     handle.wait()
     gathered = all(b.unsharded.untyped_storage().size() > 0 for b in unit.buckets)
@@ -262,7 +263,7 @@ def _measure_meta_init(cfg):
     torch.manual_seed(0)
     flatshard.materialize(model)
     peak = _rss_kib("VmHWM") - before
-    units = [m._flatshard_unit for m in model.modules() if hasattr(m, "_flatshard_unit")]
+    units = registry.units_below(model)
     sharded_kib = sum(b.shard.main.numel() for u in units for b in u.buckets) * 4 // 1024
     largest_unit_kib = max(sum(b.layout.used_size for b in u.buckets) for u in units) * 4 // 1024
     full_kib = sum(p.numel() for p in build_model(cfg).parameters()) * 4 // 1024

@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch.nn as nn
 from reference import build_model, config
 
+from flatshard import registry
 from flatshard.runtime.first_use import first_use_groups
 
 
 def _mark_blocks(model: nn.Module) -> nn.Module:
     for layer in model.layers:
-        layer._flatshard_unit = object()  # what fully_shard(layer) leaves
+        registry.bind_unit(layer, object())  # what fully_shard(layer) leaves
     return model
 
 

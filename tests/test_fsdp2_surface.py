@@ -26,7 +26,7 @@ from reference import (
 from torch.distributed.tensor import DTensor, Shard
 
 import flatshard
-from flatshard import comm
+from flatshard import comm, registry
 from flatshard.errors import WrappingError
 
 TOLERANCE = 1e-6
@@ -46,7 +46,7 @@ def _list_unit():
     for block in model.layers:
         flatshard.fully_shard(block)
     flatshard.fully_shard(model)
-    one_unit = len({part._flatshard_unit for part in parts}) == 1
+    one_unit = len({registry.unit_of(part) for part in parts}) == 1
     losses = train(model, batches(config(), 3), rank=rank, world=world)
     return one_unit, losses, full_state(model)
 

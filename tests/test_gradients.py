@@ -20,6 +20,8 @@ import torch.distributed as dist
 from distributed import run_distributed
 from reference import SEQ, build_model, config, lm_loss, rank_slice, shard
 
+from flatshard import registry
+
 BATCH = 36  # global; each of up to 3 micro-batches (12 sequences) divides over 1-4 ranks
 TOLERANCE = 2e-6  # per tensor, fp32: sums in another order, nothing else (max seen 5.7e-7)
 VARIANTS = {
@@ -99,7 +101,7 @@ def _sharded_run(cases):
         model = _sharded_model(variant, stage)
         _backward(model, _data(variant)[0], microbatches, sync_last_only, rank, world)
         grads = _full_grads(model)
-        unit = getattr(model.embed_tokens, "_flatshard_unit", None)
+        unit = registry.unit_of(model.embed_tokens)
         looked_up = unit is not None and unit.looked_up_from_shards()
         model = _sharded_model(variant, stage)
         weights = _sgd_steps(model, _data(variant, 2), microbatches, sync_last_only, rank, world)

@@ -24,6 +24,7 @@ from flatshard import hf
 from flatshard.hf.checkpoint import INDEX_FILE, SINGLE_FILE
 from flatshard.layout import describe_param
 from flatshard.models import Llama
+from flatshard.models.llama import LLAMA_RULES, config_to_hf, hf_to_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach the network
 transformers = pytest.importorskip("transformers")
@@ -141,7 +142,7 @@ def _import(path, tokens, zero_stage=3, root=True):
 def _import_into_trained_zero1(path, tokens):
     """load_pretrained into an eagerly built ZeRO-1 model that already ran forward (so it
     keeps unsharded copies of the old weights): the load must reach the forward."""
-    model = Llama(hf.hf_to_config(hf.read_hf_config(path)))
+    model = Llama(hf_to_config(hf.read_hf_config(path)))
     _shard(model, zero_stage=1)
     _forward(model, tokens)
     hf.load_pretrained(model, path)
@@ -165,7 +166,7 @@ def _save_error(path):
 
 def _load_error(path):
     """The error message of loading `path` (built for the llama fixture's config)."""
-    cfg = hf.hf_to_config(hf.read_hf_config(path))
+    cfg = hf_to_config(hf.read_hf_config(path))
     with torch.device("meta"):
         model = Llama(cfg)
     _shard(model)
@@ -291,8 +292,8 @@ def test_export_round_trip(checkpoints, tmp_path, arch, world_size):
     assert sorted(os.listdir(out)) == ["config.json", SINGLE_FILE]
     assert_bit_exact(out, path)
     assert rel(hf_logits(out, tokens), reference) == 0.0  # the very same weights
-    ours = hf.hf_to_config(hf.read_hf_config(out))
-    assert ours == hf.hf_to_config(hf.read_hf_config(path))
+    ours = hf_to_config(hf.read_hf_config(out))
+    assert ours == hf_to_config(hf.read_hf_config(path))
     if arch == "llama_tied":
         assert "lm_head.weight" not in read_all(out)
 
@@ -376,7 +377,7 @@ RESHAPED = "model.layers.0.mlp.gate_proj.weight"
 )
 def test_bad_checkpoint_names_the_key(checkpoints, tmp_path, kind, keys):
     path = _corrupt(checkpoints["llama"][0], tmp_path / kind, **keys)
-    model = Llama(hf.hf_to_config(hf.read_hf_config(path)))
+    model = Llama(hf_to_config(hf.read_hf_config(path)))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(hf.HFCheckpointError) as error:
         hf.load_pretrained(model, path)
@@ -401,7 +402,7 @@ def test_all_problems_in_one_error_on_every_rank(checkpoints, tmp_path):
 
 def test_tied_checkpoint_into_untied_model(checkpoints):
     path = checkpoints["llama_tied"][0]
-    cfg = hf.hf_to_config(hf.read_hf_config(path))
+    cfg = hf_to_config(hf.read_hf_config(path))
     cfg.tie_embeddings = False
     with pytest.raises(hf.HFCheckpointError, match="tie_embeddings"):
         hf.load_pretrained(Llama(cfg), path)  # the config check catches it first
@@ -423,13 +424,13 @@ def test_broken_index(checkpoints, tmp_path):
 def test_not_a_checkpoint(tmp_path):
     with pytest.raises(hf.HFConfigError, match="config.json"):
         hf.from_pretrained(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps(hf.config_to_hf(_cfg())))
+    (tmp_path / "config.json").write_text(json.dumps(config_to_hf(_cfg())))
     with pytest.raises(hf.HFCheckpointError, match="neither model.safetensors nor"):
         hf.from_pretrained(tmp_path)
 
 
 def _cfg():
-    return hf.hf_to_config(hf_dict("llama"))
+    return hf_to_config(hf_dict("llama"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -444,29 +445,29 @@ def hf_dict(arch: str, **changes) -> dict:
 
 
 def test_config_fields():
-    llama = hf.hf_to_config(hf_dict("llama"))
+    llama = hf_to_config(hf_dict("llama"))
     assert (llama.dim, llama.ffn_dim, llama.n_heads, llama.n_kv_heads, llama.head_dim) == (
         32, 45, 4, 2, 8,
     )  # fmt: skip
     assert (llama.rope_theta, llama.norm_eps, llama.max_seq_len) == (5000.0, 1e-5, 64)
     assert not (llama.tie_embeddings or llama.qk_norm or llama.attention_bias)
-    assert hf.hf_to_config(hf_dict("llama_tied")).tie_embeddings
-    assert hf.hf_to_config(hf_dict("qwen2")).attention_bias
-    llama31 = hf.hf_to_config(hf_dict("llama31"))
+    assert hf_to_config(hf_dict("llama_tied")).tie_embeddings
+    assert hf_to_config(hf_dict("qwen2")).attention_bias
+    llama31 = hf_to_config(hf_dict("llama31"))
     assert (llama31.rope_type, llama31.rope_factor, llama31.rope_high_freq_factor) == (
         "llama3", 8.0, 8.0,
     )  # fmt: skip
     assert (llama31.rope_original_max_seq_len, llama31.rope_theta) == (256, 500000.0)
-    assert hf.hf_to_config(hf_dict("llama")).rope_type == "default"
-    qwen3 = hf.hf_to_config(hf_dict("qwen3"))
+    assert hf_to_config(hf_dict("llama")).rope_type == "default"
+    qwen3 = hf_to_config(hf_dict("qwen3"))
     assert qwen3.qk_norm and qwen3.head_dim == 16 and not qwen3.attention_bias
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_config_round_trip(arch):
-    ours = hf.hf_to_config(hf_dict(arch))
-    exported = hf.config_to_hf(ours, torch.float32)
-    assert hf.hf_to_config(exported) == ours
+    ours = hf_to_config(hf_dict(arch))
+    exported = config_to_hf(ours, torch.float32)
+    assert hf_to_config(exported) == ours
     # and transformers reads the exported dict as the same model
     theirs = transformers.AutoConfig.for_model(**exported)
     assert type(theirs).__name__ == type(ARCHS[arch]()).__name__
@@ -477,11 +478,11 @@ def test_config_legacy_rope_and_missing_fields():
     legacy = hf_dict("llama")
     del legacy["rope_parameters"]
     legacy.update(rope_theta=500000.0, rope_scaling=None)
-    assert hf.hf_to_config(legacy).rope_theta == 500000.0
+    assert hf_to_config(legacy).rope_theta == 500000.0
     # absent fields take transformers' class defaults (Qwen3: head_dim 128, eps 1e-6)
     minimal = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64}
     minimal.update(num_attention_heads=8, num_key_value_heads=4)
-    config = hf.hf_to_config(minimal)
+    config = hf_to_config(minimal)
     assert (config.head_dim, config.norm_eps, config.vocab_size) == (128, 1e-6, 151936)
 
 
@@ -510,20 +511,20 @@ def test_config_legacy_rope_and_missing_fields():
 )
 def test_unsupported_config_is_an_error_naming_the_field(arch, changes, field):
     with pytest.raises(hf.HFConfigError, match=field):
-        hf.hf_to_config(hf_dict(arch, **changes))
+        hf_to_config(hf_dict(arch, **changes))
 
 
 def test_ignored_fields_are_ignored():
     config = hf_dict("llama", bos_token_id=5, eos_token_id=[1, 2], initializer_range=0.5)
     config.update(torch_dtype="bfloat16", pretraining_tp=2, use_cache=False)
-    assert hf.hf_to_config(config) == hf.hf_to_config(hf_dict("llama"))
+    assert hf_to_config(config) == hf_to_config(hf_dict("llama"))
 
 
 def test_export_refuses_models_hf_cannot_express():
     config = _cfg()
     config.qk_norm = config.attention_bias = True
     with pytest.raises(hf.HFConfigError, match="qk_norm"):
-        hf.config_to_hf(config)
+        config_to_hf(config)
 
 
 # --------------------------------------------------------------------------------------------
@@ -564,7 +565,7 @@ def test_transformers_model_loads_and_saves_without_an_adapter(checkpoints, tmp_
 def test_name_rules_cover_every_tensor_once(checkpoints):
     for arch, (path, _, _) in checkpoints.items():
         with torch.device("meta"):
-            model = Llama(hf.hf_to_config(hf.read_hf_config(path)))
+            model = Llama(hf_to_config(hf.read_hf_config(path)))
         mappings, unmapped = hf.adapter_for(model).plan(model)
         assert not unmapped
         names = [m.hf_name for m in mappings]
@@ -585,12 +586,12 @@ def test_name_rules_cover_every_tensor_once(checkpoints):
 
 def test_unmapped_parameter_is_reported(checkpoints):
     path = checkpoints["llama"][0]
-    model = Llama(hf.hf_to_config(hf.read_hf_config(path)))
+    model = Llama(hf_to_config(hf.read_hf_config(path)))
     model.layers[0].extra = torch.nn.Linear(2, 2, bias=False)
     with pytest.raises(hf.HFCheckpointError, match="layers.0.extra.weight"):
         hf.load_pretrained(model, path)
     rules = (
-        *hf.LLAMA_RULES,
+        *LLAMA_RULES,
         hf.NameRule("model.layers.{n}.extra.weight", "layers.{n}.extra.weight"),
     )
     with pytest.raises(hf.HFCheckpointError, match="missing.*\n.*model.layers.0.extra.weight"):
@@ -604,7 +605,7 @@ def test_llama3_rope_frequencies_equal_transformers():
 
     config = ARCHS["llama31"]()
     theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](config, torch.device("cpu"))
-    ours = rope_inv_freq(hf.hf_to_config(hf_dict("llama31")), torch.device("cpu"))
+    ours = rope_inv_freq(hf_to_config(hf_dict("llama31")), torch.device("cpu"))
     assert torch.equal(ours, theirs)
-    plain = rope_inv_freq(hf.hf_to_config(hf_dict("llama")), torch.device("cpu"))
+    plain = rope_inv_freq(hf_to_config(hf_dict("llama")), torch.device("cpu"))
     assert not torch.equal(ours, plain) and torch.equal(ours[0], plain[0])  # kept, scaled

@@ -1,5 +1,5 @@
 """Hugging Face Qwen3-MoE and Mixtral checkpoints into flatshard's reference MoE
-(`flatshard.hf.MOE`), fully sharded with expert parallelism: each rank reads only the
+(`flatshard.models.moe.MOE`), fully sharded with expert parallelism: each rank reads only the
 rows it holds of its own experts (per-expert tensors on disk, as transformers 5 writes
 them), the logits equal transformers', and the export from any (world, ep) is bitwise the
 original checkpoint and loads in transformers."""
@@ -19,6 +19,7 @@ import flatshard
 from flatshard import hf
 from flatshard.dtensor.sharded_param import shard_spec
 from flatshard.models import MoE, MoEConfig
+from flatshard.models.moe import MOE, hf_to_moe_config, moe_config_to_hf
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
@@ -96,7 +97,7 @@ def _shard_with_ep(model, ep: int):
 
 def _import_export(path, out, tokens, ep):
     shard = functools.partial(_shard_with_ep, ep=ep)
-    model = hf.from_pretrained(path, shard=shard, adapter=hf.MOE)
+    model = hf.from_pretrained(path, shard=shard, adapter=MOE)
     stats = hf.load_pretrained(model, path)  # again, to count what one load reads
     with torch.no_grad():
         logits = model(tokens).detach().clone()
@@ -156,7 +157,7 @@ def test_fused_in_memory_layout_loads_too(checkpoints, tmp_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.save_pretrained(tmp_path, save_original_format=False)
     assert "model.layers.0.mlp.experts.gate_up_proj" in read_all(tmp_path)
-    ours = hf.from_pretrained(tmp_path, adapter=hf.MOE)
+    ours = hf.from_pretrained(tmp_path, adapter=MOE)
     with torch.no_grad():
         assert rel(ours(tokens), expected) <= TOLERANCE
 
@@ -167,7 +168,7 @@ def test_another_number_of_experts_is_one_error_naming_it(checkpoints, tmp_path)
     _save_random(lambda: transformers.MixtralConfig(**SIZES, num_hidden_layers=2,
                  num_local_experts=8, intermediate_size=48), tmp_path, seed=5)  # fmt: skip
     path, _, _ = checkpoints["mixtral"]
-    model = hf.MOE.build(hf.read_hf_config(path))
+    model = MOE.build(hf.read_hf_config(path))
     assert model.config.n_experts == 4
     with pytest.raises(hf.HFCheckpointError, match=r"n_experts \(config.json num_experts\)"):
         hf.load_pretrained(model, tmp_path)
@@ -185,13 +186,13 @@ def test_config_round_trip(style):
     sizes = dict(first_k_dense=1) if style == "qwen3_moe" else dict(ffn_dim=48)
     cfg = MoEConfig.tiny(style, **sizes)
     cfg.aux_loss_coef = 0.02
-    back = hf.hf_to_moe_config(hf.moe_config_to_hf(cfg))
+    back = hf_to_moe_config(moe_config_to_hf(cfg))
     assert back == cfg
     # and transformers builds the model it describes: same tensors, same shapes
     with torch.device("meta"):
-        theirs = hf.build_causal_lm(hf.moe_config_to_hf(cfg))
+        theirs = hf.build_causal_lm(moe_config_to_hf(cfg))
         ours = MoE(cfg)
-    mappings, unmapped = hf.MOE.plan(ours)
+    mappings, unmapped = MOE.plan(ours)
     assert not unmapped
     disk, _ = hf.TRANSFORMERS.plan(theirs)
     assert [(m.hf_name, m.shape) for m in mappings] == [(m.hf_name, m.shape) for m in disk]
@@ -218,11 +219,11 @@ MIXTRAL = dict(architectures=["MixtralForCausalLM"], model_type="mixtral")
 )
 def test_unsupported_config_is_an_error_naming_the_field(hf_config, field):
     with pytest.raises(hf.HFConfigError, match=field):
-        hf.hf_to_moe_config(hf_config)
+        hf_to_moe_config(hf_config)
 
 
 def test_export_refuses_what_neither_family_expresses():
     with pytest.raises(hf.HFConfigError, match="score_func='sigmoid'"):
-        hf.moe_config_to_hf(MoEConfig.tiny("deepseek_v3"))
+        moe_config_to_hf(MoEConfig.tiny("deepseek_v3"))
     with pytest.raises(hf.HFConfigError, match="norm_topk_prob=False"):
-        hf.moe_config_to_hf(MoEConfig.tiny("mixtral", norm_topk_prob=False))
+        moe_config_to_hf(MoEConfig.tiny("mixtral", norm_topk_prob=False))

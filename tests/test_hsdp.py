@@ -28,7 +28,7 @@ from reference import (
 )
 from test_gradients import _backward, _data, _full_grads, _model, _per_tensor_errors
 
-from flatshard import checkpoint
+from flatshard import checkpoint, registry
 
 TOLERANCE = 1e-6
 STEPS = 5
@@ -79,7 +79,7 @@ def _gradients(variant, replicas, hold_all_reduce):
             model.set_requires_all_reduce(i == len(pieces) - 1)
         _backward(model, piece, 1, False, rank, world)
     grads = _full_grads(model)
-    unit = model.embed_tokens._flatshard_unit
+    unit = registry.unit_of(model.embed_tokens)
     return grads, unit.looked_up_from_shards()
 
 

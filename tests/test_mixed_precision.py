@@ -31,6 +31,7 @@ from reference import SEQ, build_model, config, lm_loss, rank_slice, shard
 from test_gradients import _full_grads, _per_tensor_errors
 
 import flatshard
+from flatshard import registry
 
 BF16 = torch.bfloat16
 TOLERANCE = 2 * 2**-8
@@ -82,7 +83,7 @@ def _sharded(cases):
             model.set_gradient_divide_factor(factor)
         _backward(model, vocab, micro, last_only, rank, world)
         grads = _full_grads(model)  # a collective: every rank gathers
-        looked_up = model.embed_tokens._flatshard_unit.looked_up_from_shards()
+        looked_up = registry.unit_of(model.embed_tokens).looked_up_from_shards()
         out.append((grads, looked_up) if rank == 0 else None)
     return out
 

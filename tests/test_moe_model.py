@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from flatshard.layout import describe_param
 from flatshard.models import MoE, MoEConfig, RouterStats, load_balancing_loss, update_score_bias
-from flatshard.models.expert_compute import grouped_mm_supported, routed_experts
 from flatshard.models.moe import GroupedExperts
+from flatshard.models.moe.expert_compute import grouped_mm_supported, routed_experts
 
 STYLES = ["qwen3_moe", "mixtral", "deepseek_v3"]
 

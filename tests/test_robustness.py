@@ -24,6 +24,7 @@ from reference import (
 from torch.utils.checkpoint import checkpoint
 
 import flatshard
+from flatshard import registry
 
 
 # --- an expert that only some ranks use (MoE routing that sent it no tokens) ---------------
@@ -112,8 +113,8 @@ def _activation_checkpointing(where):
     gathered = sum(
         b.unsharded.untyped_storage().size() > 0
         for m in model.modules()
-        if hasattr(m, "_flatshard_unit")
-        for b in m._flatshard_unit.buckets
+        if (registry.unit_of(m) is not None)
+        for b in registry.unit_of(m).buckets
     )
     weights = {k.replace(".inner", ""): v for k, v in full_state(model).items()}
     return rel_losses(losses, ref_losses), rel_diff(weights, reference.state_dict()), gathered

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from distributed import run_distributed
 
 import flatshard
+from flatshard import registry
 
 VOCAB, DIM, PAD = 257, 8, 3
 
@@ -64,7 +65,7 @@ def _uneven_tokens_with_padding(embedding_alone: bool):
     model = _sharded(copy.deepcopy(reference), embedding_alone)
     expected = _reference_grads(reference, world)
 
-    unit = model.embed._flatshard_unit
+    unit = registry.unit_of(model.embed)
     loss = _loss(model, _tokens(rank))
     never_gathered = unit.buckets[0].unsharded.untyped_storage().size() == 0
     loss.backward()
@@ -107,7 +108,7 @@ def _bf16_against_gathered():
     base = TinyLM()
     looked = _sharded(copy.deepcopy(base), False, policy)
     gathered = _sharded(copy.deepcopy(base), False, policy)
-    gathered.embed._flatshard_unit.lookup = None  # the plain gather path
+    registry.unit_of(gathered.embed).lookup = None  # the plain gather path
     ids = _tokens(rank)
     outputs, grads = [], []
     for model in (looked, gathered):
@@ -116,7 +117,7 @@ def _bf16_against_gathered():
         outputs.append(output)
         grads.append(model.embed.weight.grad.full_tensor())
     relative = ((grads[0] - grads[1]).norm() / grads[1].norm()).item()
-    return looked.embed._flatshard_unit.looked_up_from_shards(), outputs, relative
+    return registry.unit_of(looked.embed).looked_up_from_shards(), outputs, relative
 
 
 def test_bf16_compute():
@@ -133,7 +134,8 @@ def _no_grad_forward():
     ids = _tokens(dist.get_rank())
     with torch.no_grad():
         output = model(ids)
-    return model.embed._flatshard_unit.looked_up_from_shards(), torch.equal(output, reference(ids))
+    looked_up = registry.unit_of(model.embed).looked_up_from_shards()
+    return looked_up, torch.equal(output, reference(ids))
 
 
 def test_no_grad_forward():
@@ -157,7 +159,7 @@ def _rank_without_rows():
     output.pow(2).sum().backward()
     total = sum(reference(i).pow(2).sum() for i in ids) / world
     total.backward()
-    unit = model[0]._flatshard_unit
+    unit = registry.unit_of(model[0])
     rows_held = unit.lookup.rows_held
     grad = model[0].weight.grad.full_tensor()
     return (
@@ -190,7 +192,7 @@ def _empty_batch_on_one_rank():
     expected = reference.embed.weight.grad
     grad = model.embed.weight.grad.full_tensor()
     return (
-        model.embed._flatshard_unit.looked_up_from_shards(),
+        registry.unit_of(model.embed).looked_up_from_shards(),
         tuple(output.shape),
         ((grad - expected).norm() / expected.norm()).item(),
     )
@@ -233,7 +235,7 @@ def _prefetched_table_dropped():
     torch.manual_seed(0)
     reference = TinyLM()
     model = _sharded(copy.deepcopy(reference), False)
-    unit = model.embed._flatshard_unit
+    unit = registry.unit_of(model.embed)
     with torch.no_grad():
         model(torch.randint(0, VOCAB, (40, 5)))  # 2 x 200 tokens >= 257 rows: gathered
     gathered_for_eval = not unit.looked_up_from_shards()

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 import flatshard
 from flatshard.errors import MeshError
-from flatshard.parallel import check_tp, parallelize_llama
+from flatshard.models.llama import check_tp, parallelize_llama
 
 CFG = dict(n_heads=8, n_kv_heads=4, dim=32, ffn_dim=48, attention_bias=True)  # divisible by 4
 

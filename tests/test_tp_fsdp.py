@@ -30,9 +30,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 import flatshard
-from flatshard import checkpoint
+from flatshard import checkpoint, registry
 from flatshard.errors import CheckpointError
-from flatshard.parallel import parallelize_llama
+from flatshard.models.llama import parallelize_llama
 from flatshard.runtime.flat_bucket import FlatBucket
 
 CFG = dict(n_heads=8, n_kv_heads=4, dim=32, ffn_dim=48, attention_bias=True)  # tp | 4
@@ -340,7 +340,7 @@ def _collectives(tp):
         FlatBucket.start_all_gather, FlatBucket.start_reduce_scatter = gather, reduce
     units = {}
     for name, module in model.named_modules():
-        unit = getattr(module, "_flatshard_unit", None)
+        unit = registry.unit_of(module)
         if unit is not None and id(unit) not in units:
             units[id(unit)] = (name, unit)
     per_unit = {}

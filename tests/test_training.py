@@ -19,6 +19,7 @@ from reference import (
 )
 
 import flatshard
+from flatshard import registry
 from flatshard.models import Llama
 
 TOLERANCE = 1e-6
@@ -64,7 +65,7 @@ def _compare(
         sync_last_only=sync_last_only,
         **extra,
     )
-    unit = getattr(model.embed_tokens, "_flatshard_unit", None)  # None when tied to the head
+    unit = registry.unit_of(model.embed_tokens)  # None when tied to the head
     looked_up = unit is not None and unit.looked_up_from_shards()
     return (
         rel_losses(losses, ref_losses),

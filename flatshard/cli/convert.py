@@ -21,7 +21,7 @@ from flatshard.cli.model import (
     is_transformers_config,
     saved_model_config,
 )
-from flatshard.models import MoEConfig
+from flatshard.models import family_of_config
 
 HF_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -56,7 +56,7 @@ def checkpoint_to_hf(args, sharded: bool) -> None:
     ranks = init_distributed() if sharded else None
     group = torch.distributed.group.WORLD if sharded else None
     root, step, path, cfg = saved_model_config(args.source, group)  # verified
-    if isinstance(cfg, MoEConfig):
+    if not is_transformers_config(cfg) and not family_of_config(cfg).hf_export:
         raise RunError(
             f"{path} holds an MoE model; exporting it to Hugging Face is not supported yet "
             "(only Llama, Qwen2 and Qwen3 are)"

@@ -10,7 +10,7 @@ from dataclasses import replace
 from flatshard.cli.errors import ConfigError
 from flatshard.cli.zoo import ModelSpec, UnitSpec
 from flatshard.errors import MeshError
-from flatshard.parallel import LLAMA_BLOCK_PLAN, tp_local_shape
+from flatshard.models.llama import LLAMA_BLOCK_PLAN, tp_local_shape
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 

@@ -17,8 +17,9 @@ from flatshard.cli.config import RunConfig
 from flatshard.cli.errors import ConfigError, RunError, warn
 from flatshard.errors import MeshError
 from flatshard.mesh import ParallelDims
-from flatshard.models import Llama, LlamaConfig, MoE, MoEConfig
-from flatshard.parallel import check_tp
+from flatshard.models import Llama, LlamaConfig, MoE, MoEConfig, family_of_config
+from flatshard.models.llama import check_tp
+from flatshard.models.registry import config_from_dict as family_config_from_dict
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -75,7 +76,7 @@ def offload_policy(fraction: float, directory: str) -> flatshard.OffloadPolicy |
 
 def reference_model(cfg: LlamaConfig) -> Llama | MoE:
     """The reference model a config describes (on the current default device)."""
-    return MoE(cfg) if isinstance(cfg, MoEConfig) else Llama(cfg)
+    return family_of_config(cfg).model_type(cfg)
 
 
 def build_run_model(
@@ -121,7 +122,7 @@ def build_sharded(
             check_tp(cfg, tp)
         except MeshError as error:
             raise ConfigError(f"train.tp: {error}") from None
-    if ep > 1 and not isinstance(cfg, MoEConfig):
+    if ep > 1 and not getattr(cfg, "n_experts", 0):
         raise ConfigError("train.ep > 1 needs a mixture-of-experts model (e.g. --model moe-tiny)")
     if ep > 1 and cfg.n_experts % ep:
         raise ConfigError(f"train.ep ({ep}) must divide model.n_experts ({cfg.n_experts})")
@@ -242,7 +243,7 @@ def config_from_dict(values: dict) -> LlamaConfig | dict:
     if "model_type" in values:
         return values
     try:
-        return (MoEConfig if "n_experts" in values else LlamaConfig)(**values)
+        return family_config_from_dict(values)
     except (TypeError, ValueError) as error:
         raise ConfigError(f"the checkpoint's model config is not usable: {error}") from None
 

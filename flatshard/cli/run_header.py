@@ -11,7 +11,7 @@ import torch.distributed as dist
 from flatshard.cli import runs
 from flatshard.cli.config import toml_value
 from flatshard.hf.transformers_model import model_class
-from flatshard.models import MoEConfig
+from flatshard.models import family_of_config
 
 
 def run_header(trainer) -> str:
@@ -66,9 +66,4 @@ def _describe_model(trainer) -> str:
 
 
 def _kind(model_config) -> str:
-    if not isinstance(model_config, MoEConfig):
-        return "Llama"
-    return (
-        f"MoE ({model_config.n_experts} experts, top-{model_config.top_k}, expert ffn "
-        f"{model_config.expert_ffn_dim}, aux loss x{model_config.aux_loss_coef:g})"
-    )
+    return family_of_config(model_config).describe(model_config)

@@ -16,7 +16,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import flatshard
 from flatshard import checkpoint, comm
@@ -33,21 +32,8 @@ from flatshard.cli.progress import Progress
 from flatshard.cli.run_header import run_header
 from flatshard.cli.schedule import learning_rate
 from flatshard.cli.stop import StopRequest
-from flatshard.models import MoEConfig, load_balancing_loss
+from flatshard.models.registry import training_loss
 from flatshard.runtime.offload import offloaded_bytes
-
-
-def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy; an MoE model adds its weighted load-balancing loss, whose
-    router statistics are summed over all ranks (each holds another slice of the batch), so
-    the loss and its gradients are the global batch's."""
-    if not isinstance(getattr(model, "config", None), MoEConfig):
-        output = model(batch[:, :-1])
-        logits = getattr(output, "logits", output)  # a transformers model returns an output
-        return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
-    logits, stats = model(batch[:, :-1], return_router_stats=True)
-    loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
-    return loss + model.config.aux_loss_coef * load_balancing_loss(stats, dist.group.WORLD)
 
 
 def train_worker(values: dict, run_dir: str, resume_step: int | None) -> int:
@@ -182,7 +168,8 @@ class Trainer:
                 self.model.set_requires_gradient_sync(micro == self.accumulation - 1)
             first = self.position + micro * per_micro + self.dp_rank * train.micro_batch
             batch = self.order.batch(first, train.micro_batch).to(ranks.device)
-            loss = lm_loss(self.model, batch) / self.accumulation
+            # the model family's loss: an MoE adds its load-balancing loss over every rank
+            loss = training_loss(self.model, batch) / self.accumulation
             loss.backward()
             loss_sum += loss.detach().double()
         grad_norm = _clip(self.model, train.grad_clip)

@@ -20,7 +20,7 @@ import torch
 
 from flatshard.cli.errors import ConfigError
 from flatshard.layout import ParamInfo
-from flatshard.models import Llama, LlamaConfig, MoE, MoEConfig
+from flatshard.models import Llama, LlamaConfig, MoEConfig, family_of_config
 
 FP32 = 4  # bytes of an fp32 element; main weights are kept in fp32
 
@@ -133,8 +133,8 @@ def from_hf_config(hf: dict, name: str) -> ModelSpec:
         )
     if model_type == "deepseek_v3":
         return _deepseek_v3(hf, name)
-    from flatshard.hf import hf_to_config  # Llama, Qwen2, Qwen3: the reference model
-    from flatshard.hf.llama_config import ARCHITECTURES
+    from flatshard.models.llama import hf_to_config  # Llama, Qwen2, Qwen3: the reference model
+    from flatshard.models.llama.hf_config import ARCHITECTURES
 
     if model_type not in (None, *ARCHITECTURES.values()):
         raise ConfigError(
@@ -148,9 +148,10 @@ def from_hf_config(hf: dict, name: str) -> ModelSpec:
 
 
 def from_llama_config(cfg: LlamaConfig, name: str) -> ModelSpec:
-    """The reference Llama, or the reference MoE for a MoEConfig (its subclass)."""
+    """The reference model of the config's family (the Llama, or the MoE for a MoEConfig)."""
+    family = family_of_config(cfg)
     with torch.device("meta"):
-        model = MoE(cfg) if isinstance(cfg, MoEConfig) else Llama(cfg)
+        model = family.model_type(cfg)
     units = _layer_units(model)
     if cfg.tie_embeddings:  # embedding and head are one parameter: the root keeps it
         parts = [("root", ("embed_tokens.",), False), ("norm", ("norm.",), False)]
@@ -158,10 +159,9 @@ def from_llama_config(cfg: LlamaConfig, name: str) -> ModelSpec:
         parts = [("embed_tokens", ("embed_tokens.",), True)]
         parts.append(("norm+lm_head", ("norm.", "lm_head."), False))
     units += tuple(_root_part(model, *part) for part in parts)
-    if isinstance(cfg, MoEConfig):
-        activations = lambda a: _reference_moe_activations(cfg, a)  # noqa: E731
-        return ModelSpec(name, units, cfg.n_layers, activations, top_k=cfg.top_k)
-    return ModelSpec(name, units, cfg.n_layers, lambda a: _dense_activations(cfg, a))
+    activations = ACTIVATIONS[family.name]
+    top_k = getattr(cfg, "top_k", 0)
+    return ModelSpec(name, units, cfg.n_layers, lambda a: activations(cfg, a), top_k=top_k)
 
 
 def _layer_units(model) -> tuple[UnitSpec, ...]:
@@ -226,6 +226,10 @@ def _reference_moe_activations(cfg: MoEConfig, a: int) -> int:
     moe += _swiglu_bytes(cfg.n_shared_experts * cfg.expert_ffn_dim, a)
     n_moe = cfg.n_layers - cfg.first_k_dense
     return cfg.first_k_dense * dense + n_moe * moe + _head_bytes(cfg.dim, cfg.vocab_size, a)
+
+
+# the activation bytes per token of each family's layers (by family name)
+ACTIVATIONS = {"llama": _dense_activations, "moe": _reference_moe_activations}
 
 
 # --- mixture of experts: layer shapes -------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from flatshard import registry
 from flatshard.dtensor.row_shard import RowShard
 from flatshard.dtensor.sharded_param import RowShardedParameter, shard_spec
 
@@ -27,7 +28,7 @@ def _copy_rows(local: DTensor, full: torch.Tensor) -> DTensor:
     `to_empty`) the parameter its unit's newly allocated shards gave it."""
     if local.is_meta and isinstance(local, RowShardedParameter):
         local.data = full  # allocates the unit's shards and loads this one
-        unit, managed = local._flatshard_param
+        unit, managed = registry.managed_of(local)
         return managed.sharded
     local.to_local().copy_(shard_spec(local).piece_of(full).to(local.device))
     return local

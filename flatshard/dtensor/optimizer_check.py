@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import weakref
 
+from flatshard import registry
 from flatshard.errors import OptimizerOrderError
 
 _checked: weakref.WeakSet = weakref.WeakSet()  # optimizers already checked (first step only)
@@ -15,7 +16,7 @@ def check_first_step(optimizer, args, kwargs) -> None:
         return
     for group in optimizer.param_groups:
         for param in group["params"]:
-            if hasattr(param, "_flatshard_replaced_by"):
+            if (registry.replacement_of(param) is not None):
                 raise OptimizerOrderError(
                     f"{type(optimizer).__name__} holds parameters that fully_shard replaced: "
                     "it was built before the model was wrapped and would train nothing. "

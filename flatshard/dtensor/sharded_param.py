@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from flatshard import registry
 from flatshard.dtensor.row_shard import RowShard
 from flatshard.errors import UnevenShardError
 from flatshard.layout import ShardSpec, describe_param, whole_param_spec
@@ -69,10 +70,10 @@ class RowShardedParameter(DTensor):
                 "change the shape"
             )
         target = self
-        if self.is_meta and hasattr(self, "_flatshard_param"):
+        if self.is_meta and (registry.managed_of(self) is not None):
             # still on meta (FSDP2's flow): the unit gets real shards, whose new parameter
             # takes this one's place in the module and receives the values
-            unit, managed = self._flatshard_param
+            unit, managed = registry.managed_of(self)
             from flatshard.runtime import shard_placement  # (it builds these parameters)
 
             shard_placement.allocate(unit, unit.mesh.device)

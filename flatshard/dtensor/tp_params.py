@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from flatshard import registry
 from flatshard.errors import WrappingError
 from flatshard.layout import ParamInfo, tp_block_info, tp_split_info
 
@@ -89,7 +90,7 @@ def onto_tp_mesh(modules, spmd_mesh, tp_mesh) -> None:
         name not in tp_mesh.mesh_dim_names)]  # fmt: skip
     for module in (m for each in modules for m in each.modules()):
         for name, param in list(module._parameters.items()):
-            if not isinstance(param, DTensor) or hasattr(param, "_flatshard_param"):
+            if not isinstance(param, DTensor) or (registry.managed_of(param) is not None):
                 continue
             if id(param) not in done:
                 done[id(param)] = _on_tp_mesh(name, param, spmd_mesh, tp_mesh, dp_dims)

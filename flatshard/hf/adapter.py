@@ -141,6 +141,6 @@ def with_extra_fields(hf: dict, extra: dict, ignorable: set[str]) -> dict:
     if not_ignorable:
         raise HFCheckpointError(
             f"extra_config may only add fields that do not change the model "
-            f"(flatshard.hf.IGNORED_FIELDS); {not_ignorable} are not among them"
+            f"(flatshard.models.llama.IGNORED_FIELDS); {not_ignorable} are not among them"
         )
     return {**hf, **extra}

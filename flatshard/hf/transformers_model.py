@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import flatshard
+from flatshard import registry
 from flatshard.dtensor.sharded_param import param_spec
 from flatshard.hf.adapter import StateDictAdapter, register
 from flatshard.hf.checkpoint import read_hf_config
@@ -76,10 +77,8 @@ class TransformersAdapter(StateDictAdapter):
         units' shards (as to_empty), unsharded parameters (ties kept); buffers move."""
         from flatshard.hf.pretrained import allocate_unsharded
 
-        for module in model.modules():
-            unit = getattr(module, "_flatshard_unit", None)
-            if unit is not None:
-                shard_placement.allocate(unit, unit.mesh.device)
+        for unit in registry.units_below(model):
+            shard_placement.allocate(unit, unit.mesh.device)
         allocate_unsharded(model, device)
         for module in model.modules():
             for name, buffer in module._buffers.items():

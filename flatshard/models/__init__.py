@@ -1,19 +1,18 @@
-"""Reference models for flatshard's tests and examples."""
+"""Model families, one folder each (llama/, moe/), registered in registry.py."""
 
-from flatshard.models import plans  # noqa: F401  (registers the reference models' plans)
 from flatshard.models.llama import Llama, LlamaConfig
-from flatshard.models.moe import MoE
-from flatshard.models.moe_balance import update_score_bias
-from flatshard.models.moe_config import MoEConfig
-from flatshard.models.moe_loss import load_balancing_loss
-from flatshard.models.router import RouterStats
+from flatshard.models.moe import MoE, MoEConfig, RouterStats, load_balancing_loss, update_score_bias
+from flatshard.models.registry import ModelFamily, family_of_config, family_of_model
 
 __all__ = [
     "Llama",
     "LlamaConfig",
+    "ModelFamily",
     "MoE",
     "MoEConfig",
     "RouterStats",
+    "family_of_config",
+    "family_of_model",
     "load_balancing_loss",
     "update_score_bias",
 ]

@@ -9,7 +9,7 @@ parameters become `Shard(0)` DTensors on the EP mesh (rank p holds experts `[p *
 expert-data-parallel ranks (`efsdp`) and checkpoints are keyed by global expert whatever
 `ep`. The EP ranks train on different tokens, so the experts' gradients are divided over
 `efsdp x ep` ranks, not `efsdp` (fully_shard derives it from the parameters'
-`_flatshard_expert_parallel` mark; FSDP2 + EP leaves them `ep` times too large, pytorch#160285).
+mark (flatshard.registry); FSDP2 + EP leaves them `ep` times too large, pytorch#160285).
 
 Forward: copies of tokens sorted by expert (so by owning rank), per-expert counts
 exchanged first and checked (gloo aborts the process on mismatched split sizes), rows moved
@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from flatshard import comm
+from flatshard import comm, registry
 from flatshard.errors import MeshError
 
 
@@ -47,7 +47,7 @@ class ExpertParallel(ParallelStyle):
                 shape=param.shape, stride=param.stride(),
             )  # fmt: skip
             new = nn.Parameter(sharded, param.requires_grad)
-            new._flatshard_expert_parallel = True  # the EP ranks see different tokens
+            registry.mark_expert_parallel(new)  # the EP ranks see different tokens
             module.register_parameter(name, new)
 
         def forward(x, indices, weights):

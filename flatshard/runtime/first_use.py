@@ -15,6 +15,8 @@ from collections import Counter
 
 import torch.nn as nn
 
+from flatshard import registry
+
 
 def first_use_groups(root: nn.Module) -> list[list[tuple[str, nn.Module]]]:
     """Runs of `root`'s direct children, in registration order, that each become a unit:
@@ -43,14 +45,13 @@ def first_use_groups(root: nn.Module) -> list[list[tuple[str, nn.Module]]]:
 
 
 def _holds_unit(module: nn.Module) -> bool:
-    return any(hasattr(m, "_flatshard_unit") for m in module.modules())
+    return bool(registry.units_below(module))
 
 
 def _holds_block_unit(module: nn.Module) -> bool:
-    units = (getattr(m, "_flatshard_unit", None) for m in module.modules())
     return any(
-        unit is not None and not getattr(getattr(unit, "mesh", None), "expert_parallel", False)
-        for unit in units
+        not getattr(getattr(unit, "mesh", None), "expert_parallel", False)
+        for unit in registry.units_below(module)
     )
 
 
@@ -60,7 +61,7 @@ def _param_counts(module: nn.Module) -> Counter:
     stack = [module]
     while stack:
         current = stack.pop()
-        if hasattr(current, "_flatshard_unit"):
+        if registry.unit_of(current) is not None:
             continue
         counts.update(id(p) for p in current._parameters.values() if p is not None)
         stack.extend(child for child in current._modules.values() if child is not None)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from flatshard import comm
+from flatshard import comm, registry
 from flatshard.dtensor.disk_tier import disk_tier
 from flatshard.layout.offload import BucketPieces, offload_cuts
 from flatshard.policy import OffloadPolicy
@@ -27,13 +27,8 @@ from flatshard.runtime.shard_placement import place_offloaded
 
 def units_below(modules: list[nn.Module]) -> list:
     """The units managing parameters below `modules`, in the order they were created."""
-    found: dict[int, object] = {}
-    for module in modules:
-        for sub in module.modules():
-            unit = getattr(sub, "_flatshard_unit", None)
-            if unit is not None:
-                found.setdefault(id(unit), unit)
-    return sorted(found.values(), key=lambda unit: unit.created)
+    found = dict.fromkeys(unit for module in modules for unit in registry.units_below(module))
+    return sorted(found, key=lambda unit: unit.created)
 
 
 def place(modules: list[nn.Module], policy: OffloadPolicy) -> None:

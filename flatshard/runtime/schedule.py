@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
-from flatshard import comm
+from flatshard import comm, registry
 from flatshard.runtime.gather_policy import stays_gathered
 from flatshard.runtime.grad_sync import ReduceQueue
 
@@ -98,13 +98,8 @@ def context_of(unit) -> RootContext:
     """The unit's model context; the first unit to run forward becomes the root of every
     unit below it that has none yet."""
     if unit.context is None:
-        below = [m for member in unit.modules for m in member.modules()]
-        units = dict.fromkeys(_unit_of(m) for m in below if _unit_of(m) is not None)
+        units = dict.fromkeys(u for m in unit.modules for u in registry.units_below(m))
         context = RootContext(units=[u for u in units if u.context is None], root=unit)
         for each in context.units:
             each.context = context
     return unit.context
-
-
-def _unit_of(module):
-    return getattr(module, "_flatshard_unit", None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from flatshard import registry
 from flatshard.dtensor.sharded_param import RowShardedParameter, make_row_sharded_dtensor
 from flatshard.errors import WrappingError
 from flatshard.runtime.flat_bucket import FlatBucket
@@ -83,8 +84,8 @@ def _renew_sharded_params(unit) -> None:
             unit.buckets[param.bucket], param.index, unit.mesh, old.requires_grad,
             param.tp_placement,
         )  # fmt: skip
-        param.sharded._flatshard_param = (unit, param)
-        old._flatshard_replaced_by = param.sharded  # an optimizer built on it: an error
+        registry.bind_param(param.sharded, unit, param)
+        registry.mark_replaced(old, param.sharded)  # an optimizer built on it: an error
         param.unsharded = None
         for module, name in param.occurrences:
             module._parameters[name] = param.sharded

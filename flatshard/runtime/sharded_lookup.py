@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from flatshard import agreement, comm
+from flatshard import agreement, comm, registry
 from flatshard.errors import TokenIdError
 from flatshard.runtime.gather_policy import looks_up, lookup_possible
 
@@ -56,7 +56,7 @@ def lookup_capable(modules: list[nn.Module], params: list, stage: int, ranks: in
 
 def embedding_forward(module: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
     """`forward` of a fully_shard-ed `nn.Embedding`: from the shards when its unit chose to."""
-    lookup = module._flatshard_unit.lookup
+    lookup = registry.unit_of(module).lookup
     if lookup is not None and lookup.looking_up:
         return lookup(input)
     return nn.Embedding.forward(module, input)

@@ -1,5 +1,5 @@
 """The adapter of flatshard's reference MoE (Qwen3-MoE and Mixtral checkpoints): its
-parameter names, its config.json conversion (moe_config.py), and the per-expert tensors
+parameter names, its config.json conversion (hf_config.py), and the per-expert tensors
 transformers 5 writes on disk for its fused experts.
 
 Two steps map a parameter to the disk. Name rules give the transformers in-memory tensor
@@ -15,7 +15,7 @@ of each parameter (load.py: `Tile.clip` against the ShardSpec's global box, whos
 includes the expert-parallel offset of its experts).
 
 `from_pretrained` builds transformers' own model for these checkpoints unless given
-`adapter=flatshard.hf.MOE` (the reference MoE: expert parallelism, grouped matmuls).
+`adapter=flatshard.models.moe.MOE` (the reference MoE: expert parallelism, grouped matmuls).
 """
 
 from __future__ import annotations
@@ -38,11 +38,12 @@ from flatshard.hf.adapter import (
 )
 from flatshard.hf.checkpoint import read_hf_config
 from flatshard.hf.errors import HFCheckpointError
-from flatshard.hf.llama import LLAMA_RULES
-from flatshard.hf.llama_config import IGNORED_FIELDS
-from flatshard.hf.moe_config import HF_NAMES, hf_to_moe_config, moe_config_to_hf
 from flatshard.hf.names import NameRule, TensorMapping, plan_tensors
-from flatshard.models import MoE, MoEConfig
+from flatshard.models.llama.hf_adapter import LLAMA_RULES
+from flatshard.models.llama.hf_config import IGNORED_FIELDS
+from flatshard.models.moe.config import MoEConfig
+from flatshard.models.moe.hf_config import HF_NAMES, hf_to_moe_config, moe_config_to_hf
+from flatshard.models.moe.model import MoE
 
 # names of transformers' in-memory Qwen3-MoE / Mixtral model (Mixtral's disk renaming of
 # `mlp.` to `block_sparse_moe.` is transformers' conversion, applied after these)
@@ -99,8 +100,8 @@ class MoEAdapter(StateDictAdapter):
         if differ:
             raise HFCheckpointError(
                 f"the model's config differs from {path / 'config.json'}: {'; '.join(differ)}. "
-                "Build the model with flatshard.hf.hf_to_moe_config(read_hf_config(path)) "
-                "(or flatshard.hf.from_pretrained(path, adapter=flatshard.hf.MOE))"
+                "Build the model with flatshard.models.moe.hf_to_moe_config(read_hf_config(path)) "
+                "(or flatshard.hf.from_pretrained(path, adapter=flatshard.models.moe.MOE))"
             )
 
     def export_config(self, model: nn.Module, dtype: torch.dtype | None, extra: dict) -> dict:

@@ -18,9 +18,14 @@ from flatshard.hf.adapter import (
 )
 from flatshard.hf.checkpoint import read_hf_config
 from flatshard.hf.errors import HFCheckpointError
-from flatshard.hf.llama_config import ARCHITECTURES, IGNORED_FIELDS, config_to_hf, hf_to_config
 from flatshard.hf.names import NameRule
-from flatshard.models import Llama, LlamaConfig, MoEConfig
+from flatshard.models.llama.hf_config import (
+    ARCHITECTURES,
+    IGNORED_FIELDS,
+    config_to_hf,
+    hf_to_config,
+)
+from flatshard.models.llama.model import Llama, LlamaConfig
 
 # Llama, Qwen2 and Qwen3 share one HF naming; which tensors exist follows from which
 # parameters the model has (biases for Qwen2, q/k norms for Qwen3, no lm_head when tied).
@@ -52,8 +57,8 @@ class LlamaAdapter(StateDictAdapter):
 
     def handles(self, model: nn.Module) -> bool:
         config = getattr(model, "config", None)
-        # a MoEConfig is a LlamaConfig too: the MoE model has an adapter of its own (moe.py)
-        return isinstance(config, LlamaConfig) and not isinstance(config, MoEConfig)
+        # exactly: a MoEConfig is a LlamaConfig too, and the MoE has an adapter of its own
+        return type(config) is LlamaConfig
 
     def handles_config(self, hf_config: dict) -> bool:
         return hf_config.get("architectures") in ([arch] for arch in ARCHITECTURES)
@@ -71,8 +76,8 @@ class LlamaAdapter(StateDictAdapter):
         if differ:
             raise HFCheckpointError(
                 f"the model's config differs from {path / 'config.json'}: {'; '.join(differ)}. "
-                "Build the model with flatshard.hf.hf_to_config(read_hf_config(path)), or pass "
-                "check_config=False if the difference is intended."
+                "Build the model with flatshard.models.llama.hf_to_config(read_hf_config(path)), "
+                "or pass check_config=False if the difference is intended."
             )
 
     def export_config(self, model: nn.Module, dtype: torch.dtype | None, extra: dict) -> dict:

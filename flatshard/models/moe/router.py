@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flatshard.models.llama import INIT_STD
-from flatshard.models.moe_config import MoEConfig
+from flatshard.models.llama.model import INIT_STD
+from flatshard.models.moe.config import MoEConfig
 
 
 class RouterStats(NamedTuple):

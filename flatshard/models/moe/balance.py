@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatshard.models.router import Router, RouterStats
+from flatshard.models.moe.router import Router, RouterStats
 
 
 @torch.no_grad()

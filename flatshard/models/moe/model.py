@@ -17,12 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flatshard.models.expert_compute import (
-    expert_outputs,
-    grouped_mm_supported,
-    routed_experts,
-)
-from flatshard.models.llama import (
+from flatshard.models.llama.model import (
     INIT_STD,
     MLP,
     Attention,
@@ -32,8 +27,13 @@ from flatshard.models.llama import (
     rope_cos_sin,
     rope_inv_freq,
 )
-from flatshard.models.moe_config import MoEConfig
-from flatshard.models.router import Router, RouterStats
+from flatshard.models.moe.config import MoEConfig
+from flatshard.models.moe.expert_compute import (
+    expert_outputs,
+    grouped_mm_supported,
+    routed_experts,
+)
+from flatshard.models.moe.router import Router, RouterStats
 
 
 class GroupedExperts(nn.Module):

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from flatshard.models.router import RouterStats
+from flatshard.models.moe.router import RouterStats
 
 
 def load_balancing_loss(stats: Sequence[RouterStats], group=None) -> torch.Tensor:

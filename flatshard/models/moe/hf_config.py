@@ -1,7 +1,7 @@
 """Translate a Hugging Face Qwen3-MoE or Mixtral `config.json` (as a dict) to and from
 flatshard's `MoEConfig`.
 
-As llama_config.py does for the dense families, every field is accounted for: read, held
+As llama/hf_config.py does for the dense families, every field is accounted for: read, held
 to the one value flatshard implements, or on the list of fields that do not change the
 model (`IGNORED_FIELDS`). Defaults of absent fields, and the aliases transformers accepts
 (`num_experts` / `num_local_experts`, `rope_scaling` / `rope_parameters`), are resolved by
@@ -18,8 +18,8 @@ import re
 import torch
 
 from flatshard.hf.errors import HFConfigError
-from flatshard.hf.llama_config import IGNORED_FIELDS, _rope, model_type_of
-from flatshard.models import MoEConfig
+from flatshard.models.llama.hf_config import IGNORED_FIELDS, _rope, model_type_of
+from flatshard.models.moe.config import MoEConfig
 
 ARCHITECTURES = {"Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flatshard.models.llama import LlamaConfig, _check_positive_int
+from flatshard.models.llama.model import LlamaConfig, _check_positive_int
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 EXPERT_COMPUTE = ("auto", "loop", "grouped_mm")

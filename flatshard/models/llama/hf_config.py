@@ -15,7 +15,7 @@ import re
 import torch
 
 from flatshard.hf.errors import HFConfigError
-from flatshard.models import LlamaConfig
+from flatshard.models.llama.model import LlamaConfig
 
 # architecture -> model_type, one per supported HF class
 ARCHITECTURES = {

@@ -1,0 +1,68 @@
+"""The reference mixture-of-experts family (Qwen3-MoE, Mixtral, DeepSeek-V3 options): the
+Llama's attention with routed grouped experts. model.py / config.py the model,
+router.py, expert_compute.py, balance.py and loss.py its routing, hf_adapter.py /
+hf_config.py its Hugging Face names and config.json, parallel.py its TP and EP plan."""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from flatshard.models.moe.balance import update_score_bias
+from flatshard.models.moe.config import MoEConfig
+from flatshard.models.moe.hf_adapter import MOE, MOE_RULES
+from flatshard.models.moe.hf_config import hf_to_moe_config, moe_config_to_hf
+from flatshard.models.moe.loss import load_balancing_loss
+from flatshard.models.moe.model import GroupedExperts, MoE, MoEBlock, MoELayer
+from flatshard.models.moe.parallel import parallelize_moe, split_experts
+from flatshard.models.moe.router import RouterStats
+from flatshard.models.registry import ModelFamily, register
+from flatshard.plan import ParallelPlan
+
+
+def moe_training_loss(model, batch: torch.Tensor, group=None) -> torch.Tensor:
+    """Next-token cross-entropy plus the weighted load-balancing loss, whose router
+    statistics are summed over `group` (default: every rank; each holds another slice of
+    the batch), so the loss and its gradients are the global batch's."""
+    logits, stats = model(batch[:, :-1], return_router_stats=True)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+    group = group if group is not None else dist.group.WORLD
+    return loss + model.config.aux_loss_coef * load_balancing_loss(stats, group)
+
+
+def describe(config: MoEConfig) -> str:
+    return (
+        f"MoE ({config.n_experts} experts, top-{config.top_k}, expert ffn "
+        f"{config.expert_ffn_dim}, aux loss x{config.aux_loss_coef:g})"
+    )
+
+
+FAMILY = register(
+    ModelFamily(
+        "moe",
+        MoEConfig,
+        MoE,
+        plan=lambda model: ParallelPlan("layers", parallelize_moe, split_experts),
+        loss=moe_training_loss,
+        describe=describe,
+        hf_export=False,
+    )
+)
+
+__all__ = [
+    "FAMILY",
+    "MOE",
+    "MOE_RULES",
+    "GroupedExperts",
+    "MoE",
+    "MoEBlock",
+    "MoEConfig",
+    "MoELayer",
+    "RouterStats",
+    "hf_to_moe_config",
+    "load_balancing_loss",
+    "moe_config_to_hf",
+    "moe_training_loss",
+    "parallelize_moe",
+    "split_experts",
+    "update_score_bias",
+]

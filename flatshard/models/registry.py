@@ -1,0 +1,86 @@
+"""The model families flatshard knows, keyed by config and model type.
+
+A family is one folder of `flatshard/models/` (its model, config, Hugging Face adapter and
+config conversion, parallel plan) that registers one `ModelFamily` here; the trainer, the
+planner and `parallelize` ask the registry instead of branching on a family. Adding a
+family = one folder + one `register(...)` line in its `__init__.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flatshard.plan import ParallelPlan, register_plan
+
+
+def next_token_loss(model: nn.Module, batch: torch.Tensor, group=None) -> torch.Tensor:
+    """Cross-entropy of each token's prediction of the next (a transformers model's output
+    object included)."""
+    output = model(batch[:, :-1])
+    logits = getattr(output, "logits", output)
+    return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """name: what `flatshard train` and the docs call it. config_type / model_type: its
+    config dataclass and model class (`model_type(config)` builds it). plan: its
+    `ParallelPlan` for a model. loss: the training loss of a batch of token ids, averaged
+    over `group` where it has terms shared by the ranks (the MoE's balancing loss).
+    describe: one line for the run header. hf_export: whether `flatshard convert` can write
+    it as a Hugging Face checkpoint."""
+
+    name: str
+    config_type: type
+    model_type: type
+    plan: Callable[[nn.Module], ParallelPlan]
+    loss: Callable[..., torch.Tensor] = next_token_loss
+    describe: Callable[[Any], str] = lambda config: ""
+    hf_export: bool = True
+
+
+_FAMILIES: list[ModelFamily] = []
+
+
+def register(family: ModelFamily) -> ModelFamily:
+    _FAMILIES.append(family)
+    register_plan(family.model_type, family.plan)
+    return family
+
+
+def family_of_config(config) -> ModelFamily:
+    """The family whose config type `config` is (exactly: an MoEConfig is a LlamaConfig)."""
+    for family in _FAMILIES:
+        if type(config) is family.config_type:
+            return family
+    raise TypeError(f"{type(config).__name__} is no registered model family's config")
+
+
+def family_of_model(model: nn.Module) -> ModelFamily | None:
+    """The family of `model` (None: not one of flatshard's, e.g. a transformers model)."""
+    return next((f for f in _FAMILIES if isinstance(model, f.model_type)), None)
+
+
+def training_loss(model: nn.Module, batch: torch.Tensor, group=None) -> torch.Tensor:
+    family = family_of_model(model)
+    return (family.loss if family else next_token_loss)(model, batch, group)
+
+
+def config_from_dict(values: dict):
+    """The config a saved dict of fields describes: of the family with the fewest fields
+    that has them all."""
+    candidates = [f for f in _FAMILIES if set(values) <= _field_names(f.config_type)]
+    if not candidates:
+        raise TypeError(f"no model family's config has the fields {sorted(values)}")
+    family = min(candidates, key=lambda f: len(_field_names(f.config_type)))
+    return family.config_type(**values)
+
+
+def _field_names(config_type: type) -> set[str]:
+    return {f.name for f in fields(config_type)}

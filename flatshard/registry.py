@@ -1,0 +1,66 @@
+"""Who owns what: the unit (what one `fully_shard` made) of a module, the unit and managed
+parameter behind a sharded DTensor, the sharded replacement of an original parameter, and
+the parameters expert parallelism split.
+
+The one place these links live (weak, by identity: nothing here keeps a module or tensor
+alive), so no code reads private attributes set elsewhere. A leaf: it imports nothing of
+flatshard, so every layer may ask it. `flatshard.state(module)` and `flatshard.units(model)`
+are its public face.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+_UNIT_OF_MODULE = WeakIdKeyDictionary()
+_MANAGED = WeakIdKeyDictionary()  # sharded DTensor -> (unit, ManagedParam)
+_REPLACED_BY = WeakIdKeyDictionary()  # original parameter -> its sharded replacement
+_EXPERT_PARALLEL = WeakIdKeyDictionary()  # parameters an EP style split
+
+
+def bind_unit(module: nn.Module, unit) -> None:
+    _UNIT_OF_MODULE[module] = unit
+
+
+def unit_of(module: nn.Module):
+    """The unit `module` belongs to (a fully_shard-ed module, or a member of a list or
+    first-use group); None if none."""
+    return _UNIT_OF_MODULE.get(module)
+
+
+def units_below(module: nn.Module) -> list:
+    """Every unit of `module` and the modules below it, each once, in `modules()` order."""
+    found: dict[int, object] = {}
+    for sub in module.modules():
+        unit = _UNIT_OF_MODULE.get(sub)
+        if unit is not None:
+            found.setdefault(id(unit), unit)
+    return list(found.values())
+
+
+def bind_param(sharded, unit, managed) -> None:
+    _MANAGED[sharded] = (unit, managed)
+
+
+def managed_of(param):
+    """(unit, ManagedParam) of a sharded parameter; None for any other tensor."""
+    return _MANAGED.get(param)
+
+
+def mark_replaced(original, replacement) -> None:
+    _REPLACED_BY[original] = replacement
+
+
+def replacement_of(param):
+    """The sharded parameter that replaced `param` (None: it was not replaced)."""
+    return _REPLACED_BY.get(param)
+
+
+def mark_expert_parallel(param) -> None:
+    """`param` was split by expert parallelism: its ranks train on different tokens."""
+    _EXPERT_PARALLEL[param] = True
+
+
+def is_expert_parallel(param) -> bool:
+    return param in _EXPERT_PARALLEL
