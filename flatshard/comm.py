@@ -22,6 +22,8 @@ same size (CUDA's caching allocator does this by itself).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -208,26 +210,110 @@ class Traffic:
 traffic = Traffic()
 
 
-def all_gather(output: torch.Tensor, shard: torch.Tensor, group, pieces=None):
-    """Start gathering every rank's equal `shard` into the flat `output`; `pieces` are the
-    views of `output` each rank's shard lands in (a bucket's come from its layout; default:
-    equal consecutive chunks, as `all_gather_single` places them).
+class Collectives:
+    """How one process group moves flat buffers: `all_gather` and `reduce_scatter`, each
+    starting a collective and returning an object whose `wait()` leaves the result in the
+    output. Chosen once per group (`for_group`): this base runs torch's own
+    `all_gather_single` / `reduce_scatter_single` (NCCL); `GlooCollectives` and
+    `HazardShimCollectives` are the CPU implementations."""
 
-    Returns an object whose `wait()` leaves the result in `output`.
-    """
-    nbytes, size = output.numel() * output.element_size(), dist.get_world_size(group)
-    traffic.all_gather += nbytes
-    by_size = traffic.all_gather_by_group_size
-    by_size[size] = by_size.get(size, 0) + nbytes
-    if size == 1:
-        return _Done(output.copy_(shard))
-    if nccl_shim.active():
-        run = lambda out, inp: dist.all_gather_single(out, inp, group=group)
+    def __init__(self, group):
+        self._group = weakref.ref(group)  # held weakly: for_group's cache is keyed by it
+        self.size = dist.get_world_size(group)
+
+    @property
+    def group(self):
+        return self._group()
+
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, pieces=None):
+        """Gather every rank's equal `shard` into the flat `output`; `pieces` are the views
+        of `output` each rank's shard lands in (a bucket's come from its layout; default:
+        equal consecutive chunks, as `all_gather_single` places them)."""
+        nbytes = output.numel() * output.element_size()
+        traffic.all_gather += nbytes
+        by_size = traffic.all_gather_by_group_size
+        by_size[self.size] = by_size.get(self.size, 0) + nbytes
+        if self.size == 1:
+            return _Done(output.copy_(shard))
+        return self._all_gather(output, shard, pieces)
+
+    def reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, average: bool, pool=None):
+        """Sum (or average) `flat` over the ranks, leaving this rank's shard in `output`."""
+        traffic.reduce_scatter += flat.numel() * flat.element_size()
+        if self.size == 1:
+            # one rank: its gradient is the sum and the average (NCCL has corrupted a
+            # one-rank AVG; a copy cannot)
+            return _Done(output.copy_(flat))
+        return self._reduce_scatter(output, flat, _op(average), average, pool)
+
+    def _all_gather(self, output, shard, pieces):
+        return dist.all_gather_single(output, shard, group=self.group, async_op=True)
+
+    def _reduce_scatter(self, output, flat, op, average, pool):
+        return dist.reduce_scatter_single(output, flat, op=op, group=self.group, async_op=True)
+
+
+class GlooCollectives(Collectives):
+    """gloo on CPU tensors: the all-gather as point-to-point sends straight into the output,
+    the reduce-scatter as one all-to-all and a local sum (see the module docstring)."""
+
+    def _all_gather(self, output, shard, pieces):
+        if shard.device.type != "cpu":
+            return super()._all_gather(output, shard, pieces)
+        pieces = output.chunk(self.size) if pieces is None else pieces
+        return _PointToPointAllGather(pieces, shard, self.group)
+
+    def _reduce_scatter(self, output, flat, op, average, pool):
+        if flat.device.type != "cpu":
+            return super()._reduce_scatter(output, flat, op, average, pool)
+        return _AllToAllReduceScatter(output, flat, self.group, average, pool)
+
+
+class HazardShimCollectives(Collectives):
+    """The NCCL code path on CPU tensors with NCCL's hazards made visible (nccl_shim.py)."""
+
+    def _all_gather(self, output, shard, pieces):
+        run = lambda out, inp: dist.all_gather_single(out, inp, group=self.group)
         return nccl_shim.NcclLikeWork("all-gather", output, [shard], run)
-    if shard.device.type == "cpu" and dist.get_backend(group) == "gloo":
-        pieces = output.chunk(dist.get_world_size(group)) if pieces is None else pieces
-        return _PointToPointAllGather(pieces, shard, group)
-    return dist.all_gather_single(output, shard, group=group, async_op=True)
+
+    def _reduce_scatter(self, output, flat, op, average, pool):
+        run = lambda out, inp: dist.reduce_scatter_single(out, inp, op=op, group=self.group)
+        return nccl_shim.NcclLikeWork("reduce-scatter", output, [flat], run)
+
+
+# group -> {hazard shim on: its collectives}; weak, so a destroyed group is not kept alive
+_CHOSEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def for_group(group) -> Collectives:
+    """The collectives of `group` (None: the default group), chosen once (again when the
+    hazard shim is switched)."""
+    group = group if group is not None else dist.group.WORLD
+    chosen = _CHOSEN.setdefault(group, {})
+    shim = nccl_shim.active()
+    if shim not in chosen:
+        if shim:
+            kind = HazardShimCollectives
+        elif dist.get_backend(group) == "gloo":
+            kind = GlooCollectives
+        else:
+            kind = Collectives
+        chosen[shim] = kind(group)
+    return chosen[shim]
+
+
+def _op(average: bool):
+    return dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+
+
+def all_gather(output: torch.Tensor, shard: torch.Tensor, group, pieces=None):
+    """`for_group(group).all_gather(...)`."""
+    return for_group(group).all_gather(output, shard, pieces)
+
+
+def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, group, average: bool, pool=None):
+    """`for_group(group).reduce_scatter(...)`."""
+    return for_group(group).reduce_scatter(output, flat, average, pool)
 
 
 # Tag of flatshard's point-to-point all-gathers, apart from a user's own sends on the group.
@@ -256,27 +342,6 @@ class _PointToPointAllGather:
             work.wait()
         self.works = []  # they refer to the buffers
         return True
-
-
-def reduce_scatter(
-    output: torch.Tensor, flat: torch.Tensor, group, average: bool, pool: BufferPool | None = None
-):
-    """Start summing (or averaging) `flat` over ranks, leaving this rank's shard in `output`.
-
-    Returns an object whose `wait()` leaves the result in `output`.
-    """
-    traffic.reduce_scatter += flat.numel() * flat.element_size()
-    if dist.get_world_size(group) == 1:
-        # one rank: its gradient is the sum and the average (NCCL has corrupted a one-rank
-        # AVG; a copy cannot)
-        return _Done(output.copy_(flat))
-    op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
-    if nccl_shim.active():
-        run = lambda out, inp: dist.reduce_scatter_single(out, inp, op=op, group=group)
-        return nccl_shim.NcclLikeWork("reduce-scatter", output, [flat], run)
-    if flat.device.type == "cpu" and dist.get_backend(group) == "gloo":
-        return _AllToAllReduceScatter(output, flat, group, average, pool)
-    return dist.reduce_scatter_single(output, flat, op=op, group=group, async_op=True)
 
 
 class _Done:

@@ -16,6 +16,11 @@ from flatshard.runtime.shard_storage import ShardStorage, as_param
 
 
 class FlatBucket:
+    # The hook point of a bucket's all-gather: None runs the group's collectives; a
+    # function (bucket, output, shard, group, pieces) -> work replaces them, e.g. to move
+    # quantized or tensor-subclass bytes and fill `output` (the compute dtype) at wait().
+    gather_hook = None
+
     def __init__(
         self,
         layout: BucketLayout,
@@ -88,9 +93,8 @@ class FlatBucket:
         # The copy reflects the weights as of now: a write before the wait (an optimizer
         # step, a load, a user edit) makes it stale, or torn where NCCL reads the shard late.
         self._gathering_version = self.shard.version()
-        return comm.all_gather(
-            self.unsharded, source, self.group, self.layout.shard_views(self.unsharded)
-        )
+        pieces = self.layout.shard_views(self.unsharded)
+        return self._all_gather(self.unsharded, source, self.group, pieces)
 
     def keep_secondary(self, group_size: int, index: int) -> None:
         """After forward (hpZ): keep piece `index` of `group_size` of the gathered bucket;
@@ -109,7 +113,12 @@ class FlatBucket:
         self._gather_input, self.secondary = self.secondary, None
         self._version = self.unsharded._version
         self._gathering_version = self._secondary_version
-        return comm.all_gather(self.unsharded, self._gather_input, group)
+        return self._all_gather(self.unsharded, self._gather_input, group)
+
+    def _all_gather(self, output: torch.Tensor, shard: torch.Tensor, group, pieces=None):
+        if self.gather_hook is not None:
+            return self.gather_hook(self, output, shard, group, pieces)
+        return comm.for_group(group).all_gather(output, shard, pieces)
 
     def finish_all_gather(self, work) -> None:
         work.wait()
@@ -194,5 +203,5 @@ class FlatBucket:
             post_scale = None
             # Low-precision sums can overflow: scale before reducing.
             flat.mul_(1.0 / divide_factor)  # consumed by this reduce: scale in place
-        work = comm.reduce_scatter(output, flat, self.group, average=average, pool=pool)
+        work = comm.for_group(self.group).reduce_scatter(output, flat, average, pool)
         return work, output, flat, post_scale
