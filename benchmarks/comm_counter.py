@@ -72,7 +72,7 @@ class CommCounter:
     reduce-scatters that way on gloo); send: bytes of each `isend` (flatshard all-gathers that
     way on gloo). Nested calls (a deprecated name that forwards to its `*_single`
     replacement) count once. The `all_to_all_single` calls of expert parallelism (its
-    token rows, forward and backward, in `flatshard.comm._send_rows`, and its per-expert
+    token rows, forward and backward, in `flatshard.collectives._send_rows`, and its per-expert
     counts, in `flatshard.parallel.expert_parallel._exchange_counts`) count apart, as
     `ep_all_to_all` (input bytes), with `ep_offrank` the bytes of the input bound for other
     ranks and `ep_rows` the token rows alone. DTensor's collectives (tensor parallelism's
@@ -124,11 +124,11 @@ class CommCounter:
                     setattr(namespace, name, wrapper)
         from torch.distributed import _functional_collectives as funcol
 
-        import flatshard.comm
+        import flatshard.collectives as collectives
         import flatshard.parallel.expert_parallel as expert_parallel
 
         # looked up as module globals at each call
-        flatshard.comm._send_rows = self._mark_ep(flatshard.comm._send_rows, rows=True)
+        collectives._send_rows = self._mark_ep(collectives._send_rows, rows=True)
         expert_parallel._exchange_counts = self._mark_ep(expert_parallel._exchange_counts)
 
         for name, (kind, position) in self.FUNCTIONAL.items():
