@@ -74,9 +74,7 @@ class RowShardedParameter(DTensor):
             # still on meta (FSDP2's flow): the unit gets real shards, whose new parameter
             # takes this one's place in the module and receives the values
             unit, managed = registry.managed_of(self)
-            from flatshard.runtime import shard_placement  # (it builds these parameters)
-
-            shard_placement.allocate(unit, unit.mesh.device)
+            unit.allocate_on_device()
             target = managed.sharded
         with torch.no_grad():
             target.to_local().copy_(rows_in_layout(value, spec))

@@ -98,19 +98,22 @@ class StateDictAdapter:
 
 GENERIC = StateDictAdapter()
 _FAMILIES: list[StateDictAdapter] = []
+_FALLBACKS: list[StateDictAdapter] = []  # asked after every family, whatever the order
 
 
-def register(adapter: StateDictAdapter) -> StateDictAdapter:
-    _FAMILIES.append(adapter)
+def register(adapter: StateDictAdapter, fallback: bool = False) -> StateDictAdapter:
+    """A model family's adapter (fallback: one that handles what no family claims, e.g.
+    any transformers model), whichever is imported first."""
+    (_FALLBACKS if fallback else _FAMILIES).append(adapter)
     return adapter
 
 
 def adapter_for(model: nn.Module) -> StateDictAdapter:
-    return next((a for a in _FAMILIES if a.handles(model)), GENERIC)
+    return next((a for a in _FAMILIES + _FALLBACKS if a.handles(model)), GENERIC)
 
 
 def adapter_for_config(hf_config: dict) -> StateDictAdapter:
-    return next((a for a in _FAMILIES if a.handles_config(hf_config)), GENERIC)
+    return next((a for a in _FAMILIES + _FALLBACKS if a.handles_config(hf_config)), GENERIC)
 
 
 def supported_architectures() -> list[str]:

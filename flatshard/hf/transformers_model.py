@@ -216,4 +216,4 @@ def _transformers():
     return transformers
 
 
-TRANSFORMERS = register(TransformersAdapter())
+TRANSFORMERS = register(TransformersAdapter(), fallback=True)

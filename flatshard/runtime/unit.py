@@ -189,6 +189,13 @@ class Unit:
             view = param.as_unsharded(view, self.mesh, bucket.specs[param.index])
             param.unsharded = nn.Parameter(view, requires_grad=param.sharded.requires_grad)
 
+    def allocate_on_device(self) -> None:
+        """Real (zeroed) shards on the mesh's device for a unit built on meta (FSDP2's
+        `to_empty`; the DTensor layer asks this of a parameter assigned on meta)."""
+        from flatshard.runtime import shard_placement  # it builds the unit's parameters
+
+        shard_placement.allocate(self, self.mesh.device)
+
     def reshard(self, keep_for_backward: bool = False) -> None:
         """Free the unsharded buffers; with `keep_for_backward` (hpZ, after a forward with
         gradients) keep this rank's piece of them for a gather inside its small group."""
