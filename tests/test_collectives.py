@@ -131,7 +131,7 @@ def _count_one_step(param_dtype):
 
 
 def _is_unit(module) -> bool:
-    return (registry.unit_of(module) is not None)
+    return registry.unit_of(module) is not None
 
 
 class _null:

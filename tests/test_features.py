@@ -119,7 +119,7 @@ def _gradient_shards_after_zero_grad():
     buckets = [
         b
         for m in model.modules()
-        if (registry.unit_of(m) is not None)
+        if registry.unit_of(m) is not None
         for b in registry.unit_of(m).buckets
     ]
     tokens = rank_slice(batches(cfg, 1)[0], rank, world)

@@ -113,7 +113,7 @@ def _activation_checkpointing(where):
     gathered = sum(
         b.unsharded.untyped_storage().size() > 0
         for m in model.modules()
-        if (registry.unit_of(m) is not None)
+        if registry.unit_of(m) is not None
         for b in registry.unit_of(m).buckets
     )
     weights = {k.replace(".inner", ""): v for k, v in full_state(model).items()}

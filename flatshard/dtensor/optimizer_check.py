@@ -16,7 +16,7 @@ def check_first_step(optimizer, args, kwargs) -> None:
         return
     for group in optimizer.param_groups:
         for param in group["params"]:
-            if (registry.replacement_of(param) is not None):
+            if registry.replacement_of(param) is not None:
                 raise OptimizerOrderError(
                     f"{type(optimizer).__name__} holds parameters that fully_shard replaced: "
                     "it was built before the model was wrapped and would train nothing. "

@@ -174,8 +174,9 @@ def _collect_params(members):
             if param is None:
                 continue
             fqn = prefix + name
-            managed = (registry.replacement_of(param) or param)
-            if (registry.managed_of(managed) is not None):
+            replacement = registry.replacement_of(param)
+            managed = param if replacement is None else replacement
+            if registry.managed_of(managed) is not None:
                 owner = registry.managed_of(managed)[0]
                 raise WrappingError(
                     f"parameter {fqn!r} is shared with a parameter that the fully_shard unit "
