@@ -53,7 +53,7 @@ def wire_bytes(comm: dict, world: int) -> float:
 
 def gathered_bytes(comm: dict, world: int) -> float:
     """All-gathered bytes: by `all_gather_single`, or by point-to-point sends of a shard to
-    each of the N-1 peers of its group (flatshard on gloo, see flatshard/comm.py)."""
+    each of the N-1 peers of its group (flatshard on gloo, see flatshard/collectives.py)."""
     sent = _by_group_size(comm, "send", world)
     return comm["all_gather"] + sum(b * n / (n - 1) for n, b in sent.items() if n > 1)
 

@@ -51,7 +51,7 @@ MUTANTS = (
     Mutant(
         "divide-factor",
         "the gloo reduce-scatter sums where it should average (gradients x world)",
-        "flatshard/comm.py",
+        "flatshard/collectives.py",
         "            self.output.div_(self.world)",
         "            pass",
         ("tests/test_gradients.py",),
@@ -75,9 +75,9 @@ MUTANTS = (
     Mutant(
         "component-split",
         "the fused gate/up weight declares its components in the wrong order",
-        "flatshard/models/llama.py",
-        '(("gate_proj.weight", cfg.ffn_dim), ("up_proj.weight", cfg.ffn_dim))',
-        '(("up_proj.weight", cfg.ffn_dim), ("gate_proj.weight", cfg.ffn_dim))',
+        "flatshard/models/llama/model.py",
+        '(("gate_proj.weight", ffn_dim), ("up_proj.weight", ffn_dim))',
+        '(("up_proj.weight", ffn_dim), ("gate_proj.weight", ffn_dim))',
         ("tests/test_hf.py",),
     ),
     Mutant(
@@ -100,8 +100,8 @@ MUTANTS = (
         "data-position",
         "the trainer reads each rank's micro-batch one sequence late",
         "flatshard/cli/train.py",
-        "ranks.rank * train.micro_batch\n",
-        "ranks.rank * train.micro_batch + 1\n",
+        "self.dp_rank * train.micro_batch\n",
+        "self.dp_rank * train.micro_batch + 1\n",
         ("tests/test_cli_reference.py",),
     ),
     Mutant(
@@ -148,7 +148,7 @@ MUTANTS = (
     Mutant(
         "tp-fused-split",
         "tensor parallelism splits the fused [gate; up] weight by plain row blocks",
-        "flatshard/parallel/tensor_parallel.py",
+        "flatshard/models/llama/parallel.py",
         "        return FusedColwiseParallel(components=2)",
         "        return ColwiseParallel()",
         ("tests/test_tensor_parallel.py",),
@@ -165,8 +165,8 @@ MUTANTS = (
         "ep-divide",
         "expert gradients averaged over the expert-data-parallel ranks only (FSDP2 + EP's bug)",
         "flatshard/mesh.py",
-        "return self.replicate_size * self.shard_size * (self.tp_size if self.splits_data else 1)",
-        "return self.replicate_size * self.shard_size",
+        "        experts = self.inner_size if self.expert_parallel else 1\n",
+        "        experts = 1\n",
         ("tests/test_expert_parallel.py::test_expert_gradients_equal_one_process_per_tensor",),
     ),
     Mutant(
@@ -180,7 +180,7 @@ MUTANTS = (
     Mutant(
         "load-layout",
         "load_state_dict takes a torch.chunk DTensor's local piece as this rank's rows",
-        "flatshard/load_hooks.py",
+        "flatshard/dtensor/sharded_param.py",
         "    return spec.piece_of(value.full_tensor())",
         "    return local",
         ("tests/test_load_state_dict.py",),
