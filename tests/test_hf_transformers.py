@@ -1,5 +1,5 @@
 """Any transformers causal LM, sharded in place (flatshard.hf.TRANSFORMERS), against
-transformers itself: eleven families built offline from config objects with random weights,
+transformers itself: twelve families built offline from config objects with random weights,
 saved by transformers, imported into `fully_shard`-ed transformers models at world 1, 2 and
 3 (each rank reading only its rows, MoE experts from their per-expert tensors on disk),
 exported back, and trained five steps against the same model trained in one process.
@@ -58,6 +58,10 @@ ARCHS = {
     "gemma": lambda: transformers.GemmaConfig(**SIZES, head_dim=8),
     "phi3": lambda: transformers.Phi3Config(**SIZES, pad_token_id=0),
     "olmo2": lambda: transformers.Olmo2Config(**SIZES),
+    # its head is `embed_out` on disk: transformers' renaming found by the model's own class
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(
+        **{k: v for k, v in SIZES.items() if k != "num_key_value_heads"}
+    ),
 }
 
 
@@ -145,7 +149,7 @@ def _every_family(cases: dict, out_root: str) -> dict:
         hf.save_pretrained(model, os.path.join(out_root, arch))
         losses = train(model, case["data"], rank, world)
         weights = {n: p.full_tensor() for n, p in model.named_parameters()}
-        tied = model.lm_head.weight is model.model.embed_tokens.weight
+        tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
         results[arch] = dict(logits=logits, read=read, share=share, losses=losses)
         results[arch].update(weights=weights, tied=tied)
     return results

@@ -11,6 +11,7 @@ without a conversion (Llama, Mistral, Phi-3's fused qkv/gate_up, ...) map one to
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 from torch import nn
@@ -48,7 +49,8 @@ def disk_mappings(model: nn.Module) -> tuple[list[TensorMapping], list[str]]:
     ordered = sorted(shapes, key=natural_key)
     stand_ins = {name: Tiled.leaf(name, shapes[name]) for name in ordered}
     try:
-        disk = revert_weight_conversion(model, stand_ins)
+        with _own_classes(model):
+            disk = revert_weight_conversion(model, stand_ins)
     except (AttributeError, TypeError, NotImplementedError) as e:  # an op Tiled lacks
         raise HFCheckpointError(
             f"transformers' checkpoint conversion for {type(model).__name__} (model_type "
@@ -75,6 +77,23 @@ def disk_mappings(model: nn.Module) -> tuple[list[TensorMapping], list[str]]:
                 f"{math.prod(shapes[name])} elements of {name!r}; flatshard cannot map it"
             )
     return mappings, [name for name, numel in covered.items() if numel == 0]
+
+
+@contextlib.contextmanager
+def _own_classes(model: nn.Module):
+    """Every fully_shard-ed module back in its own class while transformers looks its
+    conversion up: it goes by class name (GPT-NeoX's `embed_out` -> `lm_head` renaming is
+    registered for `GPTNeoXForCausalLM`, not for fully_shard's `FlatShardGPTNeoX...`)."""
+    from flatshard.fsdp_module import FlatShardModule
+
+    wrapped = [(m, type(m)) for m in model.modules() if isinstance(m, FlatShardModule)]
+    for module, cls in wrapped:
+        module.__class__ = cls.__mro__[FlatShardModule._orig_cls_mro_index]
+    try:
+        yield
+    finally:
+        for module, cls in wrapped:
+            module.__class__ = cls
 
 
 def _global_shape(model: nn.Module, name: str, tensor) -> tuple[int, ...]:
