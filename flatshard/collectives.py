@@ -122,7 +122,9 @@ def for_group(group) -> Collectives:
     """The collectives of `group` (None: the default group), chosen once (again when the
     hazard shim is switched)."""
     group = group if group is not None else dist.group.WORLD
-    chosen = _CHOSEN.setdefault(group, {})
+    chosen = _CHOSEN.get(group)
+    if chosen is None:
+        chosen = _CHOSEN[group] = {}
     shim = nccl_shim.active()
     if shim not in chosen:
         if shim:

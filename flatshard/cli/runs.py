@@ -13,6 +13,7 @@ import time
 
 import torch.distributed.checkpoint as dcp
 
+from flatshard import checkpoint
 from flatshard.checkpoint import commit, manifest
 from flatshard.cli.errors import RunError
 
@@ -128,3 +129,12 @@ def write_config(run_dir: str, config) -> None:
     for name, text in ((CONFIG_TOML, config.to_toml()), (CONFIG_JSON, config.to_json())):
         with open(os.path.join(run_dir, name), "w") as handle:
             handle.write(text)
+
+
+def resume(root: str, model, optimizer, step: int, ranks):
+    """Load a run's checkpoint `step` into the model and optimizer (the load's result);
+    the main rank first removes what an interrupted save left (no save runs yet)."""
+    if ranks.is_main:
+        for name in commit.remove_partials(root):
+            print(f"removed {name} (left by an interrupted or failed save)", flush=True)
+    return checkpoint.load(root, model=model, optimizer=optimizer, step=step, data_position=None)

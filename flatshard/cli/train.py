@@ -89,27 +89,15 @@ class Trainer:
             self._resume(resume_step)
         if ranks.is_main:
             runs.write_config(run_dir, config)
-            self._print_header()
+            print(run_header(self), flush=True)
         self.progress = None
 
     # --- set-up ----------------------------------------------------------------------------
     def _resume(self, step: int) -> None:
-        if self.ranks.is_main:  # no save runs yet: what an interrupted one left is garbage
-            for name in commit.remove_partials(self.checkpoints):
-                print(f"removed {name} (left by an interrupted or failed save)", flush=True)
-        result = checkpoint.load(
-            self.checkpoints,
-            model=self.model,
-            optimizer=self.optimizer,
-            step=step,
-            data_position=None,
-        )
+        result = runs.resume(self.checkpoints, self.model, self.optimizer, step, self.ranks)
         self.step = self.last_saved = result.step
         self.resumed_from = result.path
         self.position = result.extra["data_position"]
-
-    def _print_header(self) -> None:
-        print(run_header(self), flush=True)
 
     # --- the loop ------------------------------------------------------------------------------
     def run(self) -> int:
