@@ -140,3 +140,49 @@ def test_plan_names_a_model_it_cannot_describe(tmp_path, capsys):
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     assert main(["plan", "--set", f"model.hf={tmp_path}"]) == 2
     assert "model_type 'gemma'" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def phi3(tmp_path_factory):
+    """A transformers-built family with fused projections on disk (qkv_proj, gate_up_proj)."""
+    torch.manual_seed(1)
+    config = transformers.Phi3Config(
+        vocab_size=260, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("phi3")
+    transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(path)
+    return path
+
+
+def test_tensor_parallel_fine_tune_resumes_at_another_layout(phi3, tmp_path):
+    """--hf --tp 2 at world 4 (dp 2), stopped, resumed in one process: the losses of an
+    uninterrupted data-parallel run; the checkpoint converts back to what that run's does."""
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    run = [*RUN, "--steps", 3]
+    check_ok(flatshard("train", "--hf", phi3, *run, "--nproc", 2, "--out", straight))
+    stop = ["--set", "run.stop_at_step=2"]
+    check_ok(flatshard("train", "--hf", phi3, *run, "--nproc", 4, "--tp", 2, "--out", split, *stop))
+    resumed = check_ok(flatshard("train", "--resume", split, "--nproc", 1, "--tp", 1))
+    assert "resuming from step 2" in resumed.stdout
+    expected, losses = ([r["loss"] for r in metrics(d)] for d in (straight, split))
+    assert len(losses) == 3
+    assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(losses, expected))
+
+    exports = []
+    for run_dir in (straight, split):
+        out = tmp_path / f"hf-{run_dir.name}"
+        assert main(["convert", "checkpoint-to-hf", str(run_dir), str(out)]) == 0
+        exports.append(load_file(out / "model.safetensors"))
+    assert exports[0].keys() == exports[1].keys() == load_file(phi3 / "model.safetensors").keys()
+    for name, tensor in exports[0].items():
+        assert torch.allclose(exports[1][name], tensor, rtol=1e-5, atol=1e-6), name
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf-split")
+
+
+def test_a_tp_that_does_not_divide_the_heads_is_one_line(phi3):
+    message = one_line_error(
+        flatshard("train", "--hf", phi3, *RUN, "--steps", 1, "--nproc", 4, "--tp", 4)
+    )
+    assert "train.tp" in message and "num_key_value_heads is 2, not divisible by 4" in message

@@ -5,6 +5,7 @@ conversion."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -169,10 +170,10 @@ def build_hf(
     the root `fully_shard`-ed as build_sharded does, each rank reading only its rows:
     flatshard's Llama for Llama/Qwen2/Qwen3 checkpoints, the transformers model otherwise.
     load False: allocated only (a checkpoint will fill it)."""
-    if dims.tp > 1 or dims.ep > 1:
+    if dims.ep > 1:
         raise ConfigError(
-            "model.hf with train.tp or train.ep > 1: a Hugging Face model has no tensor- or "
-            "expert-parallel plan in flatshard yet; use train.tp=1 and train.ep=1"
+            "model.hf with train.ep > 1: expert parallelism of a Hugging Face model is not "
+            "built yet; use train.ep=1 (train.tp splits its attention and MLPs)"
         )
     shard = functools.partial(
         flatshard.parallelize,
@@ -180,15 +181,25 @@ def build_hf(
         mp_policy=mixed_precision(precision),
         **_stage(zero_stage, hpz_group, offload),
     )
-    if load:
-        return hf.from_pretrained(path, shard=shard, device=device)
-    hf_config = hf.read_hf_config(path)
-    adapter = hf.adapter_for_config(hf_config)
-    with torch.device("meta"):
-        model = adapter.build(hf_config)
-    shard(model)
+    with _named_by_key("train.tp"):
+        if load:
+            return hf.from_pretrained(path, shard=shard, device=device)
+        hf_config = hf.read_hf_config(path)
+        adapter = hf.adapter_for_config(hf_config)
+        with torch.device("meta"):
+            model = adapter.build(hf_config)
+        shard(model)
     adapter.allocate(model, device)
     return model
+
+
+@contextlib.contextmanager
+def _named_by_key(key: str):
+    """A mesh error (a degree the model cannot split by) as a config error naming `key`."""
+    try:
+        yield
+    except MeshError as error:
+        raise ConfigError(f"{key}: {error}") from None
 
 
 def build_transformers(hf_config: dict, *, sharded: bool, device: torch.device | str = "cpu"):

@@ -55,6 +55,9 @@ def redistribute_rows(local_tensor: RowShard, current_spec, target_spec) -> torc
     gathered = gather_rows(local_tensor, mesh.get_group(rows_dim))
     for dim in tp_dims:  # the TP-local tensor, gathered by torch's own TP placement
         tp_mesh = mesh[mesh.mesh_dim_names[dim]]
+        if local_tensor.spec.info.split_by_components:  # parts of unequal sizes, maybe
+            gathered = gather_components(gathered, tp_mesh.get_group(), local_tensor.spec.info)
+            continue
         gathered = DTensor.from_local(
             gathered,
             tp_mesh,
@@ -64,3 +67,19 @@ def redistribute_rows(local_tensor: RowShard, current_spec, target_spec) -> torc
             stride=current_spec.stride,
         ).full_tensor()
     return gathered
+
+
+def gather_components(local: torch.Tensor, group: dist.ProcessGroup, info) -> torch.Tensor:
+    """The global tensor of a parameter split by components over TP (each TP rank holds
+    `[a_r; b_r; ...]`, `info` being this rank's): every rank's share of every component put
+    at the component's place, by the layout's components (torch's `_StridedShard` assumes
+    equal ones; Phi-3's `[q; k; v]` are not)."""
+    pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, local.contiguous(), group=group)
+    out = local.new_empty(info.global_shape)
+    for c in info.components:
+        part = c.stop - c.start
+        for rank, piece in enumerate(pieces):
+            into = out.narrow(c.dim, c.fused_start + rank * part, part)
+            into.copy_(piece.narrow(c.dim, c.start, part))
+    return out

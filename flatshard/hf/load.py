@@ -106,16 +106,21 @@ def copy_piece(f, mapping: TensorMapping, spec: ShardSpec, local: torch.Tensor) 
 
 
 def _copy_tile(f, tile: Tile, spec: ShardSpec, local: torch.Tensor) -> int:
-    """The part of `tile` (a block of the parameter, from one HF tensor) inside this rank's
-    piece: only those elements of the HF tensor are read."""
-    piece = spec.global_box
-    mine = tile.clip(piece)
-    if mine is None:
-        return 0
-    data = f.get_slice(tile.origin)[mine.box.slices]
-    into = tuple(slice(o - p, o - p + n) for o, p, n in zip(mine.offset, piece.offset, mine.shape))
-    local[into].copy_(mine.take(data))
-    return data.numel() * data.element_size()
+    """The part of `tile` (a block of the parameter, from one HF tensor) inside each block
+    this rank holds: only those elements of the HF tensor are read."""
+    read = 0
+    for into, piece in spec.pieces:
+        mine = tile.clip(piece)
+        if mine is None:
+            continue
+        data = f.get_slice(tile.origin)[mine.box.slices]
+        at = tuple(
+            slice(i + o - p, i + o - p + n)
+            for i, o, p, n in zip(into.offset, mine.offset, piece.offset, mine.shape)
+        )
+        local[at].copy_(mine.take(data))
+        read += data.numel() * data.element_size()
+    return read
 
 
 def _by_file(mappings, tensors: dict[str, TensorInfo]) -> dict[Path, list[TensorMapping]]:

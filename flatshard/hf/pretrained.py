@@ -9,6 +9,7 @@ fills them all).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,7 +20,8 @@ from flatshard.hf.adapter import StateDictAdapter, adapter_for_config
 from flatshard.hf.checkpoint import read_hf_config
 from flatshard.hf.load import load_pretrained
 from flatshard.materialize import materialize
-from flatshard.mesh import default_device
+from flatshard.mesh import Meshes, ParallelDims, default_device
+from flatshard.parallelize import parallelize
 
 
 def from_pretrained(
@@ -29,9 +31,14 @@ def from_pretrained(
     device: torch.device | str | None = None,
     adapter: StateDictAdapter | None = None,
     dtype: torch.dtype | None = None,
+    dims: ParallelDims | Meshes | None = None,
 ) -> nn.Module:
     """Build the model `path/config.json` describes, apply `shard` (e.g. fully_shard each
     block, then the root; None keeps it unsharded) and load the weights. Call on every rank.
+
+    dims: split the model with `flatshard.parallelize(model, dims)` instead of `shard`
+    (tensor parallelism by the model's plan -- a transformers model's own
+    `base_model_tp_plan` --, then FSDP/HSDP); each rank reads only its slices.
 
     Llama, Qwen2 and Qwen3 checkpoints build flatshard's reference Llama; any other
     transformers causal LM (or any, with adapter=flatshard.hf.TRANSFORMERS) builds the
@@ -39,6 +46,10 @@ def from_pretrained(
     shards each decoder layer and the root of either. dtype: of the parameters (default
     float32; the checkpoint's values are cast to it).
     """
+    if dims is not None:
+        if shard is not None:
+            raise TypeError("from_pretrained takes shard= or dims=, not both")
+        shard = functools.partial(parallelize, dims=dims)
     hf_config = read_hf_config(path)
     adapter = adapter or adapter_for_config(hf_config)
     device = torch.device(device) if device else default_device()

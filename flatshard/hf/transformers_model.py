@@ -23,6 +23,7 @@ from flatshard.hf.checkpoint import read_hf_config
 from flatshard.hf.conversion import disk_mappings, model_tensors
 from flatshard.hf.errors import HFCheckpointError, HFConfigError
 from flatshard.hf.names import TensorMapping
+from flatshard.parallel.transformers_plan import apply_transformers_tensor_parallel
 from flatshard.plan import ParallelPlan, register_plan
 from flatshard.runtime import shard_placement
 
@@ -174,10 +175,13 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-# a transformers model's blocks are its decoder layers (`parallelize` finds them)
+# a transformers model's blocks are its decoder layers, split over TP by transformers' own
+# plan (`parallelize` finds both)
 register_plan(
     lambda model: getattr(model, "_no_split_modules", None) is not None,
-    lambda model: ParallelPlan(blocks=decoder_layers),
+    lambda model: ParallelPlan(
+        blocks=decoder_layers, tensor_parallel=apply_transformers_tensor_parallel
+    ),
 )
 
 

@@ -22,39 +22,55 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 
 class FusedColwiseParallel(ParallelStyle):
-    """Column parallelism for a Linear whose output rows stack `components` equal parts
-    (SwiGLU's `[gate; up]`): each rank holds its share of every part, `[gate_r; up_r]`.
+    """Column parallelism for a Linear whose output rows stack parts (SwiGLU's `[gate;
+    up]`, Phi-3's `[q; k; v]`): each rank holds its share of every part, `[gate_r; up_r]`.
+    The parts are those the module declares (`fused_components`), else `components`
+    equal ones.
 
     DTensor's matmul does not keep a `_StridedShard` weight in place (it redistributes it
     to plain row blocks, which pairs the wrong rows), so this Linear computes with its
     local weight: its input is the replicated activation (its gradient summed over the TP
     ranks in backward, as a column-parallel layer's must be) and its output the local
-    `[gate_r, up_r]` features the row-parallel layer after it consumes."""
+    `[gate_r, up_r]` features the row-parallel layer after it consumes -- or, with
+    `gather_output`, every rank's, put back in the global order `[gate, up]` (for a model
+    that splits the output itself)."""
 
-    def __init__(self, components: int = 2):
+    def __init__(self, components: int = 2, gather_output: bool = False):
         super().__init__()
         self.components = components
+        self.gather_output = gather_output
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         if not isinstance(module, nn.Linear):
             raise NotImplementedError("FusedColwiseParallel splits nn.Linear modules only")
         rank, size = device_mesh.get_local_rank(), device_mesh.size()
+        sizes = self._part_sizes(module)
         for name, param in list(module.named_parameters()):
-            parts = param.detach().chunk(self.components)
+            parts = param.detach().split(sizes)
             local = torch.cat([part.chunk(size)[rank] for part in parts])
             sharded = DTensor.from_local(
-                local, device_mesh, [_StridedShard(0, split_factor=self.components)],
+                local, device_mesh, [_StridedShard(0, split_factor=len(sizes))],
                 run_check=False, shape=param.shape, stride=param.stride(),
             )  # fmt: skip
             module.register_parameter(name, nn.Parameter(sharded, param.requires_grad))
         group = device_mesh.get_group()
+        local_sizes = [n // size for n in sizes]
 
         def local_forward(x):
             bias = module.bias.to_local() if module.bias is not None else None
-            return F.linear(_SumGradient.apply(x, group), module.weight.to_local(), bias)
+            out = F.linear(_SumGradient.apply(x, group), module.weight.to_local(), bias)
+            if self.gather_output:
+                out = _GatherParts.apply(out, group, local_sizes)
+            return out
 
         module.forward = local_forward
         return module
+
+    def _part_sizes(self, module: nn.Module) -> list[int]:
+        declared = (getattr(module, "fused_components", None) or {}).get("weight")
+        if declared:
+            return [int(rows) for _, rows in declared]
+        return [module.out_features // self.components] * self.components
 
 
 class HeadNormParallel(ParallelStyle):
@@ -96,3 +112,23 @@ class _SumGradient(torch.autograd.Function):
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
+
+
+class _GatherParts(torch.autograd.Function):
+    """Each TP rank's `[a_r, b_r, ...]` output features gathered into `[a, b, ...]`;
+    backward keeps this rank's columns of the (replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx, local, group, sizes):
+        ctx.group, ctx.sizes = group, sizes
+        pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, local.contiguous(), group=group)
+        by_rank = [piece.split(sizes, dim=-1) for piece in pieces]
+        return torch.cat([parts[i] for i in range(len(sizes)) for parts in by_rank], dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rank, size = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
+        full = grad.split([n * size for n in ctx.sizes], dim=-1)
+        mine = [part.chunk(size, dim=-1)[rank] for part in full]
+        return torch.cat(mine, dim=-1), None, None

@@ -1,0 +1,177 @@
+"""transformers' own tensor-parallel plans, honoured by flatshard's styles.
+
+transformers 5 ships, on every config, `base_model_tp_plan`: module globs of the base model
+("layers.*.self_attn.q_proj") mapped to style names. This module reads it and applies, over
+a 1-D TP mesh, the `torch.distributed.tensor.parallel` style (or flatshard's) each name
+means, so `flatshard.parallelize` splits any transformers causal LM the way transformers
+itself would -- with two differences that keep flatshard's checkpoints TP-independent and
+its gradients right:
+
+- a fused projection (Phi-3's `qkv_proj` [q; k; v] and `gate_up_proj` [gate; up]) is split
+  per component (`FusedColwiseParallel`): each TP rank holds its share of every part, and
+  the global tensor stays the one on disk whatever the TP size;
+- the embedding and the output head stay replicated over TP (`embedding_rowwise` and the
+  head's `colwise_gather_output` are not applied): FSDP already shards them over the
+  data-parallel ranks, and a vocabulary split would cost an all-reduce of every token's
+  activations.
+
+MoE experts (`moe_tp_experts`, `packed_colwise` and the expert entries under them) stay
+whole on every TP rank, as in flatshard's own MoE: split them over ranks holding different
+tokens with expert parallelism. A style flatshard does not know is refused by name.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+
+from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from flatshard.errors import MeshError
+from flatshard.parallel.tensor_parallel import FusedColwiseParallel, HeadNormParallel
+
+# styles under which a module's parameters stay whole on every TP rank (see above)
+_KEPT_WHOLE = {"embedding_rowwise", "moe_tp_experts", "packed_colwise", "ep_router"}
+
+
+def tensor_parallel_plan(model: nn.Module) -> dict[str, str]:
+    """{module name (relative to the model): transformers' style name} for every module the
+    model's `config.base_model_tp_plan` names."""
+    config = model.config
+    globs = getattr(config, "base_model_tp_plan", None) or {}
+    base = model.base_model
+    prefix = _prefix_of(model, base)
+    names = [name for name, _ in base.named_modules() if name]
+    params = [name for name, _ in base.named_parameters()]
+    found: dict[str, str] = {}
+    for glob, style_name in globs.items():
+        for name in names + params:
+            if _matches(glob, name):
+                found[prefix + name] = style_name
+    return found
+
+
+def apply_transformers_tensor_parallel(model: nn.Module, tp_mesh) -> None:
+    """Split a transformers causal LM over the 1-D `tp_mesh` by its own
+    `config.base_model_tp_plan`, in place. Every check runs before anything is split, and
+    depends only on the config, so every rank raises alike."""
+    tp = tp_mesh.size()
+    kinds = tensor_parallel_plan(model)
+    if not kinds:
+        raise MeshError(
+            f"tp={tp}, but {type(model).__name__} (model_type "
+            f"{model.config.model_type!r}) has no tensor-parallel plan in transformers "
+            "(config.base_model_tp_plan is empty); use tp=1 or pass parallelize(..., "
+            "plan=flatshard.ParallelPlan(tensor_parallel=...))"
+        )
+    _check_heads(model.config, kinds, tp)
+    declare_fused_projections(model)
+    inside_experts = [n for n, k in kinds.items() if k == "moe_tp_experts"]
+    styles = {}
+    for name, kind in kinds.items():
+        if kind in _KEPT_WHOLE or any(name.startswith(e + ".") for e in inside_experts):
+            continue
+        module = _module(model, name)
+        styles[name] = _style(name, kind, module, tp)
+    for name, style in styles.items():
+        parallelize_module(model.get_submodule(name), tp_mesh, style)
+
+
+def declare_fused_projections(model: nn.Module) -> None:
+    """Declare the parts of transformers' fused Linear projections (`fused_components`):
+    `qkv_proj` is `[q; k; v]` (heads x head_dim rows each), `gate_up_proj` `[gate; up]`
+    (equal halves), so TP splits each part and the layout knows where each lies."""
+    config = model.config
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or getattr(module, "fused_components", None):
+            continue
+        attr, rows = name.rpartition(".")[2], module.out_features
+        if attr == "qkv_proj" and heads and rows % (heads + 2 * kv_heads) == 0:
+            head_dim = rows // (heads + 2 * kv_heads)
+            kv_rows = kv_heads * head_dim
+            parts = (("q", heads * head_dim), ("k", kv_rows), ("v", kv_rows))
+        elif attr == "gate_up_proj" and rows % 2 == 0:
+            parts = (("gate", rows // 2), ("up", rows // 2))
+        else:
+            continue
+        module.fused_components = {p: parts for p, _ in module.named_parameters(recurse=False)}
+
+
+def _style(name: str, kind: str, module: nn.Module, tp: int) -> ParallelStyle:
+    linear = isinstance(module, nn.Linear)
+    if kind in ("colwise", "colwise_gather_output") and linear:
+        _check_divides(name, "output features", module.out_features, tp, module)
+        gather = kind == "colwise_gather_output"
+        if getattr(module, "fused_components", None):
+            return FusedColwiseParallel(gather_output=gather)
+        return ColwiseParallel(output_layouts=Replicate()) if gather else ColwiseParallel()
+    if kind in ("rowwise", "rowwise_split_input") and linear:
+        _check_divides(name, "input features", module.in_features, tp, module)
+        if kind == "rowwise_split_input":
+            return RowwiseParallel(input_layouts=Replicate())
+        return RowwiseParallel()
+    if kind == "replicated_with_grad_allreduce":
+        return HeadNormParallel()
+    raise MeshError(
+        f"tp={tp}: {name} ({type(module).__name__}) has transformers' tensor-parallel style "
+        f"{kind!r}, which flatshard does not apply to it; use tp=1, or pass "
+        "parallelize(..., plan=flatshard.ParallelPlan(tensor_parallel=...)) with your own"
+    )
+
+
+def _check_heads(config, kinds: dict[str, str], tp: int) -> None:
+    """Attention splits by heads: q and k/v heads must divide by tp (a projection whose
+    features divide can still cut a head in two)."""
+    if not any(k.startswith(("colwise", "rowwise")) for k in kinds.values()):
+        return
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, field, None)
+        if isinstance(heads, int) and heads % tp:
+            raise MeshError(
+                f"tensor parallelism over {tp} ranks splits attention by heads, but "
+                f"{field} is {heads}, not divisible by {tp}; pick a tp that divides it"
+            )
+
+
+def _check_divides(name: str, what: str, size: int, tp: int, module: nn.Module) -> None:
+    parts = dict(getattr(module, "fused_components", None) or {}).get("weight") or ()
+    for part, rows in [(None, size)] + [(p, n) for p, n in parts]:
+        if rows % tp:
+            inside = f" (its part {part!r} has {rows})" if part else f" ({rows})"
+            raise MeshError(
+                f"tensor parallelism over {tp} ranks: {name} has {what}{inside} not "
+                f"divisible by {tp}; pick a tp that divides it"
+            )
+
+
+def _matches(glob: str, name: str) -> bool:
+    """transformers' globs: `*` stands for one dot-free name part."""
+    glob_parts, parts = glob.split("."), name.split(".")
+    return len(glob_parts) == len(parts) and all(
+        fnmatchcase(p, g) for g, p in zip(glob_parts, parts)
+    )
+
+
+def _prefix_of(model: nn.Module, base: nn.Module) -> str:
+    for name, module in model.named_modules():
+        if module is base:
+            return name + "." if name else ""
+    return ""
+
+
+def _module(model: nn.Module, name: str) -> nn.Module:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:  # a parameter the plan names (an expert tensor)
+        raise MeshError(
+            f"transformers' tensor-parallel plan of {type(model).__name__} names {name!r}, "
+            "a parameter flatshard cannot split on its own; use tp=1"
+        ) from None
