@@ -1,12 +1,15 @@
 """`flatshard train --hf` and `flatshard convert` on a transformers model flatshard has no
 model of its own for (Mixtral: MoE experts fused in memory, per-expert on disk): the first
 step's loss is transformers' own, a resumed run repeats an uninterrupted one bitwise, and
-its checkpoint converts back to a directory transformers loads; `sample` reads it."""
+its checkpoint converts back to a directory transformers loads; `sample` reads it. Under
+`--tp` (Phi-3, fused projections) and `--tp --ep` (Mixtral), a run stopped at one layout
+resumes at others with the losses of plain data parallelism."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -185,4 +188,48 @@ def test_a_tp_that_does_not_divide_the_heads_is_one_line(phi3):
     message = one_line_error(
         flatshard("train", "--hf", phi3, *RUN, "--steps", 1, "--nproc", 4, "--tp", 4)
     )
-    assert "train.tp" in message and "num_key_value_heads is 2, not divisible by 4" in message
+    assert "train.tp=4" in message and "num_key_value_heads is 2, not divisible by 4" in message
+
+
+def test_expert_parallel_fine_tune_resumes_at_other_layouts(mixtral, tmp_path):
+    """--hf at (tp 2, ep 2), stopped at step 2, resumed at (tp 1, ep 4) and in one process:
+    both continue the losses of an uninterrupted data-parallel run."""
+    path, _ = mixtral
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    run = [*RUN, "--steps", 3]
+    check_ok(flatshard("train", "--hf", path, *run, "--nproc", 2, "--out", straight))
+    stop = ["--set", "run.stop_at_step=2"]
+    parallel = ["--nproc", 4, "--tp", 2, "--ep", 2]
+    check_ok(flatshard("train", "--hf", path, *run, *parallel, "--out", split, *stop))
+    alone = tmp_path / "alone"
+    shutil.copytree(split, alone)
+    wide = ["--nproc", 4, "--tp", 1, "--ep", 4, "--micro-batch", 1]  # dp 4: 1 x 4 = the batch
+    check_ok(flatshard("train", "--resume", split, *wide))
+    check_ok(flatshard("train", "--resume", alone, "--nproc", 1, "--tp", 1, "--ep", 1))
+    expected = [r["loss"] for r in metrics(straight)]
+    for run_dir in (split, alone):
+        losses = [r["loss"] for r in metrics(run_dir)]
+        assert len(losses) == 3
+        assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(losses, expected)), run_dir
+
+
+def test_expert_parallelism_of_a_dense_model_is_one_line(phi3):
+    message = one_line_error(
+        flatshard("train", "--hf", phi3, *RUN, "--steps", 1, "--nproc", 2, "--ep", 2)
+    )
+    assert "train.ep=2" in message and "no experts to split" in message and "ep=1" in message
+
+
+def test_plan_of_a_hf_model_under_tp_and_ep(mixtral, capsys):
+    """--tp/--ep on the command line re-derive dp_shard for that world (2, not the training
+    config's 4); each rank holds E/ep experts, sharded over efsdp = world/ep = 2."""
+    path, _ = mixtral
+    args = ["--world-size", 4, "--tp", 2, "--ep", 2, "--json"]
+    assert main(["plan", "--set", f"model.hf={path}", *map(str, args)]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["setup"]["dp_shard"] == 2
+    experts = next(u for u in planned["units"] if u["name"].endswith("experts"))
+    per_rank_experts = 4 // 2 * 3 * 48 * 32  # E/ep experts of gate, up and down (48 x 32)
+    assert experts["numel"] == per_rank_experts and experts["shard"] == per_rank_experts // 2
+    assert planned["communication"]["tp_all_reduce"] > 0
+    assert planned["communication"]["ep_all_to_all"] > 0

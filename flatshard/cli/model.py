@@ -166,22 +166,18 @@ def build_hf(
     offload: flatshard.OffloadPolicy | None = None,
     load: bool = True,
 ):
-    """The Hugging Face model at `path` (config.json + safetensors), every decoder layer and
-    the root `fully_shard`-ed as build_sharded does, each rank reading only its rows:
+    """The Hugging Face model at `path` (config.json + safetensors), split by
+    `flatshard.parallelize` over `dims` as build_sharded does (TP and EP by the model's
+    plan: transformers' own for a transformers model), each rank reading only its slices:
     flatshard's Llama for Llama/Qwen2/Qwen3 checkpoints, the transformers model otherwise.
     load False: allocated only (a checkpoint will fill it)."""
-    if dims.ep > 1:
-        raise ConfigError(
-            "model.hf with train.ep > 1: expert parallelism of a Hugging Face model is not "
-            "built yet; use train.ep=1 (train.tp splits its attention and MLPs)"
-        )
     shard = functools.partial(
         flatshard.parallelize,
         dims=dims.build(device.type),
         mp_policy=mixed_precision(precision),
         **_stage(zero_stage, hpz_group, offload),
     )
-    with _named_by_key("train.tp"):
+    with _as_config_error(f"train.tp={dims.tp}, train.ep={dims.ep}"):
         if load:
             return hf.from_pretrained(path, shard=shard, device=device)
         hf_config = hf.read_hf_config(path)
@@ -194,7 +190,7 @@ def build_hf(
 
 
 @contextlib.contextmanager
-def _named_by_key(key: str):
+def _as_config_error(key: str):
     """A mesh error (a degree the model cannot split by) as a config error naming `key`."""
     try:
         yield

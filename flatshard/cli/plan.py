@@ -114,6 +114,12 @@ def plan_command(args) -> int:
     spec, defaults = _model_and_defaults(args)
     chosen = {name: getattr(args, name) for name in defaults if getattr(args, name) is not None}
     values = {**defaults, **chosen}
+    if "dp_shard" not in chosen and {"world_size", "tp"} & set(chosen):
+        # a training config's dp_shard was for its own world and tp: keep its replicas
+        replicas = 1
+        if defaults["dp_shard"]:
+            replicas = defaults["world_size"] // (defaults["dp_shard"] * defaults["tp"])
+        values["dp_shard"] = values["world_size"] // max(1, replicas * values["tp"])
     if values["dp_shard"] is None:  # an explicit 0 is an error (Setup), not "all ranks"
         values["dp_shard"] = values["world_size"] // max(1, values["tp"])
     result = plan(spec, Setup(**values))

@@ -23,7 +23,10 @@ from flatshard.hf.checkpoint import read_hf_config
 from flatshard.hf.conversion import disk_mappings, model_tensors
 from flatshard.hf.errors import HFCheckpointError, HFConfigError
 from flatshard.hf.names import TensorMapping
-from flatshard.parallel.transformers_plan import apply_transformers_tensor_parallel
+from flatshard.parallel.transformers_plan import (
+    apply_transformers_expert_parallel,
+    apply_transformers_tensor_parallel,
+)
 from flatshard.plan import ParallelPlan, register_plan
 from flatshard.runtime import shard_placement
 
@@ -175,12 +178,14 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-# a transformers model's blocks are its decoder layers, split over TP by transformers' own
-# plan (`parallelize` finds both)
+# a transformers model's blocks are its decoder layers, split over TP and EP by
+# transformers' own plans (`parallelize` finds them)
 register_plan(
     lambda model: getattr(model, "_no_split_modules", None) is not None,
     lambda model: ParallelPlan(
-        blocks=decoder_layers, tensor_parallel=apply_transformers_tensor_parallel
+        blocks=decoder_layers,
+        tensor_parallel=apply_transformers_tensor_parallel,
+        expert_parallel=apply_transformers_expert_parallel,
     ),
 )
 

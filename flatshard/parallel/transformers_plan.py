@@ -17,13 +17,18 @@ its gradients right:
 
 MoE experts (`moe_tp_experts`, `packed_colwise` and the expert entries under them) stay
 whole on every TP rank, as in flatshard's own MoE: split them over ranks holding different
-tokens with expert parallelism. A style flatshard does not know is refused by name.
+tokens with expert parallelism -- the experts modules `base_model_ep_plan` names, split by
+`ExpertParallel` (tokens dispatched by all-to-all), their routers, shared experts and
+score-correction biases left to transformers' own code. A style flatshard does not know
+is refused by name.
 """
 
 from __future__ import annotations
 
 from fnmatch import fnmatchcase
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import (
@@ -34,17 +39,18 @@ from torch.distributed.tensor.parallel import (
 )
 
 from flatshard.errors import MeshError
+from flatshard.parallel.expert_parallel import ExpertParallel
 from flatshard.parallel.tensor_parallel import FusedColwiseParallel, HeadNormParallel
 
 # styles under which a module's parameters stay whole on every TP rank (see above)
 _KEPT_WHOLE = {"embedding_rowwise", "moe_tp_experts", "packed_colwise", "ep_router"}
 
 
-def tensor_parallel_plan(model: nn.Module) -> dict[str, str]:
+def tensor_parallel_plan(model: nn.Module, field: str = "base_model_tp_plan") -> dict[str, str]:
     """{module name (relative to the model): transformers' style name} for every module the
-    model's `config.base_model_tp_plan` names."""
+    model's `config.base_model_tp_plan` (or another `field`) names."""
     config = model.config
-    globs = getattr(config, "base_model_tp_plan", None) or {}
+    globs = getattr(config, field, None) or {}
     base = model.base_model
     prefix = _prefix_of(model, base)
     names = [name for name, _ in base.named_modules() if name]
@@ -81,6 +87,63 @@ def apply_transformers_tensor_parallel(model: nn.Module, tp_mesh) -> None:
         styles[name] = _style(name, kind, module, tp)
     for name, style in styles.items():
         parallelize_module(model.get_submodule(name), tp_mesh, style)
+
+
+def apply_transformers_expert_parallel(model: nn.Module, ep_mesh) -> list[nn.Module]:
+    """Split the grouped experts `config.base_model_ep_plan` names (`moe_tp_experts`) over
+    the 1-D `ep_mesh`, in place; returns their modules (none for a dense model)."""
+    kinds = tensor_parallel_plan(model, "base_model_ep_plan")
+    names = [name for name, kind in kinds.items() if kind == "moe_tp_experts"]
+    for name in names:  # every check before anything is split
+        _check_experts(name, model.get_submodule(name), ep_mesh.size())
+    experts = [model.get_submodule(name) for name in names]
+    for module in experts:
+        module.expert_outputs = _expert_outputs(module)
+        parallelize_module(module, ep_mesh, ExpertParallel())
+    return experts
+
+
+def _check_experts(name: str, module: nn.Module, ep: int) -> None:
+    """transformers' grouped experts in the layout `ExpertParallel` computes: `[gate; up]`
+    concatenated, not transposed, no biases."""
+    layout = dict(
+        is_concatenated=getattr(module, "is_concatenated", True),
+        is_transposed=getattr(module, "is_transposed", False),
+        has_bias=getattr(module, "has_bias", False),
+        has_gate=getattr(module, "has_gate", True),
+    )
+    grouped = all(
+        getattr(getattr(module, attr, None), "ndim", 0) == 3
+        for attr in ("gate_up_proj", "down_proj")
+    )
+    if not grouped or layout != dict(is_concatenated=True, is_transposed=False, has_bias=False,
+                                     has_gate=True):  # fmt: skip
+        raise MeshError(
+            f"ep={ep}: {name} ({type(module).__name__}, {layout}) is not a grouped-experts "
+            "module flatshard can split (3-D gate_up_proj [gate; up] and down_proj, no "
+            "biases); use ep=1"
+        )
+    experts = module.gate_up_proj.shape[0]
+    if experts % ep:
+        raise MeshError(
+            f"expert parallelism over {ep} ranks: {name} has {experts} experts, not "
+            f"divisible by {ep}; pick an ep that divides it"
+        )
+
+
+def _expert_outputs(module: nn.Module):
+    """What `ExpertParallel` computes on the rows each local expert received (sorted by
+    expert, `counts` of them): transformers' own expert math, `down(gate(gate_up(x)))`
+    with the module's `_apply_gate` (SwiGLU, or the family's)."""
+
+    def expert_outputs(rows, gate_up, down, counts):
+        outs = []
+        for expert, chunk in enumerate(rows.split(counts.tolist())):
+            hidden = module._apply_gate(F.linear(chunk, gate_up[expert]))
+            outs.append(F.linear(hidden, down[expert]))
+        return torch.cat(outs) if outs else rows.new_zeros((0, down.shape[1]))
+
+    return expert_outputs
 
 
 def declare_fused_projections(model: nn.Module) -> None:
