@@ -223,3 +223,25 @@ def test_compare_offload_modes(tmp_path):
         text,
     ), text
     assert not list(tmp.glob("flatshard-bench-offload-*")), list(tmp.iterdir())
+
+
+def test_hf_parallel_script():
+    """benchmarks/hf_parallel.py at its smallest: flatshard's transformers Llama under TP
+    trains as FSDP2 + torch TP does, and reads a fraction of the checkpoint FSDP2 reads."""
+    pytest.importorskip("transformers")
+    script = os.path.join(ROOT, "benchmarks", "hf_parallel.py")
+    tiny = ["--world", "2", "--tp", "2", "--steps", "2", "--layers", "1", "--hidden", "64"]
+    proc = subprocess.run(
+        [sys.executable, script, *tiny, "--vocab", "256", "--seq", "16"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    agree = re.search(r"losses agree to (\S+) \(relative\)", proc.stdout)
+    assert agree and float(agree.group(1)) <= 1e-5, proc.stdout
+    _, rows = _table(proc.stdout)
+    read = {mode: float(rows[mode][-1]) for mode in ("fsdp2-tp", "flatshard")}
+    assert read["flatshard"] < read["fsdp2-tp"], proc.stdout
