@@ -4,9 +4,10 @@ dims=...)`, each rank reading only its slices (Phi-3's fused qkv_proj and gate_u
 split by component, GPT-NeoX's head-interleaved query_key_value by heads, MoE experts
 from their per-expert tensors), against transformers itself: logits, three training
 steps, bitwise export. Dense families at (dp 2, tp 2), (tp 4) and HSDP 2 x TP 2; MoE
-families (Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3 with its score-correction bias and
-shared experts, Qwen3-Next with Gated DeltaNet layers) at (efsdp 2, ep 2), (tp 2, ep 2),
-(dp 2, tp 2) and HSDP 2 x TP 2 x EP 2.
+families (Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3 with MLA split by heads, its
+score-correction bias and shared experts, Qwen3-Next with Gated DeltaNet layers split by
+heads) at (efsdp 2, ep 2), (tp 2, ep 2), (dp 2, tp 2) and HSDP 2 x TP 2 x EP 2. A DCP
+checkpoint written at (tp 2, ep 2) loads bitwise at (dp 2) and in one process.
 
 One worker call per layout runs every family, to keep the suite fast.
 """
@@ -68,7 +69,7 @@ ARCHS = {
         **dict(MOE_SIZES, num_key_value_heads=4), n_routed_experts=4, moe_intermediate_size=32,
         first_k_dense_replace=1, n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=24,
         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
-    ),  # MLA attention (replicated over TP), a dense first layer, shared experts
+    ),  # MLA attention (split by heads), a dense first layer, shared experts
     "qwen3_next": lambda: transformers.Qwen3NextConfig(
         **MOE_SIZES, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=32,
         linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
@@ -85,7 +86,8 @@ SPLIT = (
     "qkv_proj.weight", "gate_up_proj.weight", "query_key_value.weight",
     "query_key_value.bias", "attention.dense.weight", "dense_h_to_4h.weight",
     "dense_h_to_4h.bias", "dense_4h_to_h.weight", "in_proj_qkvz.weight", "in_proj_ba.weight",
-    "linear_attn.out_proj.weight",
+    "linear_attn.out_proj.weight", "linear_attn.conv1d.weight", "A_log", "dt_bias",
+    "q_b_proj.weight", "kv_b_proj.weight",
 )  # fmt: skip
 LAYOUTS = {  # name: ((dp_replicate, dp_shard, tp, ep), families)
     "dp2-tp2": ((1, 2, 2, 1), DENSE + MOE),
@@ -107,8 +109,7 @@ def copies(arch: str, name: str, layout) -> int:
         return replicate * shard * tp
     if re.search(r"\.experts\.\d+\.", name):  # routed, per expert on disk
         return 1 if ep > 1 else replicate * tp
-    mla = arch == "deepseek_v3" and ".self_attn." in name  # not in its TP plan
-    return replicate if name.endswith(SPLIT) and not mla else replicate * tp
+    return replicate if name.endswith(SPLIT) else replicate * tp
 
 
 def train(model, data, dp_rank: int, dp: int) -> list[float]:
@@ -279,3 +280,71 @@ def test_an_ep_that_does_not_divide_the_experts_is_refused_on_every_rank(tmp_pat
     messages = run_distributed(_refused, 2, str(tmp_path), 1, 2)
     assert len(set(messages)) == 1
     assert "has 3 experts, not divisible by 2; pick an ep that divides it" in messages[0]
+
+
+def test_a_tp_that_does_not_divide_the_deltanet_key_heads_is_refused(tmp_path):
+    config = ARCHS["qwen3_next"]()
+    config.linear_num_key_heads, config.linear_num_value_heads = 1, 2
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    messages = run_distributed(_refused, 2, str(tmp_path), 2)
+    assert len(set(messages)) == 1
+    assert "linear_num_key_heads is 1, not divisible by 2; pick a tp" in messages[0]
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints written at one TP/EP size load at another (fused parts stored by component)
+# --------------------------------------------------------------------------------------------
+
+RESHARDED = ["phi3", "qwen3_next", "qwen3_moe"]  # fused projections, DeltaNet conv, experts
+
+
+def _state(model, optimizer) -> dict:
+    """Every weight and Adam moment, as full tensors by parameter name."""
+    out = {}
+    for name, param in model.named_parameters():
+        out[name] = param.full_tensor()
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[f"{name}/{key}"] = optimizer.state[param][key].full_tensor()
+    return out
+
+
+def _step_and_save(cases: dict, layout, root: str) -> dict:
+    states = {}
+    for arch, case in cases.items():
+        ep = layout[3] if arch in MOE else 1  # a dense model has no experts to split
+        dims = flatshard.ParallelDims(dist.get_world_size(), *layout[:3], ep)
+        dp_rank, dp = dims.build().dp_rank, dims.dp_replicate * dims.dp_shard
+        model = hf.from_pretrained(case["path"], dims=dims, adapter=hf.TRANSFORMERS)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        tokens = case["data"][0]
+        per_rank = tokens.shape[0] // dp
+        lm_loss(model, tokens[dp_rank * per_rank : (dp_rank + 1) * per_rank]).backward()
+        optimizer.step()
+        path = os.path.join(root, arch)
+        flatshard.checkpoint.save(path, model=model, optimizer=optimizer, step=1)
+        states[arch] = _state(model, optimizer)
+    return states
+
+
+def _load(cases: dict, layout, root: str) -> dict:
+    dims = flatshard.ParallelDims(dist.get_world_size(), *layout)
+    states = {}
+    for arch, case in cases.items():
+        model = hf.from_pretrained(case["path"], dims=dims, adapter=hf.TRANSFORMERS)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        flatshard.checkpoint.load(os.path.join(root, arch), model=model, optimizer=optimizer)
+        states[arch] = _state(model, optimizer)
+    return states
+
+
+def test_checkpoint_at_tp2_ep2_loads_at_tp1_ep1_and_in_one_process(checkpoints, tmp_path):
+    """Weights and Adam moments after one step at (dp 2, tp 2, ep 2 for the MoE), saved with
+    DCP, load bitwise at (dp 2) and in one process."""
+    cases = {a: {k: checkpoints[a][k] for k in ("path", "data")} for a in RESHARDED}
+    saved = run_distributed(_step_and_save, 4, cases, (1, 2, 2, 2), str(tmp_path))[0]
+    for world in (2, 1):
+        loaded = run_distributed(_load, world, cases, (1, world, 1, 1), str(tmp_path))[0]
+        for arch in cases:
+            assert loaded[arch].keys() == saved[arch].keys()
+            for name, tensor in saved[arch].items():
+                assert torch.equal(loaded[arch][name], tensor), (arch, world, name)

@@ -4,6 +4,9 @@ parallel.py) puts them together.
 
 tensor_parallel.py  fused column parallelism (components kept whole per rank), head norms
 expert_parallel.py  experts split over an EP mesh, tokens dispatched by all-to-all
+latent_attention.py  DeepSeek's MLA split by heads
+gated_deltanet.py  Qwen3-Next's Gated DeltaNet split by heads
+transformers_plan.py  transformers' own base_model_tp_plan / base_model_ep_plan, applied
 """
 
 from flatshard.parallel.expert_parallel import ExpertParallel

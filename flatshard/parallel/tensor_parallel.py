@@ -43,22 +43,16 @@ class FusedColwiseParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         if not isinstance(module, nn.Linear):
             raise NotImplementedError("FusedColwiseParallel splits nn.Linear modules only")
-        rank, size = device_mesh.get_local_rank(), device_mesh.size()
+        size = device_mesh.size()
         sizes = self._part_sizes(module)
-        for name, param in list(module.named_parameters()):
-            parts = param.detach().split(sizes)
-            local = torch.cat([part.chunk(size)[rank] for part in parts])
-            sharded = DTensor.from_local(
-                local, device_mesh, [_StridedShard(0, split_factor=len(sizes))],
-                run_check=False, shape=param.shape, stride=param.stride(),
-            )  # fmt: skip
-            module.register_parameter(name, nn.Parameter(sharded, param.requires_grad))
+        for name in list(dict(module.named_parameters())):
+            split_by_parts(module, name, sizes, device_mesh)
         group = device_mesh.get_group()
         local_sizes = [n // size for n in sizes]
 
         def local_forward(x):
             bias = module.bias.to_local() if module.bias is not None else None
-            out = F.linear(_SumGradient.apply(x, group), module.weight.to_local(), bias)
+            out = F.linear(SumGradient.apply(x, group), module.weight.to_local(), bias)
             if self.gather_output:
                 out = _GatherParts.apply(out, group, local_sizes)
             return out
@@ -71,6 +65,20 @@ class FusedColwiseParallel(ParallelStyle):
         if declared:
             return [int(rows) for _, rows in declared]
         return [module.out_features // self.components] * self.components
+
+
+def split_by_parts(module: nn.Module, name: str, sizes: list[int], device_mesh) -> None:
+    """Replace `module`'s parameter `name`, whose dim-0 rows stack parts of `sizes`, by this
+    TP rank's share of every part, `[a_r; b_r; ...]` (a `_StridedShard(0)` DTensor of the
+    same global tensor; the module must declare the parts in `fused_components`)."""
+    rank, size = device_mesh.get_local_rank(), device_mesh.size()
+    param = module.get_parameter(name)
+    local = torch.cat([part.chunk(size)[rank] for part in param.detach().split(sizes)])
+    sharded = DTensor.from_local(
+        local, device_mesh, [_StridedShard(0, split_factor=len(sizes))],
+        run_check=False, shape=param.shape, stride=param.stride(),
+    )  # fmt: skip
+    module.register_parameter(name, nn.Parameter(sharded, param.requires_grad))
 
 
 class HeadNormParallel(ParallelStyle):
@@ -88,7 +96,7 @@ class HeadNormParallel(ParallelStyle):
 
         def local_forward(x):
             local = {
-                name: _SumGradient.apply(param.to_local(), group)
+                name: SumGradient.apply(param.to_local(), group)
                 for name, param in module.named_parameters(recurse=False)
             }
             with _reparametrize_module(module, local):
@@ -98,7 +106,7 @@ class HeadNormParallel(ParallelStyle):
         return module
 
 
-class _SumGradient(torch.autograd.Function):
+class SumGradient(torch.autograd.Function):
     """Identity forward; backward sums the input gradient over the TP group (each rank's
     columns contribute a part of it)."""
 

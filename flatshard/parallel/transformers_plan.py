@@ -4,12 +4,16 @@ transformers 5 ships, on every config, `base_model_tp_plan`: module globs of the
 ("layers.*.self_attn.q_proj") mapped to style names. This module reads it and applies, over
 a 1-D TP mesh, the `torch.distributed.tensor.parallel` style (or flatshard's) each name
 means, so `flatshard.parallelize` splits any transformers causal LM the way transformers
-itself would -- with two differences that keep flatshard's checkpoints TP-independent and
+itself would -- with differences that keep flatshard's checkpoints TP-independent and
 its gradients right:
 
 - a fused projection (Phi-3's `qkv_proj` [q; k; v] and `gate_up_proj` [gate; up]) is split
   per component (`FusedColwiseParallel`): each TP rank holds its share of every part, and
   the global tensor stays the one on disk whatever the TP size;
+- a Gated DeltaNet layer (Qwen3-Next) is split by heads as a whole
+  (`GatedDeltaNetParallel`), where transformers gathers its projections' outputs;
+- multi-head latent attention (DeepSeek-V3), which transformers leaves whole, is split
+  by heads (`LatentAttentionParallel`);
 - the embedding and the output head stay replicated over TP (`embedding_rowwise` and the
   head's `colwise_gather_output` are not applied): FSDP already shards them over the
   data-parallel ranks, and a vocabulary split would cost an all-reduce of every token's
@@ -40,6 +44,12 @@ from torch.distributed.tensor.parallel import (
 
 from flatshard.errors import MeshError
 from flatshard.parallel.expert_parallel import ExpertParallel
+from flatshard.parallel.gated_deltanet import (
+    GatedDeltaNetParallel,
+    check_gated_deltanet,
+    is_gated_deltanet,
+)
+from flatshard.parallel.latent_attention import LatentAttentionParallel, is_latent_attention
 from flatshard.parallel.tensor_parallel import FusedColwiseParallel, HeadNormParallel
 
 # styles under which a module's parameters stay whole on every TP rank (see above)
@@ -79,12 +89,25 @@ def apply_transformers_tensor_parallel(model: nn.Module, tp_mesh) -> None:
     _check_heads(model.config, kinds, tp)
     declare_fused_projections(model)
     inside_experts = [n for n, k in kinds.items() if k == "moe_tp_experts"]
+    # split by heads as a whole, not as transformers' plan says (gathered projections, or
+    # nothing for MLA)
+    by_heads = {name: GatedDeltaNetParallel() for name, m in model.named_modules() if (
+        is_gated_deltanet(m))}  # fmt: skip
+    by_heads.update({name: LatentAttentionParallel() for name, m in model.named_modules() if (
+        is_latent_attention(m))})  # fmt: skip
     styles = {}
     for name, kind in kinds.items():
-        if kind in _KEPT_WHOLE or any(name.startswith(e + ".") for e in inside_experts):
+        whole = [*inside_experts, *by_heads]
+        if kind in _KEPT_WHOLE or any(name.startswith(e + ".") for e in whole):
             continue
         module = _module(model, name)
         styles[name] = _style(name, kind, module, tp)
+    for name, style in by_heads.items():
+        if isinstance(style, GatedDeltaNetParallel):
+            check_gated_deltanet(model.get_submodule(name), tp)
+    if any(isinstance(style, LatentAttentionParallel) for style in by_heads.values()):
+        _check_heads(model.config, {"": "colwise"}, tp)
+    styles.update(by_heads)
     for name, style in styles.items():
         parallelize_module(model.get_submodule(name), tp_mesh, style)
 
