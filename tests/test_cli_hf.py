@@ -139,10 +139,9 @@ def test_plan_counts_what_train_hf_would_train(tmp_path, capsys, arch):
 
 
 def test_plan_names_a_model_it_cannot_describe(tmp_path, capsys):
-    config = transformers.GemmaConfig(vocab_size=61, hidden_size=32, num_hidden_layers=1)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_model"}))
     assert main(["plan", "--set", f"model.hf={tmp_path}"]) == 2
-    assert "model_type 'gemma'" in capsys.readouterr().err
+    assert "'no_such_model', which transformers" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -233,3 +232,20 @@ def test_plan_of_a_hf_model_under_tp_and_ep(mixtral, capsys):
     assert experts["numel"] == per_rank_experts and experts["shard"] == per_rank_experts // 2
     assert planned["communication"]["tp_all_reduce"] > 0
     assert planned["communication"]["ep_all_to_all"] > 0
+
+
+def test_plan_of_a_transformers_family_under_tp(phi3, capsys):
+    """A family the zoo has no formulas for (Phi-3) is planned from the transformers model:
+    its decoder layers as units, TP-local as transformers' plan splits them (qkv_proj and
+    gate_up_proj per part, o_proj and down_proj by input)."""
+    args = ["--world-size", 4, "--tp", 2, "--json"]
+    assert main(["plan", "--set", f"model.hf={phi3}", *map(str, args)]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    layers = planned["units"][0]
+    hidden, qkv, ffn = 32, (4 + 2 * 2) * 8, 48  # 4 heads + 2 x 2 kv heads of 8
+    per_tp_rank = (qkv * hidden + hidden * hidden + 2 * ffn * hidden + hidden * ffn) // 2
+    assert layers["count"] == 2 and layers["numel"] == per_tp_rank + 2 * hidden  # + 2 norms
+    assert planned["num_params"] == sum(
+        p.numel() for p in transformers.AutoModelForCausalLM.from_pretrained(phi3).parameters()
+    )
+    assert planned["communication"]["tp_all_reduce"] > 0

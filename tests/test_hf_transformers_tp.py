@@ -27,7 +27,9 @@ from test_hf_transformers import lm_loss, rel
 
 import flatshard
 from flatshard import hf
+from flatshard.dtensor.sharded_param import param_spec
 from flatshard.errors import MeshError
+from flatshard.parallel.transformers_plan import tensor_parallel_splits
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
@@ -175,6 +177,9 @@ def _every_family(cases: dict, layout: tuple[int, int, int, int], out_root: str)
         weights = {n: p.full_tensor() for n, p in model.named_parameters()}
         results[arch] = dict(logits=logits, read=read, share=share, losses=losses)
         results[arch]["weights"] = weights
+        results[arch]["tp_shapes"] = {  # each parameter's TP-local shape, as the layout has it
+            n: param_spec(model, n, p).info.shape for n, p in model.named_parameters()
+        }
     return results
 
 
@@ -219,6 +224,26 @@ def test_training_equals_one_process(checkpoints, runs, arch, layout):
         ours = rank_results[arch]
         assert rel_losses(ours["losses"], reference["losses"]) <= tolerance
         assert rel_diff(ours["weights"], reference["weights"]) <= tolerance
+
+
+@CASES
+def test_the_planner_sees_the_tp_split_the_runtime_makes(checkpoints, runs, arch, layout):
+    """`flatshard plan`'s TP-local shapes (tensor_parallel_splits, no mesh) are those the
+    parallelized model holds; with EP, each rank holds E / ep experts (as the planner's
+    ep_local has them)."""
+    _, _, tp, ep = LAYOUTS[layout][0]
+    with torch.device("meta"):
+        model = hf.build_causal_lm(hf.read_hf_config(checkpoints[arch]["path"]))
+    splits = tensor_parallel_splits(model, tp)
+    expected = {
+        name: tuple(n // tp if d == splits[name][0] else n for d, n in enumerate(p.shape))
+        if name in splits else tuple(p.shape)
+        for name, p in model.named_parameters()
+    }  # fmt: skip
+    for name, shape in expected.items():
+        if ".mlp.experts." in name and len(shape) == 3:
+            expected[name] = (shape[0] // ep, *shape[1:])
+    assert runs[layout][0][0][arch]["tp_shapes"] == expected
 
 
 @CASES

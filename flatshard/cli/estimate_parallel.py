@@ -25,13 +25,14 @@ def hidden_size(spec: ModelSpec) -> int:
 
 
 def tp_local(spec: ModelSpec, tp: int) -> ModelSpec:
-    """The model as each TP rank holds it (flatshard.parallel's plan)."""
+    """The model as each TP rank holds it (flatshard.parallel's plan, or the spec's own)."""
+    local_shape = spec.tp_local_shape or tp_local_shape
     try:
         units = tuple(
             replace(
                 unit,
                 params=tuple(
-                    replace(p, shape=tp_local_shape(p.name, p.shape, tp), global_shape=None)
+                    replace(p, shape=local_shape(p.name, p.shape, tp), global_shape=None)
                     for p in unit.params
                 ),
             )

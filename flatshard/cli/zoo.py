@@ -56,6 +56,8 @@ class ModelSpec:
     # bytes saved for backward per token, all layers and the head, given the compute dtype size
     activation_bytes_per_token: Callable[[int], int]
     top_k: int = 0  # experts per token (MoE)
+    # (parameter name, shape, tp) -> its shape on each TP rank; None: the reference Llama's plan
+    tp_local_shape: Callable[[str, tuple[int, ...], int], tuple[int, ...]] | None = None
 
     @property
     def num_params(self) -> int:
@@ -136,11 +138,10 @@ def from_hf_config(hf: dict, name: str) -> ModelSpec:
     from flatshard.models.llama import hf_to_config  # Llama, Qwen2, Qwen3: the reference model
     from flatshard.models.llama.hf_config import ARCHITECTURES
 
-    if model_type not in (None, *ARCHITECTURES.values()):
-        raise ConfigError(
-            f"{name}: model_type {model_type!r} is not one the planner models (llama, qwen2, "
-            "qwen3, qwen3_moe, mixtral, deepseek_v3); flatshard train --hf still trains it"
-        )
+    if model_type not in (None, *ARCHITECTURES.values()):  # the transformers model itself
+        from flatshard.cli.zoo_transformers import from_transformers_config
+
+        return from_transformers_config(hf, name)
     return from_llama_config(hf_to_config(hf), name)
 
 

@@ -112,6 +112,48 @@ def apply_transformers_tensor_parallel(model: nn.Module, tp_mesh) -> None:
         parallelize_module(model.get_submodule(name), tp_mesh, style)
 
 
+def tensor_parallel_splits(model: nn.Module, tp: int) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """How `apply_transformers_tensor_parallel` splits each parameter, without a mesh (the
+    planner's view): {parameter name: (dim, parts)}, the dim split over `tp` ranks, each of
+    `parts` (stacked along it) split alike, or the whole dim when `parts` is empty.
+    Parameters not named stay whole on every TP rank. Runs the same checks."""
+    kinds = tensor_parallel_plan(model)
+    _check_heads(model.config, kinds, tp)
+    declare_fused_projections(model)
+    inside_experts = [n for n, k in kinds.items() if k == "moe_tp_experts"]
+    by_heads = [n for n, m in model.named_modules() if is_gated_deltanet(m) or (
+        is_latent_attention(m))]  # fmt: skip
+    splits: dict[str, tuple[int, tuple[int, ...]]] = {}
+    for name, kind in kinds.items():
+        if kind in _KEPT_WHOLE or any(
+            name.startswith(e + ".") for e in [*inside_experts, *by_heads]
+        ):
+            continue
+        module = _module(model, name)
+        _style(name, kind, module, tp)  # its checks
+        fused = dict(getattr(module, "fused_components", None) or {})
+        for attr, _ in module.named_parameters(recurse=False):
+            parts = tuple(int(n) for _, n in fused.get(attr, ()))
+            if kind.startswith("colwise"):
+                splits[f"{name}.{attr}"] = (0, parts)
+            elif kind.startswith("rowwise") and attr == "weight":
+                splits[f"{name}.{attr}"] = (1, ())
+    for name in by_heads:
+        module = model.get_submodule(name)
+        if is_gated_deltanet(module):
+            check_gated_deltanet(module, tp)
+            conv = (module.key_dim, module.key_dim, module.value_dim)
+            rows = ("in_proj_qkvz.weight", "in_proj_ba.weight", "A_log", "dt_bias")
+            splits.update({f"{name}.{p}": (0, ()) for p in rows})
+            splits.update({f"{name}.out_proj.weight": (1, ()), f"{name}.conv1d.weight": (0, conv)})
+        else:
+            _check_heads(model.config, {"": "colwise"}, tp)
+            up = "q_b_proj" if getattr(module, "q_b_proj", None) is not None else "q_proj"
+            splits.update({f"{name}.{up}.weight": (0, ()), f"{name}.kv_b_proj.weight": (0, ())})
+            splits[f"{name}.o_proj.weight"] = (1, ())
+    return splits
+
+
 def apply_transformers_expert_parallel(model: nn.Module, ep_mesh) -> list[nn.Module]:
     """Split the grouped experts `config.base_model_ep_plan` names (`moe_tp_experts`) over
     the 1-D `ep_mesh`, in place; returns their modules (none for a dense model)."""

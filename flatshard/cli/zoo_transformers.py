@@ -1,0 +1,91 @@
+"""`flatshard plan` for any transformers causal LM the zoo has no formulas for (Phi-3,
+Gemma, GPT-NeoX, OLMoE, Qwen3-Next, ...): the transformers model itself, built on the meta
+device from its config.json as `flatshard train --hf` builds it, its decoder layers the
+units, split over TP as transformers' own plan says (`tensor_parallel_splits`, the
+planner's view of what `parallelize` applies). Activations are estimated with the dense
+Llama formulas from the config's widths (an MoE's routed experts as `top_k` MLPs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flatshard.cli import zoo
+from flatshard.cli.errors import ConfigError
+from flatshard.errors import MeshError
+
+
+def from_transformers_config(hf_config: dict, name: str) -> zoo.ModelSpec:
+    from flatshard.hf import HFConfigError, build_causal_lm
+    from flatshard.hf.transformers_model import decoder_layers
+
+    try:
+        with torch.device("meta"):
+            model = build_causal_lm(hf_config)
+        layers = decoder_layers(model)
+    except HFConfigError as error:
+        raise ConfigError(f"{name}: {error}") from None
+    names = {id(m): n for n, m in model.named_modules()}
+    runs: list[tuple] = []  # (first layer, last layer, its ParamInfos, its shapes)
+    for index, layer in enumerate(layers):
+        prefix = names[id(layer)]
+        named = list(layer.named_parameters())
+        shapes = tuple((n, tuple(p.shape)) for n, p in named)
+        if runs and runs[-1][3] == shapes:  # the same layer again: one more of the run
+            runs[-1] = (runs[-1][0], index, runs[-1][2], shapes)
+        else:
+            runs.append((index, index, zoo._infos((f"{prefix}.{n}", p) for n, p in named), shapes))
+    units = [zoo.UnitSpec(f"layers.{a}-{b}", infos, b - a + 1) for a, b, infos, _ in runs]
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    root = [(n, p) for n, p in model.named_parameters() if id(p) not in in_layers]
+    units.append(zoo.UnitSpec("root", zoo._infos(root), is_root=True))
+    config = model.config
+
+    def tp_local_shape(param: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+        return _tp_local_shape(model, param, shape, tp)
+
+    return zoo.ModelSpec(
+        name,
+        tuple(units),
+        len(layers),
+        lambda a: _activations(config, a),
+        top_k=getattr(config, "num_experts_per_tok", 0) or 0,
+        tp_local_shape=tp_local_shape,
+    )
+
+
+_SPLITS: dict[tuple[int, int], dict] = {}  # (model id, tp) -> its splits
+
+
+def _tp_local_shape(model, param: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    from flatshard.parallel.transformers_plan import tensor_parallel_splits
+
+    key = (id(model), tp)
+    if key not in _SPLITS:
+        try:
+            _SPLITS[key] = tensor_parallel_splits(model, tp) if tp > 1 else {}
+        except MeshError as error:
+            raise ConfigError(f"--tp {tp}: {error}") from None
+    if param not in _SPLITS[key]:
+        return tuple(shape)
+    dim, _ = _SPLITS[key][param]
+    return tuple(n // tp if d == dim else n for d, n in enumerate(shape))
+
+
+def _activations(config, a: int) -> int:
+    hidden = config.hidden_size
+    heads = getattr(config, "num_attention_heads", 1)
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    top_k = getattr(config, "num_experts_per_tok", 0) or 0
+    expert = getattr(config, "moe_intermediate_size", None)
+    ffn = (
+        (expert * top_k) if (top_k and expert) else getattr(config, "intermediate_size", 4 * hidden)
+    )
+    layer = (
+        2 * zoo._norm_bytes(hidden, a)
+        + zoo._attention_bytes(
+            heads, getattr(config, "num_key_value_heads", heads) or heads, head_dim, False, a
+        )  # fmt: skip
+        + zoo._swiglu_bytes(ffn, a)
+    )
+    return config.num_hidden_layers * layer + zoo._head_bytes(hidden, config.vocab_size, a)
