@@ -75,7 +75,8 @@ def lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def train(model, data, rank: int = 0, world: int = 1) -> list[float]:
-    """AdamW on each rank's slice of every global batch; the global mean loss per step."""
+    """SGD on data-parallel rank `rank`'s slice (of `world`) of every global batch; the
+    global mean loss per step (every rank of a TP group holds its data-parallel rank's)."""
     model.train()
     # SGD, not Adam: Adam turns gradients that are zero in exact arithmetic (Qwen2's k_proj
     # bias: softmax ignores a constant added to every key) into full-size steps along their
@@ -91,7 +92,8 @@ def train(model, data, rank: int = 0, world: int = 1) -> list[float]:
         value = torch.tensor([loss.item()])
         if dist.is_initialized():
             dist.all_reduce(value)
-        losses.append(value.item() / world)
+            value /= dist.get_world_size()
+        losses.append(value.item())
     return losses
 
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from distributed import run_distributed
 from reference import rel_diff, rel_losses
 from safetensors.torch import load_file
-from test_hf_transformers import lm_loss, rel
+from test_hf_transformers import lm_loss, rel, train
 
 import flatshard
 from flatshard import hf
@@ -112,25 +112,6 @@ def copies(arch: str, name: str, layout) -> int:
     if re.search(r"\.experts\.\d+\.", name):  # routed, per expert on disk
         return 1 if ep > 1 else replicate * tp
     return replicate if name.endswith(SPLIT) else replicate * tp
-
-
-def train(model, data, dp_rank: int, dp: int) -> list[float]:
-    """SGD on this data-parallel rank's slice of every batch; the global mean loss."""
-    model.train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.1)
-    losses = []
-    for tokens in data:
-        per_rank = tokens.shape[0] // dp
-        loss = lm_loss(model, tokens[dp_rank * per_rank : (dp_rank + 1) * per_rank])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        value = torch.tensor([loss.item()])
-        if dist.is_initialized():  # every TP rank holds its data-parallel rank's loss
-            dist.all_reduce(value)
-            value /= dist.get_world_size() / dp
-        losses.append(value.item() / dp)
-    return losses
 
 
 @pytest.fixture(scope="module")
@@ -373,3 +354,12 @@ def test_checkpoint_at_tp2_ep2_loads_at_tp1_ep1_and_in_one_process(checkpoints, 
             assert loaded[arch].keys() == saved[arch].keys()
             for name, tensor in saved[arch].items():
                 assert torch.equal(loaded[arch][name], tensor), (arch, world, name)
+
+
+def test_a_style_flatshard_does_not_know_is_named(checkpoints):
+    with torch.device("meta"):
+        model = hf.build_causal_lm(hf.read_hf_config(checkpoints["llama3"]["path"]))
+    model.config.base_model_tp_plan = {"layers.*.mlp.gate_proj": "local_packed_rowwise"}
+    with pytest.raises(MeshError, match=r"model.layers.0.mlp.gate_proj \(Linear\) has "
+                       r"transformers' tensor-parallel style 'local_packed_rowwise'"):  # fmt: skip
+        tensor_parallel_splits(model, 2)
