@@ -74,6 +74,17 @@ class GatedDeltaNetParallel(ParallelStyle):
         module.forward = local_forward
         return module
 
+    @staticmethod
+    def splits(module: nn.Module) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """{parameter: (dim, parts)} as `_apply` splits them (the planner reads this)."""
+        conv = (module.key_dim, module.key_dim, module.value_dim)
+        rows = ("in_proj_qkvz.weight", "in_proj_ba.weight", "A_log", "dt_bias")
+        return {
+            **{name: (0, ()) for name in rows},
+            "conv1d.weight": (0, conv),
+            "out_proj.weight": (1, ()),
+        }
+
 
 def check_gated_deltanet(module: nn.Module, tp: int) -> None:
     if module.num_k_heads % tp:

@@ -32,7 +32,7 @@ class LatentAttentionParallel(ParallelStyle):
     """Split an MLA module over a 1-D TP mesh by its heads."""
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        up = "q_b_proj" if getattr(module, "q_b_proj", None) is not None else "q_proj"
+        up = _up_projection(module)
         parallelize_module(module, device_mesh, {
             up: ColwiseParallel(), "kv_b_proj": ColwiseParallel(), "o_proj": RowwiseParallel(),
         })  # fmt: skip
@@ -46,3 +46,14 @@ class LatentAttentionParallel(ParallelStyle):
 
         down.forward = latent_then_summed_rope
         return module
+
+    @staticmethod
+    def splits(module: nn.Module) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """{parameter: (dim, parts)} as `_apply` splits them (the planner reads this)."""
+        up = _up_projection(module)
+        return {f"{up}.weight": (0, ()), "kv_b_proj.weight": (0, ()), "o_proj.weight": (1, ())}
+
+
+def _up_projection(module: nn.Module) -> str:
+    """The query's per-head projection: `q_b_proj` after a low-rank `q_a_proj`, else `q_proj`."""
+    return "q_b_proj" if getattr(module, "q_b_proj", None) is not None else "q_proj"

@@ -77,7 +77,24 @@ def apply_transformers_tensor_parallel(model: nn.Module, tp_mesh) -> None:
     """Split a transformers causal LM over the 1-D `tp_mesh` by its own
     `config.base_model_tp_plan`, in place. Every check runs before anything is split, and
     depends only on the config, so every rank raises alike."""
-    tp = tp_mesh.size()
+    for name, style in tensor_parallel_styles(model, tp_mesh.size()).items():
+        parallelize_module(model.get_submodule(name), tp_mesh, style)
+
+
+def tensor_parallel_splits(model: nn.Module, tp: int) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """How `apply_transformers_tensor_parallel` splits each parameter, without a mesh (the
+    planner's view): {parameter name: (dim, parts)}, the dim split over `tp` ranks, each of
+    `parts` (stacked along it) split alike, or the whole dim when `parts` is empty.
+    Parameters not named stay whole on every TP rank. Runs the same checks."""
+    splits = {}
+    for name, style in tensor_parallel_styles(model, tp).items():
+        for param, split in _splits_of(style, model.get_submodule(name)).items():
+            splits[f"{name}.{param}"] = split
+    return splits
+
+
+def tensor_parallel_styles(model: nn.Module, tp: int) -> dict[str, ParallelStyle]:
+    """{module name: the style that splits it over `tp` ranks}, every check done."""
     kinds = tensor_parallel_plan(model)
     if not kinds:
         raise MeshError(
@@ -88,70 +105,37 @@ def apply_transformers_tensor_parallel(model: nn.Module, tp_mesh) -> None:
         )
     _check_heads(model.config, kinds, tp)
     declare_fused_projections(model)
-    inside_experts = [n for n, k in kinds.items() if k == "moe_tp_experts"]
-    # split by heads as a whole, not as transformers' plan says (gathered projections, or
-    # nothing for MLA)
-    by_heads = {name: GatedDeltaNetParallel() for name, m in model.named_modules() if (
-        is_gated_deltanet(m))}  # fmt: skip
-    by_heads.update({name: LatentAttentionParallel() for name, m in model.named_modules() if (
-        is_latent_attention(m))})  # fmt: skip
-    styles = {}
-    for name, kind in kinds.items():
-        whole = [*inside_experts, *by_heads]
-        if kind in _KEPT_WHOLE or any(name.startswith(e + ".") for e in whole):
-            continue
-        module = _module(model, name)
-        styles[name] = _style(name, kind, module, tp)
-    for name, style in by_heads.items():
-        if isinstance(style, GatedDeltaNetParallel):
-            check_gated_deltanet(model.get_submodule(name), tp)
-    if any(isinstance(style, LatentAttentionParallel) for style in by_heads.values()):
-        _check_heads(model.config, {"": "colwise"}, tp)
-    styles.update(by_heads)
-    for name, style in styles.items():
-        parallelize_module(model.get_submodule(name), tp_mesh, style)
-
-
-def tensor_parallel_splits(model: nn.Module, tp: int) -> dict[str, tuple[int, tuple[int, ...]]]:
-    """How `apply_transformers_tensor_parallel` splits each parameter, without a mesh (the
-    planner's view): {parameter name: (dim, parts)}, the dim split over `tp` ranks, each of
-    `parts` (stacked along it) split alike, or the whole dim when `parts` is empty.
-    Parameters not named stay whole on every TP rank. Runs the same checks."""
-    kinds = tensor_parallel_plan(model)
-    _check_heads(model.config, kinds, tp)
-    declare_fused_projections(model)
-    inside_experts = [n for n, k in kinds.items() if k == "moe_tp_experts"]
-    by_heads = [n for n, m in model.named_modules() if is_gated_deltanet(m) or (
-        is_latent_attention(m))]  # fmt: skip
-    splits: dict[str, tuple[int, tuple[int, ...]]] = {}
-    for name, kind in kinds.items():
-        if kind in _KEPT_WHOLE or any(
-            name.startswith(e + ".") for e in [*inside_experts, *by_heads]
-        ):
-            continue
-        module = _module(model, name)
-        _style(name, kind, module, tp)  # its checks
-        fused = dict(getattr(module, "fused_components", None) or {})
-        for attr, _ in module.named_parameters(recurse=False):
-            parts = tuple(int(n) for _, n in fused.get(attr, ()))
-            if kind.startswith("colwise"):
-                splits[f"{name}.{attr}"] = (0, parts)
-            elif kind.startswith("rowwise") and attr == "weight":
-                splits[f"{name}.{attr}"] = (1, ())
-    for name in by_heads:
-        module = model.get_submodule(name)
+    # layers split by heads as a whole, not as transformers' plan says (it gathers Gated
+    # DeltaNet's projections and leaves MLA whole)
+    by_heads: dict[str, ParallelStyle] = {}
+    for name, module in model.named_modules():
         if is_gated_deltanet(module):
             check_gated_deltanet(module, tp)
-            conv = (module.key_dim, module.key_dim, module.value_dim)
-            rows = ("in_proj_qkvz.weight", "in_proj_ba.weight", "A_log", "dt_bias")
-            splits.update({f"{name}.{p}": (0, ()) for p in rows})
-            splits.update({f"{name}.out_proj.weight": (1, ()), f"{name}.conv1d.weight": (0, conv)})
-        else:
-            _check_heads(model.config, {"": "colwise"}, tp)
-            up = "q_b_proj" if getattr(module, "q_b_proj", None) is not None else "q_proj"
-            splits.update({f"{name}.{up}.weight": (0, ()), f"{name}.kv_b_proj.weight": (0, ())})
-            splits[f"{name}.o_proj.weight"] = (1, ())
-    return splits
+            by_heads[name] = GatedDeltaNetParallel()
+        elif is_latent_attention(module):
+            _check_heads(model.config, {name: "colwise"}, tp)
+            by_heads[name] = LatentAttentionParallel()
+    whole = [n for n, k in kinds.items() if k == "moe_tp_experts"] + list(by_heads)
+    styles = {}
+    for name, kind in kinds.items():
+        if kind in _KEPT_WHOLE or any(name.startswith(w + ".") for w in whole):
+            continue
+        styles[name] = _style(name, kind, _module(model, name), tp)
+    return {**styles, **by_heads}
+
+
+def _splits_of(style: ParallelStyle, module: nn.Module) -> dict[str, tuple[int, tuple]]:
+    """{parameter name in `module`: (dim, parts)} as `style` splits them."""
+    if isinstance(style, (GatedDeltaNetParallel, LatentAttentionParallel)):
+        return style.splits(module)
+    if isinstance(style, FusedColwiseParallel):
+        fused = dict(module.fused_components)
+        return {p: (0, tuple(int(n) for _, n in fused[p])) for p, _ in module.named_parameters()}
+    if isinstance(style, ColwiseParallel):
+        return {p: (0, ()) for p, _ in module.named_parameters()}
+    if isinstance(style, RowwiseParallel):
+        return {"weight": (1, ())}
+    return {}  # HeadNormParallel: the same weight on every TP rank
 
 
 def apply_transformers_expert_parallel(model: nn.Module, ep_mesh) -> list[nn.Module]:
