@@ -65,6 +65,19 @@ ARCHS = {
 }
 
 
+def random_model(config):
+    """The transformers model of `config` with random weights, norms' too (not the trivial
+    ones: Gemma adds 1 itself)."""
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.3 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, 0.2)
+    return model
+
+
 def rel(ours: torch.Tensor, reference: torch.Tensor) -> float:
     return ((ours.float() - reference.float()).norm() / reference.float().norm()).item()
 
@@ -108,13 +121,7 @@ def checkpoints(tmp_path_factory):
     out = {}
     for seed, (arch, make_config) in enumerate(ARCHS.items()):
         torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(make_config()).float()
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "norm" in name:  # not the trivial ones (Gemma adds 1 itself)
-                    param.copy_(1.0 + 0.3 * torch.randn_like(param))
-                else:
-                    param.normal_(0.0, 0.2)
+        model = random_model(make_config())
         path = tmp_path_factory.mktemp(arch)
         model.save_pretrained(path)
         tokens = torch.randint(0, SIZES["vocab_size"], (2, 11))

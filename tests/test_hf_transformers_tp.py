@@ -23,7 +23,7 @@ import torch.distributed as dist
 from distributed import run_distributed
 from reference import rel_diff, rel_losses
 from safetensors.torch import load_file
-from test_hf_transformers import lm_loss, rel, train
+from test_hf_transformers import lm_loss, random_model, rel, train
 
 import flatshard
 from flatshard import hf
@@ -120,13 +120,7 @@ def checkpoints(tmp_path_factory):
     out = {}
     for seed, (arch, make_config) in enumerate(ARCHS.items()):
         torch.manual_seed(100 + seed)
-        model = transformers.AutoModelForCausalLM.from_config(make_config()).float()
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "norm" in name:
-                    param.copy_(1.0 + 0.3 * torch.randn_like(param))
-                else:
-                    param.normal_(0.0, 0.2)
+        model = random_model(make_config())
         path = tmp_path_factory.mktemp(arch)
         model.save_pretrained(path)
         tokens = torch.randint(0, SIZES["vocab_size"], (2, 11))
