@@ -185,6 +185,15 @@ MUTANTS = (
         "    return local",
         ("tests/test_load_state_dict.py",),
     ),
+    Mutant(
+        "full-state-piece",
+        "a full state dict is cut by the local parameter's rows, not by this rank's piece of "
+        "the global tensor (expert 0's rows on every EP rank)",
+        "flatshard/dtensor/full_state_dict.py",
+        "    local.to_local().copy_(shard_spec(local).piece_of(full).to(local.device))",
+        "    local.to_local().copy_(shard_spec(local).rows_of(full).to(local.device))",
+        ("tests/test_full_state_paths.py",),
+    ),
 )
 
 
