@@ -1,9 +1,10 @@
 """Full (unsharded) state dicts into every composition, entry by entry: a model trained one
 AdamW step in one process gives the full model and optimizer state; each composition
 (EP 2, EP 4 with efsdp 1, TP 2, TP 2 x EP 2, HSDP 2 x 2, two experts over four ranks
-(finer rows), optimizer offload of half the state) loads it into a fresh model with
-`set_model_state_dict` / `set_optimizer_state_dict(full_state_dict=True)` (and the model
-alone with `load_state_dict`), and every entry read back is the one loaded.
+(finer rows), optimizer offload of half the state, the disk tier under EP) loads it into
+a fresh model with `set_model_state_dict` / `set_optimizer_state_dict(full_state_dict=
+True)` (and the model alone with `load_state_dict`), and every entry read back is the one
+loaded.
 
 Each rank must take its own piece of each full tensor: its expert rows under EP, its TP
 block, its layout rows (a piece taken from the wrong coordinates put expert 0's rows on
@@ -13,6 +14,7 @@ every EP rank, and no other test saw it).
 from __future__ import annotations
 
 import copy
+import tempfile
 
 import pytest
 import torch
@@ -34,6 +36,7 @@ CASES = {  # name: (world, model, ParallelDims keywords, parallelize keywords)
     "ep2": (2, "moe", dict(ep=2), {}),
     "tp2": (2, "llama", dict(tp=2), {}),
     "offload-half": (2, "llama", {}, dict(offload_policy=flatshard.OffloadPolicy(0.5))),
+    "disk-tier": (2, "moe", dict(ep=2), dict(offload_policy="disk")),
     "ep4-efsdp1": (4, "moe", dict(ep=4), {}),
     "tp2-ep2": (4, "moe", dict(tp=2, ep=2), {}),
     "hsdp2x2": (4, "llama", dict(dp_replicate=2), {}),
@@ -83,6 +86,9 @@ def _load(kind: str, dims_keywords: dict, keywords: dict, model_state, optim_sta
     import torch.distributed as dist
 
     dims = flatshard.ParallelDims(dist.get_world_size(), **dims_keywords)
+    if keywords.get("offload_policy") == "disk":  # the optimizer state in files, per rank
+        folder = tempfile.mkdtemp(prefix=f"disk-tier-{dist.get_rank()}-")
+        keywords = dict(offload_policy=flatshard.OffloadPolicy(1.0, path=folder))
     model = flatshard.parallelize(_build(kind, seed=5), dims, **keywords)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     # torch puts the loaded (sharded) values into the dicts it is given: give it copies
