@@ -194,6 +194,24 @@ MUTANTS = (
         "    local.to_local().copy_(shard_spec(local).rows_of(full).to(local.device))",
         ("tests/test_full_state_paths.py",),
     ),
+    Mutant(
+        "chunk-offset-rank",
+        "a DCP chunk's row offset is taken from the rank index, not the layout's row bounds",
+        "flatshard/dtensor/row_shard.py",
+        "offsets=torch.Size(box.offset)",
+        "offsets=torch.Size((self.spec.rank * box.shape[0], *box.offset[1:]) if box.offset "
+        "else box.offset)",
+        ("tests/test_full_state_paths.py::test_dcp_chunks_of_all_ranks_tile_each_tensor_evenly",),
+    ),
+    Mutant(
+        "tp-component-local-start",
+        "a TP rank's share of a fused component is placed at its local start in the component",
+        "flatshard/layout/tensor_parallel.py",
+        "slab_offset = tuple(rank * part if d == dim else 0 for d in range(len(global_shape)))",
+        "slab_offset = tuple(start - c.start if d == dim else 0 "
+        "for d in range(len(global_shape)))",
+        ("tests/test_full_state_paths.py::test_dcp_chunks_of_all_ranks_tile_each_tensor_evenly",),
+    ),
 )
 
 
