@@ -22,6 +22,7 @@ from flatshard.cli.main import main
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # deselect with -m 'not slow' for a quick loop
 
 SEQ, BATCH, STEPS = 16, 4, 4
 RUN = [

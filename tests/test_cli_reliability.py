@@ -19,7 +19,10 @@ from test_cli_helpers import TINY, check_ok, cli_env, flatshard, metrics, one_li
 from flatshard.cli.launch import LAUNCHER_VARS
 from flatshard.cli.main import main
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+    pytest.mark.slow,  # deselect with -m 'not slow' for a quick loop
+]
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,8 @@ from test_cli_helpers import TINY, check_ok, cli_env, flatshard, metrics, one_li
 
 from flatshard.models import LlamaConfig
 
+pytestmark = pytest.mark.slow  # deselect with -m 'not slow' for a quick loop
+
 STEPS = 8
 
 

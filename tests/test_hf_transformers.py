@@ -25,6 +25,7 @@ from flatshard.hf.checkpoint import checkpoint_tensors
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach the network
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # deselect with -m 'not slow' for a quick loop
 
 TOLERANCE = 1e-5  # logits, relative to transformers'
 TRAIN_TOLERANCE = 1e-6  # losses and weights after training, relative to one process

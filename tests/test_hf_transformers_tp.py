@@ -33,6 +33,7 @@ from flatshard.parallel.transformers_plan import tensor_parallel_splits
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # deselect with -m 'not slow' for a quick loop
 
 TOLERANCE = 1e-5  # logits, relative to transformers'
 TRAIN_TOLERANCE = 1e-6  # losses and weights after training, relative to one process
