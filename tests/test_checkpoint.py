@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -316,6 +317,41 @@ def test_full_disk_during_save_is_one_error_and_leaves_no_partial(tmp_path):
             assert "rank 1" in error and "__1_0.distcp" in error
         assert after_sync == after_async == ["latest", "step-00000001"]
         assert recovered == ["latest", "step-00000001", "step-00000002"]
+
+
+def _serializer_fails_on_a_full_disk(path: str) -> list:
+    """torch.save's zip writer on a full disk raises a RuntimeError ("unexpected pos"), not
+    an OSError: rank 1's RNG file, with the disk reported full."""
+    model = flatshard.fully_shard(Small())
+    checkpoint.save(path, model=model, step=1)
+    original_save, original_usage = torch.save, shutil.disk_usage
+    short = "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+
+    def short_write(obj, f, *args, **kwargs):
+        if str(f).endswith("rank1.pt"):
+            raise RuntimeError(short)
+        return original_save(obj, f, *args, **kwargs)
+
+    if dist.get_rank() == 1:
+        torch.save = short_write
+        shutil.disk_usage = lambda d: shutil._ntuple_diskusage(100 << 20, 100 << 20, 0)
+    try:
+        checkpoint.save(path, model=model, step=2)
+        return ["saved", []]
+    except CheckpointError as error:
+        return [str(error), sorted(os.listdir(path))]
+    finally:
+        torch.save, shutil.disk_usage = original_save, original_usage
+
+
+def test_a_short_write_of_the_serializer_on_a_full_disk_is_the_full_disk_error(tmp_path):
+    for error, after in run_distributed(_serializer_fails_on_a_full_disk, 2, str(tmp_path)):
+        assert error.startswith(
+            "no space left on device while saving step 2; the last complete checkpoint "
+            "step-00000001 is intact"
+        ), error
+        assert "rank 1" in error and "unexpected pos 704 vs 598" in error
+        assert after == ["latest", "step-00000001"]
 
 
 # --- SIGKILL during saves: `latest` always names a complete checkpoint ----------------------

@@ -91,7 +91,7 @@ def save(
                 shutil.rmtree(partial)  # left by an interrupted save of this step
             os.makedirs(os.path.join(partial, "rng"))
         except OSError as error:
-            failure = (_describe_failure(error, rank), error)
+            failure = (_describe_failure(error, rank, directory), error)
     _agree_on_failure(failure, group, directory, step)  # also the barrier: the directory exists
 
     started = time.perf_counter()
@@ -115,7 +115,7 @@ def save(
                 writer = dcp.FileSystemWriter(partial, sync_files=True)
                 dcp.save(state, storage_writer=writer, process_group=group)
             except (Exception, CheckpointException) as error:  # DCP raises on every rank
-                failure = (_describe_failure(error, rank), error)
+                failure = (_describe_failure(error, rank, directory), error)
             if failure is None:
                 mine = None
                 try:
@@ -125,7 +125,7 @@ def save(
                         for name in manifest.files_of_rank(partial, rank)
                     }
                 except Exception as error:
-                    failure = (_describe_failure(error, rank), error)
+                    failure = (_describe_failure(error, rank, directory), error)
                 everyone = gather_to_rank0((mine, failure and failure[0]), group)
                 if rank == 0:
                     failed = [described for _, described in everyone if described is not None]
@@ -137,7 +137,7 @@ def save(
                                 directory, step, world, everyone, config, keep_last
                             )
                         except Exception as error:
-                            failure = (_describe_failure(error, rank), error)
+                            failure = (_describe_failure(error, rank, directory), error)
             _agree_on_failure(failure, group, directory, step)  # also the barrier
             result["path"] = os.path.join(directory, commit.step_dir_name(step))
         except BaseException as error:  # surfaced by SaveHandle.wait()
@@ -206,9 +206,11 @@ def _agree_on_failure(failure: tuple | None, group, directory: str, step: int) -
     raise RuntimeError(f"saving step {step} to {directory} failed: {texts}") from cause
 
 
-def _describe_failure(failure: BaseException, rank: int) -> tuple[str, str]:
+def _describe_failure(failure: BaseException, rank: int, directory: str) -> tuple[str, str]:
     """(kind, text): kind "enospc" for a full disk, "os" for another file-system error,
-    "other" otherwise; DCP wraps each rank's error in a CheckpointException."""
+    "other" otherwise; DCP wraps each rank's error in a CheckpointException. torch's own
+    serializer (torch.save's zip writer) reports a failed write as a RuntimeError ("unexpected
+    pos 704 vs 598"): a file-system error too, a full disk when `directory`'s is."""
     stack, seen = [(rank, failure)], set()
     while stack:
         where, error = stack.pop(0)
@@ -218,12 +220,27 @@ def _describe_failure(failure: BaseException, rank: int) -> tuple[str, str]:
         if isinstance(error, OSError):
             kind = "enospc" if error.errno == errno.ENOSPC else "os"
             return kind, f"rank {where}: {error}"
+        if isinstance(error, RuntimeError) and any(s in str(error) for s in _WRITER_FAILED):
+            kind = "enospc" if _disk_full(directory) else "os"
+            first_line = str(error).strip().splitlines()[0]
+            return kind, f"rank {where}: torch's serializer could not write ({first_line})"
         failures = getattr(error, "failures", None)  # DCP: {rank: (exception, traceback)}
         if isinstance(failures, dict):
             for other, wrapped in sorted(failures.items()):
                 stack.append((other, wrapped[0] if isinstance(wrapped, tuple) else wrapped))
         stack += [(where, error.__cause__), (where, error.__context__)]
     return "other", f"rank {rank}: {type(failure).__name__}: {failure}"
+
+
+# what torch's zip writer (inline_container.cc) says when a write comes up short
+_WRITER_FAILED = ("unexpected pos", "PytorchStreamWriter failed writing", "inline_container")
+
+
+def _disk_full(directory: str) -> bool:
+    try:
+        return shutil.disk_usage(directory).free < (1 << 20)
+    except OSError:
+        return False
 
 
 def wait_for_pending_save() -> None:
