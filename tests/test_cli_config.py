@@ -33,7 +33,7 @@ def test_unknown_key_and_missing_data_are_one_line_errors_of_the_real_command():
         (["--set", "checkpoint.async_save=maybe"], "checkpoint.async_save: 'maybe' is not true"),
         (["--set", "model.n_heads=5"], "model: dim (384) is not divisible by n_heads (5)"),
         (["--global-batch", "6", "--micro-batch", "4"], "global_batch (6) must be a multiple"),
-        (["--global-batch", "4", "--micro-batch", "4"], "data-parallel ranks (4 x 2 = 8"),
+        (["--global-batch", "4", "--micro-batch", "4"], "(4 x 2 = 8; 2 processes asked for"),
         (["--set", "train.min_lr=1", "--lr", "0.1"], "train.min_lr (1.0) must not exceed"),
         (["--set", "model=3"], "unknown config key 'model'"),
         (["--set", "no_equals_sign"], "write it as section.key=value"),

@@ -134,7 +134,9 @@ def test_plan_of_a_hugging_face_config(tmp_path, capsys):
     assert main(["plan", "gpt-5"]) == 2
     assert "unknown model 'gpt-5'" in capsys.readouterr().err
     assert main(["plan", "llama3-8b", "--world-size", "6", "--dp-shard", "4"]) == 2
-    assert "dp_shard x tp (4 x 1) must divide world_size (6)" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert "--world-size 6, --dp-shard 4" in error  # the flags that set the degrees
+    assert "dp_shard x tp (4 x 1) must divide world_size (6)" in error
 
 
 def test_embedding_looked_up_from_its_shards():

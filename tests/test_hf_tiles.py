@@ -103,6 +103,13 @@ def test_a_model_that_is_not_a_causal_lm_is_refused():
         hf.build_causal_lm(t5)
 
 
+def test_a_checkpoint_of_another_head_names_its_architecture():
+    classifier = _config(architectures=["LlamaForSequenceClassification"])
+    with pytest.raises(hf.HFConfigError, match=r"'LlamaForSequenceClassification'\], not a "
+                       r"causal language model.*model_type 'llama': LlamaForCausalLM"):  # fmt: skip
+        hf.build_causal_lm(classifier)
+
+
 def test_decoder_layers_must_be_named():
     with torch.device("meta"):
         model = hf.build_causal_lm(_config())

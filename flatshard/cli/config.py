@@ -304,7 +304,8 @@ def check(config: RunConfig, world_size: int | None = None) -> None:
             raise ConfigError(
                 f"train.global_batch ({train.global_batch}) must be a multiple of "
                 f"train.micro_batch x data-parallel ranks ({train.micro_batch} x {dims.dp} = "
-                f"{per_step}{shared})"
+                f"{per_step}{shared}; {world_size} processes asked for): change "
+                "--global-batch, --micro-batch or the number of processes (--nproc)"
             )
     model, seq_len = config.model, config.data.seq_len
     if model.max_seq_len and model.max_seq_len < seq_len:

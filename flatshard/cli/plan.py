@@ -10,8 +10,9 @@ import json
 
 from flatshard.cli import config as run_config
 from flatshard.cli import zoo
-from flatshard.cli.errors import warn
+from flatshard.cli.errors import ConfigError, warn
 from flatshard.cli.estimate import Plan, Setup, plan
+from flatshard.errors import MeshError
 from flatshard.mesh import ParallelDims
 
 GIB = 1 << 30
@@ -122,7 +123,11 @@ def plan_command(args) -> int:
         values["dp_shard"] = values["world_size"] // max(1, replicas * values["tp"])
     if values["dp_shard"] is None:  # an explicit 0 is an error (Setup), not "all ranks"
         values["dp_shard"] = values["world_size"] // max(1, values["tp"])
-    result = plan(spec, Setup(**values))
+    try:
+        result = plan(spec, Setup(**values))
+    except MeshError as error:  # name the flags that set the degrees
+        flags = f"--world-size {values['world_size']}, --dp-shard {values['dp_shard']}"
+        raise ConfigError(f"{flags}, --tp {values['tp']}, --ep {values['ep']}: {error}") from None
     print(json.dumps(result.to_dict(), indent=1) if args.json else format_plan(result))
     empty = [unit for unit in result.units if unit.empty_ranks]
     if empty:

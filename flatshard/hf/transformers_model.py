@@ -140,6 +140,7 @@ def build_causal_lm(hf_config: dict, dtype: torch.dtype | None = None) -> nn.Mod
             f"config.json field 'model_type' is {model_type!r}, which transformers "
             f"{transformers.__version__} does not know"
         )
+    _check_architectures(hf_config)
     config = transformers.CONFIG_MAPPING[model_type].from_dict(hf_config)
     try:
         # buffers on the CPU even inside a meta device context (from_pretrained's)
@@ -154,6 +155,22 @@ def build_causal_lm(hf_config: dict, dtype: torch.dtype | None = None) -> nn.Mod
             f"can build: {e}"
         ) from None
     return model.eval()
+
+
+def _check_architectures(hf_config: dict) -> None:
+    """A checkpoint of another head (a classifier, a vision-language model) has tensors a
+    causal LM does not: say so by name rather than list them as a mismatch."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    archs = hf_config.get("architectures") or []
+    if not archs or set(archs) & set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
+        return
+    causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(hf_config.get("model_type"))
+    raise HFConfigError(
+        f"config.json field 'architectures' is {archs!r}, not a causal language model; "
+        "flatshard imports causal LMs"
+        + (f" (for model_type {hf_config['model_type']!r}: {causal})" if causal else "")
+    )
 
 
 def shard_decoder_layers(model: nn.Module, **fully_shard_kwargs) -> nn.Module:
