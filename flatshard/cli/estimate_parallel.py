@@ -44,7 +44,10 @@ def tp_local(spec: ModelSpec, tp: int) -> ModelSpec:
 
 
 def _is_expert(param) -> bool:
-    return len(param.shape) == 3 and ".experts." in f".{param.name}"
+    """A parameter of a grouped-experts module (experts first: its weights, and biases
+    such as GPT-OSS's): split over EP with them."""
+    _, found, attr = f".{param.name}".rpartition(".experts.")
+    return bool(found) and "." not in attr and len(param.shape) >= 2
 
 
 def ep_local(spec: ModelSpec, ep: int, efsdp: int) -> ModelSpec:

@@ -153,26 +153,18 @@ def apply_transformers_expert_parallel(model: nn.Module, ep_mesh) -> list[nn.Mod
 
 
 def _check_experts(name: str, module: nn.Module, ep: int) -> None:
-    """transformers' grouped experts in the layout `ExpertParallel` computes: `[gate; up]`
-    concatenated, not transposed, no biases."""
-    layout = dict(
-        is_concatenated=getattr(module, "is_concatenated", True),
-        is_transposed=getattr(module, "is_transposed", False),
-        has_bias=getattr(module, "has_bias", False),
-        has_gate=getattr(module, "has_gate", True),
-    )
-    grouped = all(
-        getattr(getattr(module, attr, None), "ndim", 0) == 3
-        for attr in ("gate_up_proj", "down_proj")
-    )
-    if not grouped or layout != dict(is_concatenated=True, is_transposed=False, has_bias=False,
-                                     has_gate=True):  # fmt: skip
+    """transformers' grouped experts that `ExpertParallel` can split: 3-D `gate_up_proj`
+    and `down_proj` (and their biases, if any) with the experts first."""
+    params = dict(module.named_parameters(recurse=False))
+    grouped = all(getattr(params.get(a), "ndim", 0) == 3 for a in ("gate_up_proj", "down_proj"))
+    if not grouped or not getattr(module, "has_gate", True):
+        shapes = {n: tuple(p.shape) for n, p in params.items()}
         raise MeshError(
-            f"ep={ep}: {name} ({type(module).__name__}, {layout}) is not a grouped-experts "
-            "module flatshard can split (3-D gate_up_proj [gate; up] and down_proj, no "
-            "biases); use ep=1"
+            f"ep={ep}: {name} ({type(module).__name__}, parameters {shapes}) is not a "
+            "grouped-experts module flatshard can split (3-D gate_up_proj and down_proj, "
+            "experts first); use ep=1"
         )
-    experts = module.gate_up_proj.shape[0]
+    experts = params["gate_up_proj"].shape[0]
     if experts % ep:
         raise MeshError(
             f"expert parallelism over {ep} ranks: {name} has {experts} experts, not "
@@ -183,14 +175,27 @@ def _check_experts(name: str, module: nn.Module, ep: int) -> None:
 def _expert_outputs(module: nn.Module):
     """What `ExpertParallel` computes on the rows each local expert received (sorted by
     expert, `counts` of them): transformers' own expert math, `down(gate(gate_up(x)))`
-    with the module's `_apply_gate` (SwiGLU, or the family's)."""
+    with the module's `_apply_gate` (SwiGLU, or the family's: GPT-OSS's clamped GLU of
+    interleaved gate/up), weights stored `(out, in)` or transposed (`is_transposed`), with
+    the family's biases (`has_bias`)."""
+    transposed = getattr(module, "is_transposed", False)
+    biased = getattr(module, "has_bias", False)
+
+    def project(x, weight, bias):
+        out = x @ weight if transposed else F.linear(x, weight)
+        return out + bias if bias is not None else out
 
     def expert_outputs(rows, gate_up, down, counts):
+        gate_up_bias = module.gate_up_proj_bias.to_local() if biased else None
+        down_bias = module.down_proj_bias.to_local() if biased else None
         outs = []
         for expert, chunk in enumerate(rows.split(counts.tolist())):
-            hidden = module._apply_gate(F.linear(chunk, gate_up[expert]))
-            outs.append(F.linear(hidden, down[expert]))
-        return torch.cat(outs) if outs else rows.new_zeros((0, down.shape[1]))
+            first_bias = gate_up_bias[expert] if biased else None
+            second_bias = down_bias[expert] if biased else None
+            hidden = module._apply_gate(project(chunk, gate_up[expert], first_bias))
+            outs.append(project(hidden, down[expert], second_bias))
+        width = down.shape[2] if transposed else down.shape[1]
+        return torch.cat(outs) if outs else rows.new_zeros((0, width))
 
     return expert_outputs
 
