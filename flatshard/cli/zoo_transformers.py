@@ -41,8 +41,15 @@ def from_transformers_config(hf_config: dict, name: str) -> zoo.ModelSpec:
     units.append(zoo.UnitSpec("root", zoo._infos(root), is_root=True))
     config = model.config
 
+    splits: dict[int, dict] = {}  # tp -> {parameter: (dim, parts)}, computed once
+
     def tp_local_shape(param: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
-        return _tp_local_shape(model, param, shape, tp)
+        if tp not in splits:
+            splits[tp] = _splits(model, tp)
+        if param not in splits[tp]:
+            return tuple(shape)
+        dim, _ = splits[tp][param]
+        return tuple(n // tp if d == dim else n for d, n in enumerate(shape))
 
     return zoo.ModelSpec(
         name,
@@ -54,22 +61,13 @@ def from_transformers_config(hf_config: dict, name: str) -> zoo.ModelSpec:
     )
 
 
-_SPLITS: dict[tuple[int, int], dict] = {}  # (model id, tp) -> its splits
-
-
-def _tp_local_shape(model, param: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+def _splits(model, tp: int) -> dict:
     from flatshard.parallel.transformers_plan import tensor_parallel_splits
 
-    key = (id(model), tp)
-    if key not in _SPLITS:
-        try:
-            _SPLITS[key] = tensor_parallel_splits(model, tp) if tp > 1 else {}
-        except MeshError as error:
-            raise ConfigError(f"--tp {tp}: {error}") from None
-    if param not in _SPLITS[key]:
-        return tuple(shape)
-    dim, _ = _SPLITS[key][param]
-    return tuple(n // tp if d == dim else n for d, n in enumerate(shape))
+    try:
+        return tensor_parallel_splits(model, tp) if tp > 1 else {}
+    except MeshError as error:
+        raise ConfigError(f"--tp {tp}: {error}") from None
 
 
 def _activations(config, a: int) -> int:
