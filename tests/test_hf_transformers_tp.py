@@ -6,8 +6,8 @@ from their per-expert tensors), against transformers itself: logits, three train
 steps, bitwise export. Dense families at (dp 2, tp 2), (tp 4) and HSDP 2 x TP 2; MoE
 families (Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3 with MLA split by heads, its
 score-correction bias and shared experts, Qwen3-Next with Gated DeltaNet layers split by
-heads, GLM-4-MoE) at (efsdp 2, ep 2), (tp 2, ep 2), (dp 2, tp 2) and HSDP 2 x TP 2 x EP 2;
-PhiMoE and GPT-OSS (no TP plan in transformers) at (efsdp 2, ep 2). A DCP checkpoint
+heads, GLM-4-MoE) at (efsdp 2, ep 2), (tp 2, ep 2), (dp 2, tp 2), (tp 4) and HSDP 2 x
+TP 2 x EP 2; PhiMoE and GPT-OSS (no TP plan in transformers) at (efsdp 2, ep 2). A DCP checkpoint
 written at (tp 2, ep 2) loads bitwise at (dp 2) and in one process.
 
 One worker call per layout runs every family, to keep the suite fast.
@@ -54,7 +54,8 @@ SIZES = dict(
     num_key_value_heads=4,  # GQA, 4 kv heads: splits over tp 4
     max_position_embeddings=64,
 )
-MOE_SIZES = dict(SIZES, num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2)
+# 4 heads of 8 and 4 kv heads: attention splits over tp 4 (the dense families cover GQA)
+MOE_SIZES = dict(SIZES, num_attention_heads=4, num_key_value_heads=4, num_experts_per_tok=2)
 ARCHS = {
     "llama3": lambda: transformers.LlamaConfig(**SIZES, rope_theta=500000.0),
     "qwen2": lambda: transformers.Qwen2Config(**SIZES),  # q/k/v biases split with rows
@@ -70,13 +71,13 @@ ARCHS = {
     "mixtral": lambda: transformers.MixtralConfig(**MOE_SIZES, num_local_experts=4),
     "olmoe": lambda: transformers.OlmoeConfig(**MOE_SIZES, num_experts=4),
     "deepseek_v3": lambda: transformers.DeepseekV3Config(
-        **dict(MOE_SIZES, num_key_value_heads=4), n_routed_experts=4, moe_intermediate_size=32,
+        **MOE_SIZES, n_routed_experts=4, moe_intermediate_size=32,
         first_k_dense_replace=1, n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=24,
         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
     ),  # MLA attention (split by heads), a dense first layer, shared experts
     "qwen3_next": lambda: transformers.Qwen3NextConfig(
         **MOE_SIZES, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+        linear_num_value_heads=4, linear_num_key_heads=4, linear_key_head_dim=8,
         linear_value_head_dim=8, head_dim=8, layer_types=["linear_attention", "full_attention"],
     ),
     "glm4_moe": lambda: transformers.Glm4MoeConfig(
@@ -84,7 +85,10 @@ ARCHS = {
         n_group=1, topk_group=1, n_shared_experts=1,
     ),
     # no tensor-parallel plan in transformers: expert parallelism only
-    "phimoe": lambda: transformers.PhimoeConfig(**MOE_SIZES, num_local_experts=4),
+    # no router jitter: training draws it from each process's own generator
+    "phimoe": lambda: transformers.PhimoeConfig(
+        **MOE_SIZES, num_local_experts=4, router_jitter_noise=0.0
+    ),
     "gpt_oss": lambda: transformers.GptOssConfig(
         **dict(MOE_SIZES, intermediate_size=32), head_dim=8, num_local_experts=4,
         layer_types=["sliding_attention", "full_attention"], sliding_window=8,
@@ -106,7 +110,7 @@ SPLIT = (
 )  # fmt: skip
 LAYOUTS = {  # name: ((dp_replicate, dp_shard, tp, ep), families)
     "dp2-tp2": ((1, 2, 2, 1), DENSE + MOE),
-    "tp4": ((1, 1, 4, 1), DENSE),
+    "tp4": ((1, 1, 4, 1), DENSE + MOE),
     "hsdp2-tp2": ((2, 1, 2, 1), DENSE),
     "efsdp2-ep2": ((1, 4, 1, 2), MOE + EP_ONLY),
     "tp2-ep2": ((1, 2, 2, 2), MOE),
