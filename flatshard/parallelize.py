@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from flatshard.activation_checkpointing import check_mode, checkpoint_block
 from flatshard.api import fully_shard
+from flatshard.compile import compile_backend, compile_block
 from flatshard.mesh import Meshes, ParallelDims
 from flatshard.plan import ParallelPlan, plan_for
 
@@ -26,23 +28,20 @@ def parallelize(
     reshard_after_forward: bool | int | None = None,
     zero_stage: int | None = None,
     activation_checkpointing=None,
-    compile: bool = False,
+    compile: bool | str = False,
 ) -> nn.Module:
     """Split `model` (on the meta device or a real one) over `dims` in place and return it.
 
     plan: how (default: the plan of the model's family, see `flatshard.plan`).
     mp_policy, offload_policy, reshard_after_forward, zero_stage: `fully_shard`'s, for
-    every unit. Materialise a meta model afterwards with `flatshard.materialize`."""
-    if activation_checkpointing is not None:
-        raise NotImplementedError(
-            "parallelize(activation_checkpointing=...) is not built yet; wrap the blocks "
-            "with torch.utils.checkpoint yourself before parallelize"
-        )
-    if compile:
-        raise NotImplementedError(
-            "parallelize(compile=True) is not built yet; compile the blocks' forward "
-            "yourself (block.forward = torch.compile(block.forward)) after parallelize"
-        )
+    every unit.
+    activation_checkpointing: "full", "selective" or None, per block
+    (`flatshard.activation_checkpointing`).
+    compile: True (inductor) or a `torch.compile` backend name: each block is compiled
+    (`block.compile`, whole graph where the plan allows: its math only, the unit hooks
+    run outside). Materialise a meta model afterwards with `flatshard.materialize`."""
+    check_mode(activation_checkpointing)
+    backend = compile_backend(compile)
     meshes = dims if isinstance(dims, Meshes) else dims.build()
     plan = plan if plan is not None else plan_for(model)
     blocks = plan.blocks_of(model)
@@ -58,6 +57,11 @@ def parallelize(
         for experts in plan.apply_expert_parallel(model, meshes.ep):
             fully_shard(experts, mesh=meshes.expert_fsdp, **shard)
     for block in blocks:
+        if activation_checkpointing is not None:
+            checkpoint_block(block, activation_checkpointing)
         fully_shard(block, mesh=meshes.fsdp, **shard)
     fully_shard(model, mesh=meshes.fsdp, **shard)
+    if backend is not None:  # after fully_shard: the unit hooks stay outside the graphs
+        for block in blocks:
+            compile_block(block, backend)
     return model

@@ -9,7 +9,6 @@ import re
 from functools import partial
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -170,5 +169,3 @@ def test_a_plan_that_cannot_apply_says_why():
     assert "tp=2, but _Regressor has no tensor-parallel plan" in no_tp
     assert "ep=2, but _Regressor has no experts" in no_experts
     assert "Linear has no ModuleList 'layers'" in no_blocks
-    with pytest.raises(NotImplementedError, match=r"compile=True\) is not built yet"):
-        flatshard.parallelize(nn.Linear(2, 2), flatshard.ParallelDims(1), compile=True)

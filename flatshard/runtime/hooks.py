@@ -29,11 +29,21 @@ from flatshard.runtime.schedule import RootContext, context_of
 from flatshard.runtime.states import ShardedState, TrainingState
 
 
+def _outside_compile(hook):
+    """As FSDP2's hooks: dynamo never traces them, so a compiled block holds only its math.
+    (Disabled directly: a wrapper of ours that called `disable` would itself be traced.)"""
+    return torch._dynamo.disable(hook, recursive=True, reason="flatshard's unit hooks")
+
+
 def attach(unit, module) -> None:
     module.register_forward_pre_hook(
-        lambda m, args, kwargs: pre_forward(unit, args, kwargs), prepend=True, with_kwargs=True
+        _outside_compile(lambda m, args, kwargs: pre_forward(unit, args, kwargs)),
+        prepend=True,
+        with_kwargs=True,
     )
-    module.register_forward_hook(lambda m, args, output: post_forward(unit, output))
+    module.register_forward_hook(
+        _outside_compile(lambda m, args, output: post_forward(unit, output))
+    )
 
 
 def pre_forward(unit, args, kwargs):

@@ -1,0 +1,207 @@
+"""`parallelize(compile=True)`: each block compiled whole (inductor on CPU) while flatshard's
+unit hooks run outside the graph. Compiled training equals eager training (fp32, five AdamW
+steps) at world 2 and 4, ZeRO-2 and 3, under TP 2 and EP 2, with activation checkpointing
+too; the graph breaks counted by dynamo are none, and the compiled frames as many as
+FSDP2's. A whole sharded model compiles too, breaking only at its units."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_distributed
+from reference import batches, config, full_state, lm_loss, rel_diff, rel_losses, train
+from test_moe_training import moe_loss
+from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import flatshard
+from flatshard.activation_checkpointing import SAVED_OPS
+from flatshard.models import Llama, MoE, MoEConfig
+
+STEPS = 5
+TOLERANCE = 1e-5
+CONFIG = dict(ffn_dim=48)  # even: splits over tp 2
+
+
+def _dynamo_counts() -> dict:
+    return {
+        "breaks": sum(counters["graph_break"].values()),
+        "graphs": counters["stats"]["unique_graphs"],
+    }
+
+
+def _train(compile, *, tp=1, ep=1, zero_stage=3, ac=None, mp=None, whole=False):
+    """One run on this rank: (losses, full weights, dynamo's counts)."""
+    torch._dynamo.reset()  # a pooled worker: start from no compiled code, no counts
+    counters.clear()
+    torch.manual_seed(0)
+    model = MoE(MoEConfig.tiny("mixtral")) if ep > 1 else Llama(config(**CONFIG))
+    dims = flatshard.ParallelDims(dist.get_world_size(), tp=tp, ep=ep)
+    flatshard.parallelize(
+        model,
+        dims,
+        zero_stage=zero_stage,
+        mp_policy=mp,
+        activation_checkpointing=ac,
+        compile=compile and not whole,
+    )
+    if whole:
+        model.compile(fullgraph=False)
+    meshes = dims.build()
+    loss_fn = partial(moe_loss, group=meshes.dp.get_group()) if ep > 1 else None
+    extra = {"loss_fn": loss_fn} if loss_fn else {}
+    data = batches(model.config, STEPS)
+    losses = train(model, data, rank=meshes.dp_rank, world=dims.dp, **extra)
+    return [loss / tp for loss in losses], full_state(model), _dynamo_counts()
+
+
+def _compiled_and_eager(**options):
+    return _train(True, **options), _train(False, **options)
+
+
+CASES = {
+    "zero3": (2, {}),
+    "zero2": (2, {"zero_stage": 2}),
+    "world4": (4, {}),
+    "tp2": (4, {"tp": 2}),
+    "ep2": (2, {"ep": 2}),
+    "ac-full": (2, {"ac": "full"}),
+    "ac-selective": (2, {"ac": "selective"}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_blocks_train_like_eager(case):
+    world, options = CASES[case]
+    for compiled, eager in run_distributed(_compiled_and_eager, world, timeout=600, **options):
+        losses, weights, counts = compiled
+        assert counts["breaks"] == 0
+        assert counts["graphs"] >= 1  # it did compile
+        assert rel_losses(losses, eager[0]) <= TOLERANCE
+        assert rel_diff(weights, eager[1]) <= TOLERANCE
+
+
+def _bf16():
+    mp = flatshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return _compiled_and_eager(mp=mp)
+
+
+def test_mixed_precision_compiles_whole():
+    for (losses, _, counts), (eager_losses, _, _) in run_distributed(_bf16, 2, timeout=600):
+        assert counts["breaks"] == 0 and counts["graphs"] >= 1
+        # inductor keeps bf16 intermediates in fp32 where eager rounds them
+        assert rel_losses(losses, eager_losses) <= 2e-2
+
+
+def _frames_of(which: str) -> dict:
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = Llama(config(**CONFIG))
+    if which == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.layers:
+            fully_shard(block)
+        fully_shard(model)
+        for block in model.layers:
+            block.compile(fullgraph=True)
+    else:
+        flatshard.parallelize(model, flatshard.ParallelDims(dist.get_world_size()), compile=True)
+    train(model, batches(model.config, 2), rank=dist.get_rank(), world=dist.get_world_size())
+    return _dynamo_counts()
+
+
+def test_as_many_compiled_frames_as_fsdp2():
+    ours = run_distributed(_frames_of, 2, "flatshard", timeout=600)[0]
+    theirs = run_distributed(_frames_of, 2, "fsdp2", timeout=600)[0]
+    assert ours == theirs
+    assert ours["breaks"] == 0
+
+
+def _whole_model():
+    return _train(True, whole=True), _train(False)
+
+
+def test_whole_model_compiles_breaking_at_units():
+    for compiled, eager in run_distributed(_whole_model, 2, timeout=600):
+        losses, weights, counts = compiled
+        assert rel_losses(losses, eager[0]) <= TOLERANCE
+        assert rel_diff(weights, eager[1]) <= TOLERANCE
+        # a break where each block's unit hooks run (the root's run outside the graph)
+        assert 0 < counts["breaks"] <= config(**CONFIG).n_layers + 1
+
+
+class _OpCounter(TorchDispatchMode):
+    """How many matrix products and other ops run while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.products = self.others = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in SAVED_OPS:
+            self.products += 1
+        elif (
+            func.namespace == "aten"
+            and func._schema.name.startswith("aten::")
+            and "copy" not in str(func)
+        ):
+            self.others += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_ops(ac):
+    """Ops autograd runs in one backward, and the step's loss and weights."""
+    torch.manual_seed(0)
+    model = Llama(config(**CONFIG))
+    flatshard.parallelize(
+        model, flatshard.ParallelDims(dist.get_world_size()), activation_checkpointing=ac
+    )
+    tokens = batches(model.config, 1)[0][: 12 // dist.get_world_size()]
+    loss = lm_loss(model, tokens)
+    with _OpCounter() as counted:
+        loss.backward()
+    return counted.products, counted.others, loss.item(), full_state(model)
+
+
+def test_activation_checkpointing_recomputes_per_mode():
+    none, full, selective = (
+        run_distributed(_backward_ops, 2, mode)[0] for mode in (None, "full", "selective")
+    )
+    assert full[0] > none[0]  # full reruns each block's matrix products
+    assert selective[0] == none[0]  # selective saved them
+    assert selective[1] > none[1]  # and reran the cheap ops
+    assert full[2] == none[2] == selective[2]
+    assert rel_diff(full[3], none[3]) == 0 and rel_diff(selective[3], none[3]) == 0
+
+
+def test_an_unknown_mode_or_backend_is_one_line():
+    model = Llama(config(**CONFIG))
+    with pytest.raises(
+        flatshard.WrappingError, match=r"activation_checkpointing='fulll' is not a mode"
+    ):
+        flatshard.parallelize(model, flatshard.ParallelDims(1), activation_checkpointing="fulll")
+    with pytest.raises(
+        flatshard.WrappingError, match=r"compile='inductr': not a torch.compile backend"
+    ):
+        flatshard.parallelize(model, flatshard.ParallelDims(1), compile="inductr")
+
+
+def test_a_backend_that_cannot_compile_is_one_line(monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    from flatshard import compile as compile_module
+
+    monkeypatch.setattr(compile_module, "_WORKING", set())
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/c++",))
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
+    torch._dynamo.reset()
+    with pytest.raises(flatshard.WrappingError) as error:
+        flatshard.parallelize(Llama(config(**CONFIG)), flatshard.ParallelDims(1), compile=True)
+    assert "does not work on this machine" in str(error.value)
+    assert "\n" not in str(error.value)
+    torch._dynamo.reset()
