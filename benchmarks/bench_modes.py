@@ -161,6 +161,15 @@ MOE_MODES = ["fsdp2-moe", "moe3", "ep3"]
 # memory-mapped files in a temporary directory per rank (the disk tier). Plain `fsdp2` and
 # `zero3` are the f = 0 rows.
 OFFLOAD_MODES = ["fsdp2-cpuoff", "off50", "off100", "offdisk"]
+# torch.compile of every block (run when asked for with --modes): FSDP2 with
+# `block.compile(fullgraph=True)` after fully_shard (torchtitan's recipe) and flatshard ZeRO-3
+# with `parallelize(compile=True)` (the same call: its hooks stay outside the graphs). The
+# first (warm-up) step of each build compiles; plain `fsdp2` and `zero3` are the eager rows.
+COMPILE_MODES = ["fsdp2-compile", "compile3"]
+# Activation checkpointing of every block (run when asked for with --modes): flatshard ZeRO-3
+# with parallelize(activation_checkpointing="full" / "selective"); `zero3` is the none row.
+AC_MODES = ["acfull3", "acsel3"]
+AC_OF_MODE = {"acfull3": "full", "acsel3": "selective"}
 # flatshard's offload modes: (fraction, on the disk tier)
 OFFLOAD_FRACTIONS = {"off50": (0.5, False), "off100": (1.0, False), "offdisk": (1.0, True)}
 MODE_NAMES = {
@@ -183,10 +192,14 @@ MODE_NAMES = {
     "off50": "flatshard ZeRO-3 offload 0.5",
     "off100": "flatshard ZeRO-3 offload 1",
     "offdisk": "flatshard ZeRO-3 offload 1 (disk)",
+    "fsdp2-compile": "FSDP2 compiled blocks",
+    "compile3": "flatshard ZeRO-3 compiled blocks",
+    "acfull3": "flatshard ZeRO-3 full AC",
+    "acsel3": "flatshard ZeRO-3 selective AC",
 }
 FLATSHARD_STAGES = {
     "zero3": 3, "zero2": 2, "zero1": 1, "hsdp3": 3, "hpz3": 3, "tp3": 3, "moe3": 3, "ep3": 3,
-    "off50": 3, "off100": 3, "offdisk": 3,
+    "off50": 3, "off100": 3, "offdisk": 3, "compile3": 3, "acfull3": 3, "acsel3": 3,
 }  # fmt: skip
 HPZ_GROUP = 2
 HSDP_REPLICAS = 2
@@ -362,7 +375,7 @@ def build_mode(mode: str, cfg: LlamaConfig, param_dtype: torch.dtype):
                     return loss(model, tokens)
 
             return model, autocast_loss, (lambda loss: loss.backward())
-    elif mode in ("fsdp2", "fsdp2-hsdp", "fsdp2-hpz", "fsdp2-tp", "fsdp2-moe", "fsdp2-cpuoff"):
+    elif mode.startswith("fsdp2"):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
@@ -383,6 +396,9 @@ def build_mode(mode: str, cfg: LlamaConfig, param_dtype: torch.dtype):
         for layer in model.layers:
             fully_shard(layer, mp_policy=policy, mesh=mesh, reshard_after_forward=reshard, **extra)
         fully_shard(model, mp_policy=policy, mesh=mesh, reshard_after_forward=reshard, **extra)
+        if mode == "fsdp2-compile":
+            for layer in model.layers:
+                layer.compile(fullgraph=True)
     else:
         stage = FLATSHARD_STAGES[mode]
         policy = flatshard.MixedPrecisionPolicy(
@@ -394,5 +410,12 @@ def build_mode(mode: str, cfg: LlamaConfig, param_dtype: torch.dtype):
             extra["offload_policy"] = offload  # the same policy object everywhere
         # TP, then each EP rank's experts (Shard(0) over ep) sharded over efsdp, then the
         # blocks and the root
-        flatshard.parallelize(model, dims_for(mode).build("cpu"), mp_policy=policy, **extra)
+        flatshard.parallelize(
+            model,
+            dims_for(mode).build("cpu"),
+            mp_policy=policy,
+            compile=mode == "compile3",
+            activation_checkpointing=AC_OF_MODE.get(mode),
+            **extra,
+        )
     return model, (lambda tokens: loss(model, tokens)), (lambda value: value.backward())

@@ -10,6 +10,8 @@ import subprocess
 
 import torch
 from bench_modes import (
+    AC_MODES,
+    COMPILE_MODES,
     EP_DEGREE,
     FLATSHARD_STAGES,
     HSDP_REPLICAS,
@@ -527,6 +529,7 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
             )
         )
     explain.extend(_offload_notes(summary, opts["modes"]))
+    explain.extend(_compile_and_ac_notes(summary, opts["modes"]))
     spread = _round_ratio_spread(summary, opts["modes"])
     if spread:
         explain.append(
@@ -551,6 +554,43 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
         f"## preset {opts['preset']}, {opts['param_dtype']}, world {world} ({meta['date'][:10]})"
     )
     return "\n".join([title, "", *notes, "", table, *explain, ""])
+
+
+def _compile_and_ac_notes(summary: dict[str, dict], modes: list[str]) -> list[str]:
+    """Compiled blocks: flatshard's step (and CPU) time over compiled FSDP2's and over eager
+    flatshard's, losses against eager; activation checkpointing: step time and peak RSS
+    against no checkpointing (zero3), losses against it."""
+    out = []
+    compiled = summary.get("compile3")
+    if compiled:
+        ratios = [
+            f"×{MODE_NAMES[peer]} {_fmt_ratio(_paired_ratio(summary, 'compile3', peer))} "
+            f"(CPU {_fmt_ratio(_paired_ratio(summary, 'compile3', peer, 'cpu_times'))})"
+            for peer in ("fsdp2-compile", "zero3", "fsdp2")
+            if peer in summary
+        ]
+        out.append(f"\nCompiled blocks, step-paired medians: {MODE_NAMES['compile3']} "
+                   + ", ".join(ratios) + ".")  # fmt: skip
+    zero3 = summary.get("zero3")
+    if not zero3:
+        return out
+    rows = []
+    for mode in [m for m in (*COMPILE_MODES, *AC_MODES) if m in summary]:
+        row = f"{MODE_NAMES[mode]} max rel {_max_rel(summary[mode]['losses'], zero3['losses']):.1e}"
+        if mode in AC_MODES:
+            row += f", step ×{_fmt_ratio(_paired_ratio(summary, mode, 'zero3'))}"
+            peaks, base = summary[mode]["peak_rss"], zero3["peak_rss"]
+            if peaks and base:
+                row += ", peak RSS " + " / ".join(
+                    f"{ours - theirs:+.0f} MiB"
+                    for ours, theirs in zip(peaks, base)
+                    if ours is not None and theirs is not None
+                )
+        rows.append(row)
+    if rows:
+        out.append("\nAgainst eager flatshard ZeRO-3 (losses every step, every round): "
+                   + "; ".join(rows) + ".")  # fmt: skip
+    return out
 
 
 def _offload_notes(summary: dict[str, dict], modes: list[str]) -> list[str]:

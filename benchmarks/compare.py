@@ -64,6 +64,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from bench_modes import (
+    AC_MODES,
+    COMPILE_MODES,
     DTYPES,
     EP_DEGREE,
     HSDP_MODES,
@@ -211,7 +213,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.modes is None:
         args.modes = ",".join(["single", *MOE_MODES] if moe else MODES)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    known = MODES + HSDP_MODES + TP_MODES + MOE_MODES + OFFLOAD_MODES
+    known = MODES + HSDP_MODES + TP_MODES + MOE_MODES + OFFLOAD_MODES + COMPILE_MODES + AC_MODES
     unknown = sorted(set(modes) - set(known))
     if unknown or not modes:
         parser.error(f"unknown modes {unknown}; choose from {known}")

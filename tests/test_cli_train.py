@@ -287,3 +287,27 @@ def test_tensor_and_expert_parallel_moe_run_trains_like_data_parallel(tmp_path):
 def test_bad_parallel_degrees_are_one_line_errors_on_every_rank(tmp_path, args, expected):
     result = flatshard("train", *TINY, "--steps", 1, "--nproc", 4, "--out", tmp_path / "run", *args)
     assert expected in one_line_error(result)
+
+
+def test_compiled_checkpointed_run_trains_like_eager_and_resumes_without(tmp_path):
+    """`--ac selective --compile` takes the steps a plain run takes, says so in its header,
+    and its checkpoint resumes eagerly with `--ac full`, continuing those losses; an
+    unknown mode is a one-line error."""
+    sizes = ["--set", "model.preset=tiny", "--set", "data.seq_len=32",
+             "--set", "train.micro_batch=2", "--set", "train.global_batch=4",
+             "--set", "run.sample_tokens=0"]  # fmt: skip
+    plain, compiled = tmp_path / "plain", tmp_path / "compiled"
+    check_ok(flatshard("train", *sizes, "--steps", 4, "--nproc", 2, "--out", plain))
+    result = check_ok(
+        flatshard("train", *sizes, "--steps", 4, "--nproc", 2, "--out", compiled,
+                  "--ac", "selective", "--compile", "--set", "run.stop_at_step=2")
+    )  # fmt: skip
+    assert "selective activation checkpointing, compiled blocks" in result.stdout
+    check_ok(flatshard("train", "--resume", compiled, "--nproc", 2, "--set", "train.ac=full",
+                       "--set", "train.compile=false"))  # fmt: skip
+    expected = [r["loss"] for r in metrics(plain)]
+    got = [r["loss"] for r in metrics(compiled)]
+    assert len(got) == 4
+    assert max(abs(a - b) / b for a, b in zip(got, expected)) <= 1e-5, (got, expected)
+    error = one_line_error(flatshard("train", *sizes, "--steps", 1, "--ac", "fulll"))
+    assert "train.ac" in error and "fulll" in error

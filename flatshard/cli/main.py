@@ -35,6 +35,7 @@ TRAIN_FLAGS = {
     "offload_dir": ("train.offload_dir", "DIR", "optimizer state in memory-mapped files here"),
     "hpz_group": ("train.hpz_group", "N", "ZeRO-3: backward gathers inside groups of N (hpZ)"),
     "precision": ("train.precision", "P", "fp32 or bf16 compute"),
+    "ac": ("train.ac", "MODE", "activation checkpointing: none, full or selective"),
     "seed": ("train.seed", "N", "seed of the weights and the data order"),
     "checkpoint_interval": ("checkpoint.interval", "N", "save every N steps (0: only at the end)"),
     "out": ("run.out_dir", "DIR", "run directory (default runs/{time})"),
@@ -79,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="RUN_DIR",
         help="continue a run from its latest checkpoint (default: the newest run)",
+    )
+    train.add_argument(
+        "--compile",
+        action="store_true",
+        default=None,
+        help="torch.compile each block [train.compile]",
     )
     train.add_argument("--help-config", action="store_true", help="list every config key")
 
@@ -170,11 +177,15 @@ def _train(args) -> int:
     if args.help_config:
         print(run_config.describe_options())
         return 0
-    overrides = [
-        f"{key}={getattr(args, flag)}"
-        for flag, (key, _, _) in TRAIN_FLAGS.items()
-        if getattr(args, flag) is not None
-    ] + args.set
+    overrides = (
+        [
+            f"{key}={getattr(args, flag)}"
+            for flag, (key, _, _) in TRAIN_FLAGS.items()
+            if getattr(args, flag) is not None
+        ]
+        + (["train.compile=true"] if args.compile else [])
+        + args.set
+    )
     config = run_config.build(args.config, overrides)
     resume_step = None  # the step to continue from (None: a new run)
     if args.resume is not None:

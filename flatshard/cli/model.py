@@ -94,6 +94,7 @@ def build_run_model(
         dims=dims,
         hpz_group=train.hpz_group,
         offload=offload_policy(train.offload, train.offload_dir),
+        activations=activation_options(train.ac, train.compile),
     )
     if config.model.hf:
         return build_hf(config.model.hf, load=load, **sharding)
@@ -110,6 +111,7 @@ def build_sharded(
     dims: ParallelDims | None = None,
     hpz_group: int = 0,
     offload: flatshard.OffloadPolicy | None = None,
+    activations: dict | None = None,
 ) -> Llama | MoE:
     """`flatshard.parallelize` over `dims` (default: every rank data-parallel): attention
     and dense MLPs split over `tp` ranks, MoE experts over `ep` data-parallel ranks (sharded
@@ -129,7 +131,7 @@ def build_sharded(
         raise ConfigError(f"train.ep ({ep}) must divide model.n_experts ({cfg.n_experts})")
     with torch.device("meta"):
         model = reference_model(cfg)
-    stage = _stage(zero_stage, hpz_group, offload)
+    stage = _stage(zero_stage, hpz_group, offload, activations)
     policy = mixed_precision(precision)
     flatshard.parallelize(model, dims.build(device.type), mp_policy=policy, **stage)
     torch.manual_seed(seed)
@@ -137,10 +139,15 @@ def build_sharded(
     return model
 
 
-def _stage(zero_stage: int, hpz_group: int, offload) -> dict:
-    """The fully_shard settings every unit of a trainer's model shares besides precision."""
+def _stage(zero_stage: int, hpz_group: int, offload, activations: dict | None) -> dict:
+    """The parallelize settings every unit of a trainer's model shares besides precision."""
     stage = {"reshard_after_forward": hpz_group} if hpz_group else {"zero_stage": zero_stage}
-    return {**stage, "offload_policy": offload}
+    return {**stage, "offload_policy": offload, **(activations or {})}
+
+
+def activation_options(ac: str, compile: bool) -> dict:
+    """parallelize's activation checkpointing and compile settings of train.ac/compile."""
+    return {"activation_checkpointing": None if ac == "none" else ac, "compile": compile}
 
 
 def build_plain(cfg: LlamaConfig, device: torch.device | str = "cpu") -> Llama | MoE:
@@ -164,6 +171,7 @@ def build_hf(
     dims: ParallelDims,
     hpz_group: int = 0,
     offload: flatshard.OffloadPolicy | None = None,
+    activations: dict | None = None,
     load: bool = True,
 ):
     """The Hugging Face model at `path` (config.json + safetensors), split by
@@ -175,7 +183,7 @@ def build_hf(
         flatshard.parallelize,
         dims=dims.build(device.type),
         mp_policy=mixed_precision(precision),
-        **_stage(zero_stage, hpz_group, offload),
+        **_stage(zero_stage, hpz_group, offload, activations),
     )
     with _as_config_error(f"train.tp={dims.tp}, train.ep={dims.ep}"):
         if load:

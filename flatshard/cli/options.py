@@ -100,6 +100,10 @@ OPTIONS: tuple[Option, ...] = (
            "files in this directory (the disk tier; alone it offloads everything)"),
     Option("train.precision", "fp32", "compute dtype; weights and optimizer stay fp32",
            choices=("fp32", "bf16")),
+    Option("train.ac", "none", "activation memory per block: full or selective (per-op) "
+           "activation checkpointing", choices=("none", "full", "selective")),
+    Option("train.compile", False, "torch.compile each block (inductor; flatshard's hooks "
+           "stay outside the graphs)"),
     Option("train.seed", 0, "seed of the initial weights and the data order",
            check=_non_negative),
     # checkpoint

@@ -29,6 +29,8 @@ def run_header(trainer) -> str:
         f"flatshard train: {ranks.world_size} process(es), {dist.get_backend()} on "
         f"{ranks.device.type}, ZeRO-{config.train.zero_stage}, {config.train.precision}"
         + (f", tensor parallel over {config.train.tp}" if config.train.tp > 1 else "")
+        + (f", {config.train.ac} activation checkpointing" if config.train.ac != "none" else "")
+        + (", compiled blocks" if config.train.compile else "")
         + _describe_offload(config.train),
         _describe_model(trainer),
         f"data: {trainer.data.source}: {len(trainer.data.tokens):,} tokens, "
