@@ -47,16 +47,26 @@ def test_llama3_8b_on_64_ranks(capsys):
     # activations kept for backward, per token, bf16 except the fp32 parts:
     # per block: 2 RMSNorms (fp32 input + bf16 output), SDPA q/k/v/out + o_proj input
     # (5 x 32 heads x 128), fp32 logsumexp (32 heads), SwiGLU 4 x ffn;
-    # head: final norm, bf16 logits, fp32 copy, log-softmax and its gradient
+    # head: final norm, bf16 logits, fp32 copy, log-softmax and its gradient, and in its
+    # backward the log-probabilities' gradient and the softmax
     per_block = 2 * (FP32 + BF16) * d + BF16 * 5 * 32 * 128 + FP32 * 32 + BF16 * 4 * f
-    head = (FP32 + BF16) * d + BF16 * V + 3 * FP32 * V
-    assert memory["activations"] == 4096 * (L * per_block + head) == 34_315_698_176
+    head = (FP32 + BF16) * d + BF16 * V + 5 * FP32 * V
+    assert memory["activations"] == 4096 * (L * per_block + head) == 38_518_390_784
     # at the start of backward: weights + AdamW + activations + the root's parts gathered
     # with their gradient buffers, two blocks gathered, two blocks' bf16 gradients, one fp32
     # copy reducing
     working = BF16 * 2 * root + BF16 * 4 * block + FP32 * block
     expected = FP32 * shard * 3 + memory["activations"] + working
-    assert memory["total"] == expected == 42_642_505_728
+    assert memory["total"] == expected == 46_845_198_336
+    # full activation checkpointing: every block's input (bf16), the head, one block again;
+    # selective: what each block keeps (q, k, v, SDPA's output and logsumexp, o_proj's and
+    # down_proj's outputs, [gate; up]), the head, and one block's remainder recomputed
+    full = plan(capsys, "llama3-8b", "--ac", "full")["memory"]["activations"]
+    assert full == 4096 * (L * BF16 * d + head + per_block)
+    kept = BF16 * (2 * 32 + 2 * 8) * 128 + FP32 * 32 + BF16 * 2 * d + BF16 * 2 * f
+    selective = plan(capsys, "llama3-8b", "--ac", "selective")["memory"]["activations"]
+    assert selective == 4096 * (L * (BF16 * d + kept) + head + per_block - kept)
+    assert full < selective < memory["activations"]
 
 
 def test_llama3_8b_with_tensor_parallelism(capsys):

@@ -24,7 +24,8 @@ what is gathered when and what a lookup costs from the runtime's own policy
   before FSDP shards them (the embedding, norms and head stay whole); each block then
   all-reduces its row-parallel outputs in forward and its column-parallel input gradients
   in backward (`tp_all_reduce`, apart from the data-parallel `total` the trainer measures).
-  Activations are counted as without TP (an upper bound).
+  Activations are counted as without TP (an upper bound), per activation checkpointing
+  mode (activations.py).
 
 - optimizer offload moves a share of the shards' weights, gradients and optimizer state
   off the device (offload_plan.py); `total` is then device + host.
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from flatshard.cli.activations import MODES as AC_MODES
 from flatshard.cli.errors import ConfigError
 from flatshard.cli.estimate_parallel import (
     DTYPE_BYTES,
@@ -82,6 +84,7 @@ class Setup:
     ep: int = 1  # expert-parallel ranks (borrowed from dp_shard x tp)
     offload: float = 0.0  # share of each rank's shards offloaded to the host
     offload_disk: bool = False  # the offloaded optimizer state in the disk tier's files
+    ac: str = "none"  # activation checkpointing: none, full or selective (activations.py)
 
     def __post_init__(self):
         for name in (
@@ -96,6 +99,8 @@ class Setup:
                 f"--world-size {self.world_size}: more ranks than any machine runs; plans go "
                 f"up to {MAX_WORLD_SIZE:,} ranks"
             )
+        if self.ac not in AC_MODES:
+            raise ConfigError(f"--ac {self.ac}: use one of {', '.join(AC_MODES)}")
         if not 0 <= self.offload <= 1:
             raise ConfigError(f"--offload {self.offload}: it must be in [0, 1]")
         if self.hpz_group < 0:
@@ -223,7 +228,7 @@ def _memory(spec: ModelSpec, units: tuple[UnitFigures, ...], setup: Setup) -> di
     params = total(lambda u: u.shard) * FP32
     grads = total(lambda u: u.shard_trainable) * FP32
     optimizer = setup.optimizer_states * total(lambda u: u.shard_trainable) * FP32
-    activations = setup.micro_batch * setup.seq_len * spec.activation_bytes_per_token(pb)
+    activations = setup.micro_batch * setup.seq_len * spec.activations(pb).per_token(setup.ac)
     looked_up = [u for u in units if _looked_up(u, setup)]
     # the output gradients a lookup gathers (and their fp32 copy), alive while its backward
     # adds them up

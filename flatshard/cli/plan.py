@@ -70,6 +70,12 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument("--zero-stage", type=int, default=None, choices=(1, 2, 3))
     parser.add_argument(
+        "--ac",
+        default=None,
+        choices=("none", "full", "selective"),
+        help="activation checkpointing of every block (default none)",
+    )
+    parser.add_argument(
         "--hpz-group",
         type=int,
         default=None,
@@ -145,7 +151,7 @@ def _model_and_defaults(args):
     defaults = dict(
         world_size=8, dp_shard=None, zero_stage=3, param_dtype="bf16", reduce_dtype="fp32",
         micro_batch=1, seq_len=4096, grad_accum=1, backend="nccl", hpz_group=0, tp=1, ep=1,
-        offload=0.0, offload_disk=False,
+        offload=0.0, offload_disk=False, ac="none",
     )  # fmt: skip
     if args.model is not None:
         return zoo.resolve(args.model), defaults
@@ -162,6 +168,7 @@ def _model_and_defaults(args):
         offload=train.offload or (1.0 if train.offload_dir else 0.0),
         offload_disk=bool(train.offload_dir),
         zero_stage=train.zero_stage,
+        ac=train.ac,
         hpz_group=train.hpz_group,
         param_dtype=train.precision,
         micro_batch=train.micro_batch,
@@ -256,7 +263,7 @@ def format_plan(result: Plan) -> str:
         f"    optimizer state (AdamW)         {_gib(m['optimizer'])}",
         f"    largest unsharded unit          {_gib(m['largest_unsharded_unit'])}  ({largest})",
         f"    unsharded working set           {_gib(m['unsharded_working_set'])}",
-        f"    activations (estimate)          {_gib(m['activations'])}",
+        f"    {'activations (AC ' + result.setup.ac + ')':<32}{_gib(m['activations'])}",
         f"    total (peak estimate)           {_gib(m['total'])}",
         *_offload_lines(s, m),
         "",

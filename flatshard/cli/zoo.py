@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flatshard.cli.activations import Activations, Saved
 from flatshard.cli.errors import ConfigError
 from flatshard.layout import ParamInfo
 from flatshard.models import Llama, LlamaConfig, MoEConfig, family_of_config
@@ -53,8 +54,9 @@ class ModelSpec:
     name: str
     units: tuple[UnitSpec, ...]
     n_layers: int
-    # bytes saved for backward per token, all layers and the head, given the compute dtype size
-    activation_bytes_per_token: Callable[[int], int]
+    # bytes saved for backward per token (layers and head, per AC mode), given the compute
+    # dtype's size
+    activations: Callable[[int], Activations]
     top_k: int = 0  # experts per token (MoE)
     # (parameter name, shape, tp) -> its shape on each TP rank; None: the reference Llama's plan
     tp_local_shape: Callable[[str, tuple[int, ...], int], tuple[int, ...]] | None = None
@@ -187,46 +189,69 @@ def _infos(named) -> tuple[ParamInfo, ...]:
     return tuple(ParamInfo(n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in named)
 
 
-def _norm_bytes(dim: int, a: int) -> int:
-    # RMSNorm keeps its fp32 input (a copy under bf16) and its normalised output
-    return FP32 * dim + a * dim
+def _norm_bytes(dim: int, a: int) -> Saved:
+    # RMSNorm keeps its fp32 input (a copy under bf16) and its normalised output; selective
+    # AC recomputes it
+    return Saved(FP32 * dim + a * dim)
 
 
 def _head_bytes(dim: int, vocab: int, a: int) -> int:
-    # final norm, logits, fp32 log-softmax, the logits' gradient (and a fp32 copy under bf16)
-    return _norm_bytes(dim, a) + a * vocab + 2 * FP32 * vocab + (FP32 * vocab if a != FP32 else 0)
+    # final norm, logits, fp32 log-softmax, the logits' gradient (and a fp32 copy under
+    # bf16); while its backward runs, the log-probabilities' gradient and the softmax (fp32)
+    fp32_copy = FP32 * vocab if a != FP32 else 0
+    return _norm_bytes(dim, a).all + a * vocab + 4 * FP32 * vocab + fp32_copy
 
 
-def _attention_bytes(heads: int, kv_heads: int, head_dim: int, qk_norm: bool, a: int) -> int:
-    # SDPA keeps q, k, v (kv repeated to all heads), its output and logsumexp; o_proj its input
-    saved = a * 5 * heads * head_dim + FP32 * heads
+def _attention_bytes(heads: int, kv_heads: int, head_dim: int, qk_norm: bool, a: int) -> Saved:
+    # SDPA keeps q, k, v (kv repeated to all heads), its output and logsumexp; o_proj its
+    # input. Selective AC keeps the q, k, v projections' outputs and SDPA's output and
+    # logsumexp, and recomputes RoPE (and the head norms)
+    saved = Saved(
+        a * 5 * heads * head_dim + FP32 * heads,
+        a * (2 * heads + 2 * kv_heads) * head_dim + FP32 * heads,
+    )
     if qk_norm:
         saved += _norm_bytes((heads + kv_heads) * head_dim, a)  # per-head q and k norms
     return saved
 
 
-def _swiglu_bytes(ffn: int, a: int) -> int:
-    return a * 4 * ffn  # gate|up output, silu(gate), their product
+def _swiglu_bytes(ffn: int, a: int) -> Saved:
+    # gate|up output, silu(gate), their product; selective AC keeps the first
+    return Saved(a * 4 * ffn, a * 2 * ffn)
 
 
-def _dense_activations(cfg: LlamaConfig, a: int) -> int:
+def _projection_outputs(dim: int, a: int) -> Saved:
+    # o_proj's and down_proj's outputs: only selective AC keeps them (matrix products)
+    return Saved(0, 2 * a * dim)
+
+
+def _activations(layers, dim: int, vocab: int, a: int) -> Activations:
+    kinds = tuple((count, saved) for count, saved in layers if count)
+    return Activations(kinds, a * dim, _head_bytes(dim, vocab, a))
+
+
+def _dense_activations(cfg: LlamaConfig, a: int) -> Activations:
     layer = (
         2 * _norm_bytes(cfg.dim, a)
         + _attention_bytes(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.qk_norm, a)
         + _swiglu_bytes(cfg.ffn_dim, a)
+        + _projection_outputs(cfg.dim, a)
     )
-    return cfg.n_layers * layer + _head_bytes(cfg.dim, cfg.vocab_size, a)
+    return _activations([(cfg.n_layers, layer)], cfg.dim, cfg.vocab_size, a)
 
 
-def _reference_moe_activations(cfg: MoEConfig, a: int) -> int:
-    common = 2 * _norm_bytes(cfg.dim, a) + _attention_bytes(
-        cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.qk_norm, a
+def _reference_moe_activations(cfg: MoEConfig, a: int) -> Activations:
+    common = (
+        2 * _norm_bytes(cfg.dim, a)
+        + _attention_bytes(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.qk_norm, a)
+        + _projection_outputs(cfg.dim, a)
     )
     dense = common + _swiglu_bytes(cfg.ffn_dim, a)
     moe = common + _moe_bytes(cfg.dim, cfg.n_experts, cfg.top_k, cfg.expert_ffn_dim, a)
     moe += _swiglu_bytes(cfg.n_shared_experts * cfg.expert_ffn_dim, a)
     n_moe = cfg.n_layers - cfg.first_k_dense
-    return cfg.first_k_dense * dense + n_moe * moe + _head_bytes(cfg.dim, cfg.vocab_size, a)
+    layers = [(cfg.first_k_dense, dense), (n_moe, moe)]
+    return _activations([kind for kind in layers if kind[0]], cfg.dim, cfg.vocab_size, a)
 
 
 # the activation bytes per token of each family's layers (by family name)
@@ -248,9 +273,11 @@ def _moe_params(hidden: int, experts: int, moe_ffn: int) -> list[ParamInfo]:
     ]
 
 
-def _moe_bytes(hidden: int, experts: int, top_k: int, moe_ffn: int, a: int) -> int:
-    # router logits and fp32 probabilities; each token copied to its top_k experts
-    return (a + FP32) * experts + top_k * (a * hidden + _swiglu_bytes(moe_ffn, a))
+def _moe_bytes(hidden: int, experts: int, top_k: int, moe_ffn: int, a: int) -> Saved:
+    # router logits and fp32 probabilities; each token copied to its top_k experts.
+    # Selective AC keeps the router's logits and each expert's products
+    per_copy = Saved(a * hidden, a * hidden) + _swiglu_bytes(moe_ffn, a)
+    return Saved((a + FP32) * experts, a * experts) + top_k * per_copy
 
 
 def _layer_norms(hidden: int) -> list[ParamInfo]:
@@ -284,13 +311,14 @@ def _moe(hf: dict, name: str, experts: int, ffn: int, qk_norm: bool) -> ModelSpe
     params = tuple(attention + _moe_params(d, experts, ffn) + _layer_norms(d))
     layer = UnitSpec(f"layers.0-{layers - 1}", params, layers)
 
-    def activations(a: int) -> int:
+    def activations(a: int) -> Activations:
         per_layer = (
             2 * _norm_bytes(d, a)
             + _attention_bytes(h, kv, hd, qk_norm, a)
             + _moe_bytes(d, experts, top_k, ffn, a)
+            + _projection_outputs(d, a)
         )
-        return layers * per_layer + _head_bytes(d, vocab, a)
+        return _activations([(layers, per_layer)], d, vocab, a)
 
     roots = _root(vocab, d, hf.get("tie_word_embeddings", False))
     return ModelSpec(name, (layer, *roots), layers, activations, top_k=top_k)
@@ -331,15 +359,18 @@ def _deepseek_v3(hf: dict, name: str) -> ModelSpec:
         *_root(vocab, d, hf.get("tie_word_embeddings", False)),
     )
 
-    def activations(a: int) -> int:
+    def activations(a: int) -> Activations:
         qk = h * (nope + rope)
+        # the latents, q, k, v, SDPA's output and o_proj's input; selective AC keeps the
+        # projections' outputs and SDPA's
+        products = a * (q_rank + kv_rank + rope + 2 * qk + 2 * h * v_dim) + FP32 * h
         attention = (
-            _norm_bytes(q_rank, a) + _norm_bytes(kv_rank, a) + a * (kv_rank + rope)
-            + a * (2 * qk + 3 * h * v_dim) + FP32 * h  # q, k, v, output, o_proj input
+            _norm_bytes(q_rank, a) + _norm_bytes(kv_rank, a)
+            + Saved(a * (kv_rank + rope) + a * (2 * qk + 3 * h * v_dim) + FP32 * h, products)
         )  # fmt: skip
-        common = 2 * _norm_bytes(d, a) + attention
+        common = 2 * _norm_bytes(d, a) + attention + _projection_outputs(d, a)
         dense_layer = common + _swiglu_bytes(hf["intermediate_size"], a)
         moe_layer = common + _moe_bytes(d, experts, top_k, ffn, a) + _swiglu_bytes(shared_ffn, a)
-        return dense * dense_layer + (layers - dense) * moe_layer + _head_bytes(d, vocab, a)
+        return _activations([(dense, dense_layer), (layers - dense, moe_layer)], d, vocab, a)
 
     return ModelSpec(name, units, layers, activations, top_k=top_k)

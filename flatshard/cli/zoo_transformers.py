@@ -70,7 +70,7 @@ def _splits(model, tp: int) -> dict:
         raise ConfigError(f"--tp {tp}: {error}") from None
 
 
-def _activations(config, a: int) -> int:
+def _activations(config, a: int) -> zoo.Activations:
     hidden = config.hidden_size
     heads = getattr(config, "num_attention_heads", 1)
     head_dim = getattr(config, "head_dim", None) or hidden // heads
@@ -85,5 +85,7 @@ def _activations(config, a: int) -> int:
             heads, getattr(config, "num_key_value_heads", heads) or heads, head_dim, False, a
         )  # fmt: skip
         + zoo._swiglu_bytes(ffn, a)
+        + zoo._projection_outputs(hidden, a)
     )
-    return config.num_hidden_layers * layer + zoo._head_bytes(hidden, config.vocab_size, a)
+    layers = [(config.num_hidden_layers, layer)]
+    return zoo._activations(layers, hidden, config.vocab_size, a)
