@@ -247,3 +247,27 @@ def test_hf_parallel_script():
     _, rows = _table(proc.stdout)
     read = {mode: float(rows[mode][-1]) for mode in ("fsdp2-tp", "flatshard")}
     assert read["flatshard"] < read["fsdp2-tp"], proc.stdout
+
+
+def test_compare_compile_and_ac_modes(tmp_path):
+    """Compiled blocks and activation checkpointing (world 2, side by side, one round):
+    flatshard's compiled blocks train as eager ZeRO-3 does (fp32), and its checkpointed
+    modes bitwise; the report gives compiled flatshard's step ratios to compiled FSDP2 and
+    to eager flatshard."""
+    modes = "fsdp2,zero3,fsdp2-compile,compile3,acfull3,acsel3"
+    text = _run_compare(tmp_path, "--modes", modes, "--interleave", "steps", "--rounds", "1")
+    assert re.search(
+        r"flatshard ZeRO-3 compiled blocks ×FSDP2 compiled blocks [0-9.]+ \(CPU [0-9.]+\), "
+        r"×flatshard ZeRO-3 [0-9.]+",
+        text,
+    ), text
+    rows = re.search(
+        r"Against eager flatshard ZeRO-3 \(losses every step, every round\): (.*)\.", text
+    )
+    assert rows, text
+    found = dict(
+        re.findall(r"(flatshard ZeRO-3 [^;]*?|FSDP2 compiled blocks) max rel ([0-9.e+-]+)", rows[1])
+    )
+    assert float(found["flatshard ZeRO-3 compiled blocks"]) <= 1e-5, found
+    assert float(found["flatshard ZeRO-3 full AC"]) == 0, found
+    assert float(found["flatshard ZeRO-3 selective AC"]) == 0, found
