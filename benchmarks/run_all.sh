@@ -26,6 +26,12 @@ offload=fsdp2,fsdp2-cpuoff,zero3,off50,off100,offdisk
 run --preset 35m --modes "$offload" --steps 6 --rounds 2 --interleave modes --exact-memory
 run --preset 35m --modes "$offload" --steps 6 --rounds 2 --interleave steps
 run --preset 35m --modes "$offload" --steps 12 --rounds 4 --interleave steps
+# Compiled blocks (issue 32): FSDP2 and flatshard with every block compiled, beside their
+# eager rows, and flatshard's full and selective activation checkpointing.
+run --preset 35m --modes fsdp2,zero3,fsdp2-compile,compile3,acfull3,acsel3 --steps 6 --rounds 1 \
+  --warmup 2 --interleave steps
+run --preset 120m --modes fsdp2,zero3,fsdp2-compile,compile3 --steps 4 --rounds 1 --warmup 2 \
+  --interleave steps
 if grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo; then
   run --preset 35m --steps 12 --rounds 4 --interleave steps --param-dtype bf16
   run --preset 35m --steps 4 --exact-memory --param-dtype bf16
