@@ -168,8 +168,10 @@ OFFLOAD_MODES = ["fsdp2-cpuoff", "off50", "off100", "offdisk"]
 COMPILE_MODES = ["fsdp2-compile", "compile3"]
 # Activation checkpointing of every block (run when asked for with --modes): flatshard ZeRO-3
 # with parallelize(activation_checkpointing="full" / "selective"); `zero3` is the none row.
-AC_MODES = ["acfull3", "acsel3"]
-AC_OF_MODE = {"acfull3": "full", "acsel3": "selective"}
+# acoff3: activation offload (saved activations on the host; on a CPU the same memory, so
+# it shows the copies' cost, not the memory it saves on a GPU).
+AC_MODES = ["acfull3", "acsel3", "acoff3"]
+AC_OF_MODE = {"acfull3": "full", "acsel3": "selective", "acoff3": "offload"}
 # flatshard's offload modes: (fraction, on the disk tier)
 OFFLOAD_FRACTIONS = {"off50": (0.5, False), "off100": (1.0, False), "offdisk": (1.0, True)}
 MODE_NAMES = {
@@ -196,10 +198,12 @@ MODE_NAMES = {
     "compile3": "flatshard ZeRO-3 compiled blocks",
     "acfull3": "flatshard ZeRO-3 full AC",
     "acsel3": "flatshard ZeRO-3 selective AC",
+    "acoff3": "flatshard ZeRO-3 activation offload",
 }
 FLATSHARD_STAGES = {
     "zero3": 3, "zero2": 2, "zero1": 1, "hsdp3": 3, "hpz3": 3, "tp3": 3, "moe3": 3, "ep3": 3,
     "off50": 3, "off100": 3, "offdisk": 3, "compile3": 3, "acfull3": 3, "acsel3": 3,
+    "acoff3": 3,
 }  # fmt: skip
 HPZ_GROUP = 2
 HSDP_REPLICAS = 2

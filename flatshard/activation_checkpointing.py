@@ -6,6 +6,10 @@ and the trainer's `--ac` apply to every block.
   attention and collectives are saved (costly to recompute, or a collective that must not
   run twice), every other op (norms, activations, RoPE, elementwise) is recomputed.
 
+- "offload": nothing is recomputed; the block's saved activations wait on the host
+  (pinned) between its forward and its backward, and come back one unit ahead of it
+  (runtime/activation_offload.py).
+
 The block's `forward` is wrapped in place (no wrapper module), so parameter names, state
 dicts and checkpoints stay the same. flatshard's unit hooks sit outside it: backward
 registers the gathered parameters before the recompute reads them, so a recompute never
@@ -24,9 +28,11 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from flatshard import registry
 from flatshard.errors import WrappingError
+from flatshard.runtime.activation_offload import ActivationOffload
 
-MODES = ("full", "selective")
+MODES = ("full", "selective", "offload")
 
 
 def _saved_ops() -> set:
@@ -68,9 +74,13 @@ def check_mode(mode) -> None:
 
 
 def checkpoint_block(block: nn.Module, mode: str) -> None:
-    """Wrap `block.forward` so its activations are checkpointed per `mode`, in place."""
+    """Wrap `block.forward` so its activations are checkpointed per `mode`, in place (or,
+    for "offload", mark the block for its unit's hooks)."""
     check_mode(mode)
     forward = block.forward
+    if mode == "offload":  # the unit's hooks move the activations: runtime/activation_offload.py
+        registry.bind_activation_offload(block, ActivationOffload())
+        return
     options = {"use_reentrant": False}
     if mode == "selective":
         options["context_fn"] = _selective_contexts

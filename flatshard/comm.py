@@ -97,6 +97,61 @@ def to_device(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) ->
     return tensor.to(device, non_blocking=True)
 
 
+_side_streams: dict[torch.device, object] = {}
+
+
+def _side_stream(device: torch.device):
+    """One stream per CUDA device for the activation copies, beside compute."""
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
+
+
+def _same_strides(tensor: torch.Tensor, device, pin_memory: bool = False) -> torch.Tensor:
+    # strides kept (a copy made contiguous could send backward's kernels down another
+    # summation order): results stay bitwise those without offload
+    return torch.empty_strided(
+        tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device, pin_memory=pin_memory
+    )
+
+
+def activation_to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy of a saved activation, strides kept. From CUDA: into pinned memory on a
+    side stream that first waits for the compute that made it; the device tensor is marked
+    in use by that stream, so dropping it is safe at once. On the CPU: a copy (the memory
+    is the same; the path is what is exercised)."""
+    if tensor.device.type != "cuda":
+        return _same_strides(tensor, "cpu").copy_(tensor.detach())
+    side = _side_stream(tensor.device)
+    side.wait_stream(torch.cuda.current_stream(tensor.device))
+    with torch.cuda.stream(side):
+        host = _same_strides(tensor, "cpu", pin_memory=True).copy_(tensor, non_blocking=True)
+    tensor.record_stream(side)
+    return host
+
+
+def activation_to_device(host: torch.Tensor, device: torch.device):
+    """(the activation on `device`, strides kept, and an event to wait for before reading
+    it): from pinned memory on the side stream, after its copy down (same stream, so in
+    order). On the CPU: the host copy itself, nothing to wait for."""
+    if device.type != "cuda":
+        return host, None
+    side = _side_stream(device)
+    with torch.cuda.stream(side):
+        tensor = _same_strides(host, device).copy_(host, non_blocking=True)
+        event = side.record_event()
+    return tensor, event
+
+
+def use_on_current_stream(tensor: torch.Tensor, event) -> torch.Tensor:
+    """Make the current stream wait for `event` and mark `tensor` in use by it (CUDA)."""
+    if event is not None:
+        stream = torch.cuda.current_stream(tensor.device)
+        stream.wait_event(event)
+        tensor.record_stream(stream)
+    return tensor
+
+
 def host_copies_done():
     """An event after every `to_host` copy issued so far on this stream (None on the CPU,
     where they are done already); `.synchronize()` it before reading the copies."""

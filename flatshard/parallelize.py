@@ -35,8 +35,8 @@ def parallelize(
     plan: how (default: the plan of the model's family, see `flatshard.plan`).
     mp_policy, offload_policy, reshard_after_forward, zero_stage: `fully_shard`'s, for
     every unit.
-    activation_checkpointing: "full", "selective" or None, per block
-    (`flatshard.activation_checkpointing`).
+    activation_checkpointing: "full", "selective", "offload" (activations on the host;
+    every block but the last) or None, per block (`flatshard.activation_checkpointing`).
     compile: True (inductor) or a `torch.compile` backend name: each block is compiled
     (`block.compile`, whole graph where the plan allows: its math only, the unit hooks
     run outside). Materialise a meta model afterwards with `flatshard.materialize`."""
@@ -56,8 +56,10 @@ def parallelize(
     if meshes.ep is not None:  # experts: their own units, before their blocks'
         for experts in plan.apply_expert_parallel(model, meshes.ep):
             fully_shard(experts, mesh=meshes.expert_fsdp, **shard)
-    for block in blocks:
-        if activation_checkpointing is not None:
+    for index, block in enumerate(blocks):
+        # offload: not the last block, whose backward comes first
+        keeps_its_own = activation_checkpointing == "offload" and index == len(blocks) - 1
+        if activation_checkpointing is not None and not keeps_its_own:
             checkpoint_block(block, activation_checkpointing)
         fully_shard(block, mesh=meshes.fsdp, **shard)
     fully_shard(model, mesh=meshes.fsdp, **shard)

@@ -17,6 +17,7 @@ _UNIT_OF_MODULE = WeakIdKeyDictionary()
 _MANAGED = WeakIdKeyDictionary()  # sharded DTensor -> (unit, ManagedParam)
 _REPLACED_BY = WeakIdKeyDictionary()  # original parameter -> its sharded replacement
 _EXPERT_PARALLEL = WeakIdKeyDictionary()  # parameters an EP style split
+_ACTIVATION_OFFLOAD = WeakIdKeyDictionary()  # block -> its runtime.ActivationOffload
 
 
 def bind_unit(module: nn.Module, unit) -> None:
@@ -64,3 +65,12 @@ def mark_expert_parallel(param) -> None:
 
 def is_expert_parallel(param) -> bool:
     return param in _EXPERT_PARALLEL
+
+
+def bind_activation_offload(module: nn.Module, offload) -> None:
+    _ACTIVATION_OFFLOAD[module] = offload
+
+
+def activation_offload_of(module: nn.Module):
+    """The ActivationOffload of a block whose saved activations go to the host; None if not."""
+    return _ACTIVATION_OFFLOAD.get(module)

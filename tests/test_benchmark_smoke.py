@@ -251,10 +251,10 @@ def test_hf_parallel_script():
 
 def test_compare_compile_and_ac_modes(tmp_path):
     """Compiled blocks and activation checkpointing (world 2, side by side, one round):
-    flatshard's compiled blocks train as eager ZeRO-3 does (fp32), and its checkpointed
-    modes bitwise; the report gives compiled flatshard's step ratios to compiled FSDP2 and
+    flatshard's compiled blocks train as eager ZeRO-3 does (fp32), and its checkpointed and
+    offloaded modes bitwise; the report gives compiled flatshard's step ratios to compiled FSDP2 and
     to eager flatshard."""
-    modes = "fsdp2,zero3,fsdp2-compile,compile3,acfull3,acsel3"
+    modes = "fsdp2,zero3,fsdp2-compile,compile3,acfull3,acsel3,acoff3"
     text = _run_compare(tmp_path, "--modes", modes, "--interleave", "steps", "--rounds", "1")
     assert re.search(
         r"flatshard ZeRO-3 compiled blocks ×FSDP2 compiled blocks [0-9.]+ \(CPU [0-9.]+\), "
@@ -271,3 +271,4 @@ def test_compare_compile_and_ac_modes(tmp_path):
     assert float(found["flatshard ZeRO-3 compiled blocks"]) <= 1e-5, found
     assert float(found["flatshard ZeRO-3 full AC"]) == 0, found
     assert float(found["flatshard ZeRO-3 selective AC"]) == 0, found
+    assert float(found["flatshard ZeRO-3 activation offload"]) == 0, found

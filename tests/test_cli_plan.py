@@ -67,6 +67,9 @@ def test_llama3_8b_on_64_ranks(capsys):
     selective = plan(capsys, "llama3-8b", "--ac", "selective")["memory"]["activations"]
     assert selective == 4096 * (L * (BF16 * d + kept) + head + per_block - kept)
     assert full < selective < memory["activations"]
+    # offload: the head, the last block (kept on the device) and the one fetched back ahead
+    offload = plan(capsys, "llama3-8b", "--ac", "offload")["memory"]["activations"]
+    assert offload == 4096 * (head + 2 * per_block) < full
 
 
 def test_llama3_8b_with_tensor_parallelism(capsys):

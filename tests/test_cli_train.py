@@ -327,9 +327,15 @@ def test_compiled_checkpointed_run_trains_like_eager_and_resumes_without(tmp_pat
     assert "selective activation checkpointing, compiled blocks" in result.stdout
     check_ok(flatshard("train", "--resume", compiled, "--nproc", 2, "--set", "train.ac=full",
                        "--set", "train.compile=false"))  # fmt: skip
+    offloaded = tmp_path / "offloaded"
+    result = check_ok(flatshard("train", *sizes, "--steps", 4, "--nproc", 2, "--out", offloaded,
+                                "--ac", "offload"))  # fmt: skip
+    assert "offload activation checkpointing" not in result.stdout
+    assert "activations offloaded to the host" in result.stdout
     expected = [r["loss"] for r in metrics(plain)]
-    got = [r["loss"] for r in metrics(compiled)]
-    assert len(got) == 4
-    assert max(abs(a - b) / b for a, b in zip(got, expected)) <= 1e-5, (got, expected)
+    for run in (compiled, offloaded):
+        got = [r["loss"] for r in metrics(run)]
+        assert len(got) == 4
+        assert max(abs(a - b) / b for a, b in zip(got, expected)) <= 1e-5, (run, got, expected)
     error = one_line_error(flatshard("train", *sizes, "--steps", 1, "--ac", "fulll"))
     assert "train.ac" in error and "fulll" in error

@@ -8,14 +8,16 @@ flatshard/activation_checkpointing.py). A checkpointed block also keeps its inpu
 
 - none: every layer's activations and the head's;
 - full: every block's input, the head's, and one block's activations recomputed;
-- selective: what every block kept, the head's, and one block's recomputed remainder.
+- selective: what every block kept, the head's, and one block's recomputed remainder;
+- offload: the head's, the last block's (kept on the device: its backward comes first) and
+  one more block's, fetched back from the host while the one after it runs backward.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-MODES = ("none", "full", "selective")
+MODES = ("none", "full", "selective", "offload")
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,8 @@ class Activations:
         if mode == "full":
             recomputed = max(saved.all for _, saved in self.layers)
             return blocks * self.block_input + self.head + recomputed
+        if mode == "offload":
+            return self.head + min(blocks, 2) * max(saved.all for _, saved in self.layers)
         kept = sum(count * saved.kept for count, saved in self.layers)
         recomputed = max(saved.all - saved.kept for _, saved in self.layers)
         return blocks * self.block_input + kept + self.head + recomputed

@@ -101,7 +101,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("train.precision", "fp32", "compute dtype; weights and optimizer stay fp32",
            choices=("fp32", "bf16")),
     Option("train.ac", "none", "activation memory per block: full or selective (per-op) "
-           "activation checkpointing", choices=("none", "full", "selective")),
+           "activation checkpointing, or offload (saved activations on the host)",
+           choices=("none", "full", "selective", "offload")),
     Option("train.compile", False, "torch.compile each block (inductor; flatshard's hooks "
            "stay outside the graphs)"),
     Option("train.seed", 0, "seed of the initial weights and the data order",

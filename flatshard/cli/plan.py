@@ -72,8 +72,8 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--ac",
         default=None,
-        choices=("none", "full", "selective"),
-        help="activation checkpointing of every block (default none)",
+        choices=("none", "full", "selective", "offload"),
+        help="activation checkpointing of every block, or offload (default none)",
     )
     parser.add_argument(
         "--hpz-group",

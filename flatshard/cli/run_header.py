@@ -29,7 +29,7 @@ def run_header(trainer) -> str:
         f"flatshard train: {ranks.world_size} process(es), {dist.get_backend()} on "
         f"{ranks.device.type}, ZeRO-{config.train.zero_stage}, {config.train.precision}"
         + (f", tensor parallel over {config.train.tp}" if config.train.tp > 1 else "")
-        + (f", {config.train.ac} activation checkpointing" if config.train.ac != "none" else "")
+        + _describe_activations(config.train.ac)
         + (", compiled blocks" if config.train.compile else "")
         + _describe_offload(config.train),
         _describe_model(trainer),
@@ -45,6 +45,12 @@ def run_header(trainer) -> str:
     if trainer.resumed_from is not None:
         lines.append(f"resuming from step {trainer.step} ({trainer.resumed_from})")
     return "\n".join(lines)
+
+
+def _describe_activations(ac: str) -> str:
+    if ac == "offload":
+        return ", activations offloaded to the host"
+    return f", {ac} activation checkpointing" if ac != "none" else ""
 
 
 def _describe_offload(train) -> str:

@@ -24,6 +24,7 @@ import torch
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
+from flatshard.runtime.activation_offload import offloads_of, prefetch_activations
 from flatshard.runtime.offload import wait_for_host_gradients
 from flatshard.runtime.schedule import RootContext, context_of
 from flatshard.runtime.states import ShardedState, TrainingState
@@ -75,10 +76,14 @@ def pre_forward(unit, args, kwargs):
         args, kwargs = _cast_floats((args, kwargs), unit.mp_policy.param_dtype)
     if torch.is_grad_enabled() and not context.in_backward:
         args, kwargs = _mark_backward_end(unit, (args, kwargs))
+        for offload in offloads_of(unit):  # its saved activations go to the host
+            offload.start()
     return args, kwargs
 
 
 def post_forward(unit, output):
+    for offload in offloads_of(unit):
+        offload.stop()
     context = unit.context
     if not context.in_backward:
         unit.move_to(TrainingState.IDLE)
@@ -151,8 +156,10 @@ def pre_backward(unit, grad):
         unit.unshard()
     unit.register("unsharded")  # activation checkpointing recomputes with these
     unit.grads.prepare()
+    prefetch_activations(unit)  # any not fetched ahead (the first unit of backward)
     for target in context.prefetch_targets(unit, forward=False):
         target.unshard(async_op=True)
+        prefetch_activations(target)  # back from the host while this unit's backward runs
     return grad
 
 
@@ -200,6 +207,8 @@ def reset_iteration(root) -> None:
         pending.work.wait()
     context.reduces.pending.clear()
     for unit in context.units:
+        for offload in offloads_of(unit):  # a forward that raised left it started
+            offload.stop()
         unit.wait_unshard()
         unit.grads.discard()
         unit.training_state = TrainingState.IDLE
