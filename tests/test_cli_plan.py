@@ -72,6 +72,23 @@ def test_llama3_8b_on_64_ranks(capsys):
     assert offload == 4096 * (head + 2 * per_block) < full
 
 
+def test_what_fits_per_activation_mode(capsys):
+    """Each --ac mode's device peak (the plan of that mode's total), and which fit."""
+    peaks = plan(capsys, "llama3-8b", "--seq-len", 8192)["device_peak_by_ac"]
+    for mode in ("none", "full", "selective", "offload"):
+        assert (
+            peaks[mode]
+            == plan(capsys, "llama3-8b", "--seq-len", 8192, "--ac", mode)["memory"]["device"]
+        )
+    assert peaks["offload"] < peaks["full"] < peaks["selective"] < peaks["none"]
+    budget = (peaks["selective"] + peaks["none"]) / 2 / 2**30
+    assert main(["plan", "llama3-8b", "--seq-len", "8192", "--device-memory", f"{budget}"]) == 0
+    text = capsys.readouterr().out
+    assert f"fits in {budget:g} GiB: full, selective, offload" in text
+    assert main(["plan", "llama3-8b", "--seq-len", "8192", "--device-memory", "1"]) == 0
+    assert "fits in 1 GiB: none of them: shard over more ranks" in capsys.readouterr().out
+
+
 def test_llama3_8b_with_tensor_parallelism(capsys):
     """--tp 4 on 64 ranks: each block's q/k/v/o, [gate; up] and down are split 4 ways before
     FSDP shards them over 16 ranks (norms, embedding and head stay whole); the TP
@@ -190,6 +207,7 @@ def test_embedding_looked_up_from_its_shards():
         (["--dp-shard", "0"], "--dp-shard 0: it must be >= 1 (leave it out to shard over all"),
         (["--world-size", "8", "--dp-shard", "3"], "dp_shard x tp (3 x 1) must divide"),
         (["--hpz-group", "-2"], "--hpz-group -2: it must be >= 0"),
+        (["--device-memory", "0"], "--device-memory 0: it must be > 0 (GiB)"),
     ],
 )
 def test_impossible_values_are_one_line_errors(capsys, args, expected):

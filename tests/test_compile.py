@@ -18,6 +18,7 @@ from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flatshard
+from flatshard import registry
 from flatshard.activation_checkpointing import SAVED_OPS
 from flatshard.models import Llama, MoE, MoEConfig
 
@@ -34,11 +35,15 @@ def _dynamo_counts() -> dict:
 
 
 def _train(compile, *, tp=1, ep=1, zero_stage=3, ac=None, mp=None, whole=False):
-    """One run on this rank: (losses, full weights, dynamo's counts)."""
+    """One run on this rank: (losses, full weights, dynamo's counts). A whole model's
+    embedding is a unit of its own, looked up from its shards."""
     torch._dynamo.reset()  # a pooled worker: start from no compiled code, no counts
     counters.clear()
     torch.manual_seed(0)
     model = MoE(MoEConfig.tiny("mixtral")) if ep > 1 else Llama(config(**CONFIG))
+    if whole:
+        flatshard.fully_shard(model.embed_tokens)
+        assert registry.unit_of(model.embed_tokens).lookup is not None
     dims = flatshard.ParallelDims(dist.get_world_size(), tp=tp, ep=ep)
     flatshard.parallelize(
         model,
@@ -65,6 +70,7 @@ def _compiled_and_eager(**options):
 CASES = {
     "zero3": (2, {}),
     "zero2": (2, {"zero_stage": 2}),
+    "zero1": (2, {"zero_stage": 1}),
     "world4": (4, {}),
     "tp2": (4, {"tp": 2}),
     "ep2": (2, {"ep": 2}),
@@ -131,7 +137,8 @@ def test_whole_model_compiles_breaking_at_units():
         losses, weights, counts = compiled
         assert rel_losses(losses, eager[0]) <= TOLERANCE
         assert rel_diff(weights, eager[1]) <= TOLERANCE
-        # a break where each block's unit hooks run (the root's run outside the graph)
+        # a break where each unit's hooks run, the blocks' and the embedding's (the root's
+        # run outside the graph)
         assert 0 < counts["breaks"] <= config(**CONFIG).n_layers + 1
 
 

@@ -36,7 +36,7 @@ buffers in use; end of backward: persistent + gradient shards + the buffers in u
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from flatshard.cli.activations import MODES as AC_MODES
 from flatshard.cli.errors import ConfigError
@@ -160,6 +160,8 @@ class Plan:
     memory: dict[str, int]  # bytes per rank
     communication: dict[str, int]  # bytes per rank per step
     padding_fraction: float
+    # the device's peak per rank under each activation mode (AC_MODES), to see what fits
+    device_peak_by_ac: dict[str, int]
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -177,15 +179,19 @@ def plan(spec: ModelSpec, setup: Setup) -> Plan:
     units = tuple(
         _unit_figures(unit, unit.shard_ranks or setup.dp_shard, separate) for unit in spec.units
     )
-    memory = _memory(spec, units, setup)
     share = offloaded_share(spec.units, setup.dp_shard, setup.offload)
-    memory = split_memory(memory, share, setup.offload_disk)
+    by_ac = {
+        mode: split_memory(_memory(spec, units, replace(setup, ac=mode)), share, setup.offload_disk)
+        for mode in AC_MODES
+    }
+    memory = by_ac[setup.ac]
     communication = _communication(units, setup)
     communication.update(tp_communication(spec, setup, hidden))
     communication.update(ep_communication(spec, setup, hidden))
     used = sum(u.numel * u.count for u in units)
     padding = sum(u.padding * u.count for u in units) / used if used else 0.0
-    return Plan(spec.name, num_params, setup, units, memory, communication, padding)
+    peaks = {mode: figures["device"] for mode, figures in by_ac.items()}
+    return Plan(spec.name, num_params, setup, units, memory, communication, padding, peaks)
 
 
 def _unit_figures(unit, dp_shard: int, bucket_per_param: bool = False) -> UnitFigures:

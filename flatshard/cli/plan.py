@@ -76,6 +76,13 @@ def add_arguments(parser) -> None:
         help="activation checkpointing of every block, or offload (default none)",
     )
     parser.add_argument(
+        "--device-memory",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="memory per device (GiB): say which activation modes fit in it",
+    )
+    parser.add_argument(
         "--hpz-group",
         type=int,
         default=None,
@@ -118,6 +125,8 @@ def add_arguments(parser) -> None:
 
 
 def plan_command(args) -> int:
+    if args.device_memory is not None and not args.device_memory > 0:
+        raise ConfigError(f"--device-memory {args.device_memory:g}: it must be > 0 (GiB)")
     spec, defaults = _model_and_defaults(args)
     chosen = {name: getattr(args, name) for name in defaults if getattr(args, name) is not None}
     values = {**defaults, **chosen}
@@ -134,7 +143,8 @@ def plan_command(args) -> int:
     except MeshError as error:  # name the flags that set the degrees
         flags = f"--world-size {values['world_size']}, --dp-shard {values['dp_shard']}"
         raise ConfigError(f"{flags}, --tp {values['tp']}, --ep {values['ep']}: {error}") from None
-    print(json.dumps(result.to_dict(), indent=1) if args.json else format_plan(result))
+    text = format_plan(result) + _what_fits(result, args.device_memory)
+    print(json.dumps(result.to_dict(), indent=1) if args.json else text)
     empty = [unit for unit in result.units if unit.empty_ranks]
     if empty:
         shard = result.setup.dp_shard
@@ -229,6 +239,18 @@ def _offload_lines(setup, memory) -> list[str]:
     if setup.offload_disk:
         lines.append(f"      disk (optimizer state)        {_gib(memory['disk'])}")
     return lines
+
+
+def _what_fits(result: Plan, device_gib: float | None) -> str:
+    """The device's peak under each activation mode, and which fit in `device_gib`."""
+    peaks = result.device_peak_by_ac
+    line = ", ".join(f"{mode} {peaks[mode] / 2**30:.1f}" for mode in peaks)
+    out = f"\n  device peak per activation mode (--ac), GiB: {line}"
+    if device_gib is not None:
+        fits = [mode for mode in peaks if peaks[mode] <= device_gib * 2**30]
+        verdict = ", ".join(fits) if fits else "none of them: shard over more ranks"
+        out += f"\n  fits in {device_gib:g} GiB: {verdict}"
+    return out
 
 
 def format_plan(result: Plan) -> str:
