@@ -15,6 +15,7 @@ from reference import (
     build_model,
     config,
     full_state,
+    lm_loss,
     rank_slice,
     rel_diff,
     rel_losses,
@@ -162,3 +163,22 @@ def test_unfreezing_a_parameter_frozen_when_wrapped():
     train(reference, batches(config(), 2))
     for weights in run_distributed(_unfreeze_after_wrapping, 2):
         assert rel_diff(weights, reference.state_dict()) <= 1e-6
+
+
+def _backward_twice():
+    model = flatshard.parallelize(build_model(config()), flatshard.ParallelDims(2))
+    loss = lm_loss(model, batches(model.config, 1)[0][: 12 // 2])
+    loss.backward()
+    try:
+        loss.backward()
+    except RuntimeError as error:
+        return str(error).splitlines()[0]
+    return "no error"
+
+
+def test_backward_twice_on_one_forward_is_the_same_error_on_every_rank():
+    """autograd's own error, raised on every rank before any collective (no rank is left
+    waiting in one: the next call on the pool's group still works)."""
+    first, second = run_distributed(_backward_twice, 2)
+    assert first == second and "backward through the graph a second time" in first
+    assert run_distributed(_backward_twice, 2) == [first, second]
