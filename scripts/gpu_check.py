@@ -1,0 +1,348 @@
+"""The prepared device check: one run on one GPU (H100/H200) with the machine's own torch.
+
+    PYTHONPATH=. python scripts/gpu_check.py --out "$OUT"          # on the GPU, < 8 minutes
+    python scripts/gpu_check.py --cpu-dry-run --out /tmp/gpu-check   # the same, tiny, on gloo
+
+Each section trains flatshard at world 1 (NCCL for the GPU, gloo for the CPU) and compares
+it with a reference run in the same process: the CPU run, no offload, eager, FSDP2. A
+section that fails is reported (its exception) and the others still run. Writes
+`gpu_check.json` (every figure) and `gpu_check.txt` (a summary) to --out.
+
+Sections: env; cpu_parity (ZeRO-3 fp32 on the GPU equals the CPU run); bf16; offload
+(f = 0.5 and 1, pinned copies: losses equal no offload, step times); compile (blocks
+compiled: losses, graph breaks, step times); activation_memory (peak device memory per
+--ac mode against `flatshard plan`, and how much of what activation offload moves it
+saves); fsdp2_1b (a ~1B Llama in bf16: flatshard vs FSDP2 step time and MFU, side by side).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:  # flatshard from the checkout (no install on the GPU machine)
+    sys.path.insert(0, _ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+# (config, micro batch, sequence length) per size, for the GPU and for the CPU dry run
+SIZES = {
+    "gpu": {
+        "35m": (dict(vocab_size=12000, dim=512, n_layers=8, n_heads=8, n_kv_heads=4,
+                     ffn_dim=1376, max_seq_len=2048), 8, 512),
+        "activations": (dict(vocab_size=12000, dim=512, n_layers=8, n_heads=8, n_kv_heads=4,
+                             ffn_dim=1376, max_seq_len=2048), 8, 2048),
+        "1b": (dict(vocab_size=32000, dim=2048, n_layers=16, n_heads=16, n_kv_heads=8,
+                    ffn_dim=5632, max_seq_len=2048), 4, 2048),
+    },
+    "cpu": {
+        "35m": (dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
+                     max_seq_len=64), 2, 16),
+        "activations": (dict(vocab_size=61, dim=32, n_layers=3, n_heads=4, n_kv_heads=2,
+                             ffn_dim=48, max_seq_len=64), 2, 32),
+        "1b": (dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
+                    max_seq_len=64), 2, 16),
+    },
+}  # fmt: skip
+STEPS, WARMUP = 4, 1
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense, SXM
+
+
+class Check:
+    """What every section shares: the device, the sizes, the report."""
+
+    def __init__(self, device: torch.device, sizes: dict):
+        self.device, self.sizes, self.report = device, sizes, {}
+        self.cuda = device.type == "cuda"
+
+    def model(self, size: str, seed: int = 0):
+        from flatshard.models import Llama, LlamaConfig
+
+        torch.manual_seed(seed)
+        with torch.device("meta"):
+            model = Llama(LlamaConfig(**self.sizes[size][0]))
+        return model
+
+    def data(self, size: str, steps: int = STEPS + WARMUP):
+        cfg, batch, seq = self.sizes[size]
+        generator = torch.Generator().manual_seed(1)
+        shape = (batch, seq + 1)
+        return [
+            torch.randint(0, cfg["vocab_size"], shape, generator=generator) for _ in range(steps)
+        ]
+
+    def sharded(self, size: str, device=None, **options):
+        """The `size` Llama through `flatshard.parallelize` at world 1 on `device`."""
+        import flatshard
+
+        device = device or self.device
+        model = self.model(size)
+        dims = flatshard.ParallelDims(1)
+        flatshard.parallelize(model, dims.build(device.type), **options)
+        torch.manual_seed(0)
+        flatshard.materialize(model, device)
+        return model
+
+    def train(self, model, size: str, device=None) -> dict:
+        """Losses and step times (after WARMUP) of AdamW steps on the fixed data."""
+        device = device or self.device
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses, times = [], []
+        for tokens in self.data(size):
+            tokens = tokens.to(device)
+            self.sync()
+            start = time.perf_counter()
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            self.sync()
+            times.append(time.perf_counter() - start)
+            losses.append(loss.item())
+        return {"losses": losses, "step_s": statistics.median(times[WARMUP:])}
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak(self) -> int | None:
+        return torch.cuda.max_memory_allocated() if self.cuda else None
+
+
+def _max_rel(ours: list[float], theirs: list[float]) -> float:
+    return max(abs(a - b) / abs(b) for a, b in zip(ours, theirs))
+
+
+# --- sections ---------------------------------------------------------------------------------
+
+
+def env(check: Check) -> dict:
+    import flatshard
+
+    out = {
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "device": str(check.device),
+    }
+    out["flatshard"] = getattr(flatshard, "__version__", "checkout")
+    if check.cuda:
+        out["gpu"] = torch.cuda.get_device_name()
+        out["cuda"] = torch.version.cuda
+        out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return out
+
+
+def cpu_parity(check: Check) -> dict:
+    """ZeRO-3 fp32 on the device (NCCL) against the same run, from the same weights, on the
+    CPU (gloo)."""
+    cpu = torch.device("cpu")
+    on_cpu = check.sharded("35m", device=cpu)
+    weights = {name: value.full_tensor() for name, value in on_cpu.state_dict().items()}
+    on_device = check.sharded("35m")
+    on_device.load_state_dict({name: value.to(check.device) for name, value in weights.items()})
+    reference = check.train(on_cpu, "35m", device=cpu)
+    ours = check.train(on_device, "35m")
+    rel = _max_rel(ours["losses"], reference["losses"])
+    return {**ours, "cpu_losses": reference["losses"], "max_rel": rel, "ok": rel <= 1e-5}
+
+
+def bf16(check: Check) -> dict:
+    import flatshard
+
+    policy = flatshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    low = check.train(check.sharded("35m", mp_policy=policy), "35m")
+    full = check.train(check.sharded("35m"), "35m")
+    rel = _max_rel(low["losses"], full["losses"])
+    return {**low, "fp32_step_s": full["step_s"], "max_rel_vs_fp32": rel, "ok": rel <= 2e-2}
+
+
+def offload(check: Check) -> dict:
+    import flatshard
+
+    plain = check.train(check.sharded("35m"), "35m")
+    out = {"no_offload_step_s": plain["step_s"]}
+    for fraction in (0.5, 1.0):
+        policy = flatshard.OffloadPolicy(fraction=fraction, pin_memory=True)
+        run = check.train(check.sharded("35m", offload_policy=policy), "35m")
+        out[f"f{fraction:g}"] = {
+            "step_s": run["step_s"],
+            "equal_losses": run["losses"] == plain["losses"],
+        }
+    out["ok"] = all(out[f"f{f:g}"]["equal_losses"] for f in (0.5, 1.0))
+    return out
+
+
+def compile_blocks(check: Check) -> dict:
+    from torch._dynamo.utils import counters
+
+    eager = check.train(check.sharded("35m"), "35m")
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = check.train(check.sharded("35m", compile=True), "35m")
+    breaks = sum(counters["graph_break"].values())
+    rel = _max_rel(compiled["losses"], eager["losses"])
+    return {
+        "eager_step_s": eager["step_s"],
+        "compiled_step_s": compiled["step_s"],
+        "graph_breaks": breaks,
+        "graphs": counters["stats"]["unique_graphs"],
+        "max_rel_vs_eager": rel,
+        "ok": breaks == 0 and rel <= 1e-4,
+    }
+
+
+def activation_memory(check: Check) -> dict:
+    """Peak device memory per activation mode against the planner's device estimate, and
+    activation offload's saving against the bytes it moved (target: >= 70%)."""
+    from flatshard import registry
+    from flatshard.cli import zoo
+    from flatshard.cli.estimate import Setup, plan
+    from flatshard.models import LlamaConfig
+
+    cfg, batch, seq = check.sizes["activations"]
+    spec = zoo.from_llama_config(LlamaConfig(**cfg), "gpu-check")
+    out = {}
+    for mode in ("none", "full", "selective", "offload"):
+        model = check.sharded(
+            "activations", activation_checkpointing=None if mode == "none" else mode
+        )
+        check.reset_peak()
+        run = check.train(model, "activations")
+        offloads = [registry.activation_offload_of(block) for block in model.layers]
+        moved = sum(o.moved_bytes for o in offloads if o is not None) // (STEPS + WARMUP)
+        setup = Setup(world_size=1, dp_shard=1, zero_stage=3, param_dtype="fp32",
+                      reduce_dtype="fp32", micro_batch=batch, seq_len=seq, grad_accum=1,
+                      backend="nccl" if check.cuda else "gloo", ac=mode)  # fmt: skip
+        out[mode] = {
+            "peak_bytes": check.peak(),
+            "plan_device_bytes": plan(spec, setup).memory["device"],
+            "step_s": run["step_s"],
+            "losses": run["losses"],
+            "moved_bytes_per_step": moved,
+        }
+        del model
+    none, offloaded = out["none"], out["offload"]
+    out["offload_equal_losses"] = offloaded["losses"] == none["losses"]
+    if check.cuda:
+        saved = none["peak_bytes"] - offloaded["peak_bytes"]
+        out["offload_saving_over_moved"] = saved / max(1, offloaded["moved_bytes_per_step"])
+        out["ok"] = out["offload_equal_losses"] and out["offload_saving_over_moved"] >= 0.7
+    else:
+        out["ok"] = out["offload_equal_losses"]
+    return out
+
+
+def fsdp2_1b(check: Check) -> dict:
+    """A ~1B Llama in bf16 at world 1: flatshard and FSDP2 step times, taken alternately."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import flatshard
+
+    policy = flatshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    from flatshard.models import Llama, LlamaConfig
+
+    ours = check.sharded("1b", mp_policy=policy)
+    torch.manual_seed(0)
+    with torch.device(check.device):
+        theirs = Llama(LlamaConfig(**check.sizes["1b"][0]))
+    peer_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in theirs.layers:
+        fully_shard(block, mp_policy=peer_policy)
+    fully_shard(theirs, mp_policy=peer_policy)
+    runs = {"flatshard": ours, "fsdp2": theirs}
+    times = {name: [] for name in runs}
+    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in runs.items()}
+    cfg, batch, seq = check.sizes["1b"]
+    for index, tokens in enumerate(check.data("1b", STEPS + 2 * WARMUP)):
+        tokens = tokens.to(check.device)
+        for name in runs if index % 2 == 0 else list(runs)[::-1]:
+            check.sync()
+            start = time.perf_counter()
+            logits = runs[name](tokens[:, :-1])
+            F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+            optimizers[name].step()
+            optimizers[name].zero_grad()
+            check.sync()
+            times[name].append(time.perf_counter() - start)
+    step = {name: statistics.median(t[2 * WARMUP :]) for name, t in times.items()}
+    params = sum(p.numel() for p in ours.parameters())
+    out = {"params": params, "step_s": step, "ratio": step["flatshard"] / step["fsdp2"]}
+    if check.cuda:
+        name = torch.cuda.get_device_name()
+        peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+        if peak:
+            flops = 6 * params * batch * seq
+            out["mfu"] = {n: flops / s / peak for n, s in step.items()}
+    out["ok"] = True
+    return out
+
+
+SECTIONS = {
+    "env": env,
+    "cpu_parity": cpu_parity,
+    "bf16": bf16,
+    "offload": offload,
+    "compile": compile_blocks,
+    "activation_memory": activation_memory,
+    "fsdp2_1b": fsdp2_1b,
+}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "gpu-check"))
+    parser.add_argument("--cpu-dry-run", action="store_true", help="tiny sizes, gloo, CPU")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated")
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.cpu_dry_run
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity with the CPU
+        torch.backends.cudnn.allow_tf32 = False
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29561")
+    dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", rank=0, world_size=1)
+    check = Check(device, SIZES["gpu" if cuda else "cpu"])
+    started = time.perf_counter()
+    for name in args.sections.split(","):
+        section_start = time.perf_counter()
+        try:
+            check.report[name] = SECTIONS[name](check)
+        except Exception as error:  # report it and go on: one run must say as much as it can
+            check.report[name] = {"ok": False, "error": f"{type(error).__name__}: {error}",
+                                  "traceback": traceback.format_exc()[-4000:]}  # fmt: skip
+        check.report[name]["seconds"] = round(time.perf_counter() - section_start, 1)
+        print(f"gpu_check: {name}: ok={check.report[name].get('ok')} "
+              f"({check.report[name]['seconds']} s)", flush=True)  # fmt: skip
+    check.report["seconds"] = round(time.perf_counter() - started, 1)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gpu_check.json"), "w") as handle:
+        json.dump(check.report, handle, indent=1, default=str)
+    summary = [
+        f"{name}: ok={value.get('ok')}" + (f" ({value['error']})" if "error" in value else "")
+        for name, value in check.report.items()
+        if isinstance(value, dict)
+    ]
+    with open(os.path.join(args.out, "gpu_check.txt"), "w") as handle:
+        handle.write("\n".join(summary) + "\n")
+    dist.destroy_process_group()
+    return 0 if all(v.get("ok", True) for v in check.report.values() if isinstance(v, dict)) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
