@@ -12,6 +12,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
+from flatshard import compat
 from flatshard.comm import group_device
 from flatshard.errors import FlatShardError
 
@@ -21,7 +22,7 @@ def all_gather_ints(values: torch.Tensor, group) -> list[list[int]]:
     CUDA)."""
     values = values.to(group_device(group))
     gathered = values.new_empty(dist.get_world_size(group) * values.numel())
-    dist.all_gather_single(gathered, values, group=group)
+    compat.all_gather_single(gathered, values, group=group)
     return gathered.view(-1, values.numel()).tolist()
 
 

@@ -20,7 +20,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from flatshard import nccl_shim
+from flatshard import compat, nccl_shim
 
 
 class Traffic:
@@ -80,10 +80,10 @@ class Collectives:
         return self._reduce_scatter(output, flat, _op(average), average, pool)
 
     def _all_gather(self, output, shard, pieces):
-        return dist.all_gather_single(output, shard, group=self.group, async_op=True)
+        return compat.all_gather_single(output, shard, group=self.group, async_op=True)
 
     def _reduce_scatter(self, output, flat, op, average, pool):
-        return dist.reduce_scatter_single(output, flat, op=op, group=self.group, async_op=True)
+        return compat.reduce_scatter_single(output, flat, op=op, group=self.group, async_op=True)
 
 
 class GlooCollectives(Collectives):
@@ -106,11 +106,11 @@ class HazardShimCollectives(Collectives):
     """The NCCL code path on CPU tensors with NCCL's hazards made visible (nccl_shim.py)."""
 
     def _all_gather(self, output, shard, pieces):
-        run = lambda out, inp: dist.all_gather_single(out, inp, group=self.group)
+        run = lambda out, inp: compat.all_gather_single(out, inp, group=self.group)
         return nccl_shim.NcclLikeWork("all-gather", output, [shard], run)
 
     def _reduce_scatter(self, output, flat, op, average, pool):
-        run = lambda out, inp: dist.reduce_scatter_single(out, inp, op=op, group=self.group)
+        run = lambda out, inp: compat.reduce_scatter_single(out, inp, op=op, group=self.group)
         return nccl_shim.NcclLikeWork("reduce-scatter", output, [flat], run)
 
 

@@ -19,5 +19,6 @@ if [ $# -eq 0 ]; then
   FLATSHARD_NCCL_SHIM=1 python -m pytest -q -p no:cacheprovider \
     tests/test_training.py tests/test_gradients.py tests/test_mixed_precision.py \
     tests/test_hsdp.py tests/test_sharded_lookup.py tests/test_inflight_write.py \
-    tests/test_load_state_dict.py tests/test_checkpoint.py tests/test_offload.py
+    tests/test_load_state_dict.py tests/test_checkpoint.py tests/test_offload.py \
+    tests/test_compat.py
 fi

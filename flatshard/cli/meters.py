@@ -10,9 +10,8 @@ reduce-scatter flatshard issues (each bucket's padded size times its dtype's siz
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from flatshard import comm
+from flatshard import comm, compat
 
 
 def _status_bytes(field: str) -> int:
@@ -84,7 +83,7 @@ def share_step(loss_sum: torch.Tensor, stop: bool, peak_bytes: int, world_size: 
         device=device,
     )
     everyone = torch.empty(world_size * 4, dtype=torch.float64, device=device)
-    dist.all_gather_single(everyone, mine)
+    compat.all_gather_single(everyone, mine)
     everyone = everyone.view(-1, 4).cpu()
     return {
         "loss": everyone[:, 0].mean().item(),

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from flatshard import compat
 from flatshard.dtensor.row_shard import RowShard, unsupported
 from flatshard.errors import UnevenShardError
 
@@ -26,7 +27,7 @@ def gather_rows(shard: RowShard, group: dist.ProcessGroup) -> torch.Tensor:
     received = torch.empty(
         longest * spec.row_size * len(counts), dtype=shard.dtype, device=shard.device
     )
-    dist.all_gather_single(received, send, group=group)
+    compat.all_gather_single(received, send, group=group)
     received = received.view(len(counts), longest, *row_shape)
     if all(n == longest for n in counts):
         rows = received.view(-1, *row_shape)  # no padding to squeeze out: no copy
