@@ -4,8 +4,9 @@ TP first (the blocks' parameters become DTensors on the TP mesh), then EP (each 
 experts split over the EP mesh and sharded, in units of their own, over the other ranks),
 then each block's activation memory mode (checkpointing, or offload to the host), then
 `fully_shard` of every block, then of the root, all on the meshes of one `ParallelDims`;
-last, on request, each block compiled (its unit hooks stay outside the graphs). The trainer, the benchmarks and the tests build their models through it;
-`fully_shard` stays FSDP2's drop-in for scripts that compose by hand.
+last, on request, each block compiled (its unit hooks stay outside the graphs). The
+trainer, the benchmarks and the tests build their models through it; `fully_shard` stays
+FSDP2's drop-in for scripts that compose by hand.
 """
 
 from __future__ import annotations
