@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -36,6 +37,12 @@ def test_train_resume_sample_inspect(tmp_path):
     assert sorted(os.listdir(split / "checkpoints")) == ["latest", "step-00000003"]
     resumed = check_ok(flatshard("train", "--resume", split))
     assert "resuming from step 3" in resumed.stdout
+    # the load says what it reads before it starts, and how long it took
+    loading = (
+        r"loading \S+step-00000003: [0-9.]+ MiB saved by 2 process\(es\), into 2 "
+        r"process\(es\)\.\.\.\nloaded step 3 in [0-9.]+ s"
+    )
+    assert re.search(loading, resumed.stdout), resumed.stdout
     assert [r["step"] for r in metrics(split)] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in metrics(split)] == expected  # bitwise: same world, same order
 

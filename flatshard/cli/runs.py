@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 from flatshard import checkpoint
 from flatshard.checkpoint import commit, manifest
 from flatshard.cli.errors import RunError
+from flatshard.errors import CheckpointError
 
 CHECKPOINTS = "checkpoints"
 CONFIG_TOML, CONFIG_JSON = "config.toml", "config.json"
@@ -131,10 +132,28 @@ def write_config(run_dir: str, config) -> None:
             handle.write(text)
 
 
+def _describe_saved(path: str) -> str:
+    """': N MiB saved by W process(es)' from its manifest ('' where that cannot be read:
+    the load, on every rank, says what is wrong with it)."""
+    try:
+        saved = manifest.read(path)
+    except CheckpointError:
+        return ""
+    size = sum(entry.get("size", 0) for entry in saved.get("files", {}).values()) / 2**20
+    return f": {size:,.1f} MiB saved by {saved.get('world_size', '?')} process(es),"
+
+
 def resume(root: str, model, optimizer, step: int, ranks):
     """Load a run's checkpoint `step` into the model and optimizer (the load's result);
     the main rank first removes what an interrupted save left (no save runs yet)."""
+    path = os.path.join(root, commit.step_dir_name(step))
     if ranks.is_main:
         for name in commit.remove_partials(root):
             print(f"removed {name} (left by an interrupted or failed save)", flush=True)
-    return checkpoint.load(root, model=model, optimizer=optimizer, step=step, data_position=None)
+        described = _describe_saved(path)
+        print(f"loading {path}{described} into {ranks.world_size} process(es)...", flush=True)
+    started = time.perf_counter()
+    result = checkpoint.load(root, model=model, optimizer=optimizer, step=step, data_position=None)
+    if ranks.is_main:
+        print(f"loaded step {step} in {time.perf_counter() - started:.1f} s", flush=True)
+    return result
