@@ -142,7 +142,7 @@ def env(check: Check) -> dict:
     if check.cuda:
         out["gpu"] = torch.cuda.get_device_name()
         out["cuda"] = torch.version.cuda
-        out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        out["nccl"] = str(torch.cuda.nccl.version())
     return out
 
 
