@@ -42,22 +42,21 @@ def _add_one(x: torch.Tensor) -> torch.Tensor:
     return x + 1
 
 
-def compile_block(block: nn.Module, backend: str) -> int:
+def compile_block(block: nn.Module, backend: str, eager: set[nn.Module] = frozenset()) -> int:
     """Compile `block` (after `fully_shard`) whole, as one graph: its unit hooks run outside
-    it. A block holding units of its own (its experts under EP) is compiled region by
-    region around them, each region one graph, as torchtitan does for MoE blocks: a unit's
-    hooks inside a graph would break it. Returns the number of compiled regions."""
+    it. A block holding units of its own (its experts under EP) or modules that must run
+    eagerly (`eager`: the plan's `uncompiled`) is compiled region by region around them,
+    each region one graph, as torchtitan does for MoE blocks: a unit's hooks inside a graph
+    would break it. Returns the number of compiled regions."""
     own = unit_of(block)
 
-    def is_other_unit(module: nn.Module) -> bool:
-        return unit_of(module) is not None and unit_of(module) is not own
+    def stays_eager(module: nn.Module) -> bool:
+        return module in eager or (unit_of(module) is not None and unit_of(module) is not own)
 
     def compile_regions(module: nn.Module) -> int:
-        if not any(is_other_unit(sub) for sub in module.modules()):
+        if not any(stays_eager(sub) for sub in module.modules()):
             module.compile(backend=backend, fullgraph=True)
             return 1
-        return sum(
-            compile_regions(child) for child in module.children() if not is_other_unit(child)
-        )
+        return sum(compile_regions(child) for child in module.children() if not stays_eager(child))
 
     return compile_regions(block)

@@ -66,6 +66,7 @@ def parallelize(
         fully_shard(block, mesh=meshes.fsdp, **shard)
     fully_shard(model, mesh=meshes.fsdp, **shard)
     if backend is not None:  # after fully_shard: the unit hooks stay outside the graphs
+        eager = set(plan.uncompiled(model)) if plan.uncompiled else set()
         for block in blocks:
-            compile_block(block, backend)
+            compile_block(block, backend, eager)
     return model

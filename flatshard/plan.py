@@ -33,11 +33,15 @@ class ParallelPlan:
         "layers.*.attn.q_proj").
     expert_parallel: splits the experts over the EP mesh, in place, and returns the expert
         modules (each becomes a unit of its own, sharded over the other ranks):
-        a function of (model, ep_mesh)."""
+        a function of (model, ep_mesh).
+    uncompiled: the modules `parallelize(compile=...)` leaves eager (code dynamo or inductor
+        cannot take, e.g. data-dependent expert routing); each block is then compiled
+        region by region around them: a function of the model."""
 
     blocks: Callable[[nn.Module], list[nn.Module]] | str = "layers"
     tensor_parallel: MeshPlan | None = None
     expert_parallel: Callable[[nn.Module, DeviceMesh], list[nn.Module]] | None = None
+    uncompiled: Callable[[nn.Module], list[nn.Module]] | None = None
 
     def blocks_of(self, model: nn.Module) -> list[nn.Module]:
         if callable(self.blocks):

@@ -212,3 +212,35 @@ def test_a_backend_that_cannot_compile_is_one_line(monkeypatch):
     assert "does not work on this machine" in str(error.value)
     assert "\n" not in str(error.value)
     torch._dynamo.reset()
+
+
+def _hf_compiled_and_eager(arch: str):
+    from test_hf_transformers import ARCHS, random_model
+    from test_hf_transformers import train as hf_train
+
+    results = []
+    for compile in (True, False):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = random_model(ARCHS[arch]())
+        flatshard.parallelize(model, flatshard.ParallelDims(dist.get_world_size()), compile=compile)
+        generator = torch.Generator().manual_seed(1)
+        data = [torch.randint(0, 61, (6, 9), generator=generator) for _ in range(3)]
+        losses = hf_train(model, data, dist.get_rank(), dist.get_world_size())
+        results.append((losses, full_state(model), _dynamo_counts()))
+    return results
+
+
+@pytest.mark.parametrize("arch", ["llama3", "mixtral"])
+def test_transformers_blocks_compile(arch):
+    """A transformers model's decoder layers compile whole; an MoE layer's grouped experts
+    (data-dependent routing; transformers' CPU kernel cannot be traced) run eagerly, the
+    rest of the layer compiled around them."""
+    pytest.importorskip("transformers")
+    for (losses, weights, counts), (eager_losses, eager_weights, _) in run_distributed(
+        _hf_compiled_and_eager, 2, arch, timeout=600
+    ):
+        assert counts["breaks"] == 0 and counts["graphs"] >= 1
+        assert rel_losses(losses, eager_losses) <= TOLERANCE
+        assert rel_diff(weights, eager_weights) <= TOLERANCE

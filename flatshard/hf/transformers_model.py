@@ -26,6 +26,7 @@ from flatshard.hf.names import TensorMapping
 from flatshard.parallel.transformers_plan import (
     apply_transformers_expert_parallel,
     apply_transformers_tensor_parallel,
+    grouped_experts,
 )
 from flatshard.plan import ParallelPlan, register_plan
 from flatshard.runtime import shard_placement
@@ -203,6 +204,9 @@ register_plan(
         blocks=decoder_layers,
         tensor_parallel=apply_transformers_tensor_parallel,
         expert_parallel=apply_transformers_expert_parallel,
+        # transformers' grouped-expert kernels route by data-dependent sizes (its CPU
+        # fallback's backward cannot be traced): compiled blocks run them eagerly
+        uncompiled=lambda model: list(grouped_experts(model).values()),
     ),
 )
 

@@ -141,15 +141,22 @@ def _splits_of(style: ParallelStyle, module: nn.Module) -> dict[str, tuple[int, 
 def apply_transformers_expert_parallel(model: nn.Module, ep_mesh) -> list[nn.Module]:
     """Split the grouped experts `config.base_model_ep_plan` names (`moe_tp_experts`) over
     the 1-D `ep_mesh`, in place; returns their modules (none for a dense model)."""
-    kinds = tensor_parallel_plan(model, "base_model_ep_plan")
-    names = [name for name, kind in kinds.items() if kind == "moe_tp_experts"]
-    for name in names:  # every check before anything is split
-        _check_experts(name, model.get_submodule(name), ep_mesh.size())
-    experts = [model.get_submodule(name) for name in names]
+    experts = grouped_experts(model)
+    for name, module in experts.items():  # every check before anything is split
+        _check_experts(name, module, ep_mesh.size())
+    experts = list(experts.values())
     for module in experts:
         module.expert_outputs = _expert_outputs(module)
         parallelize_module(module, ep_mesh, ExpertParallel())
     return experts
+
+
+def grouped_experts(model: nn.Module) -> dict[str, nn.Module]:
+    """The grouped experts modules `config.base_model_ep_plan` names (`moe_tp_experts`), by
+    name (none for a dense model)."""
+    kinds = tensor_parallel_plan(model, "base_model_ep_plan")
+    names = [name for name, kind in kinds.items() if kind == "moe_tp_experts"]
+    return {name: model.get_submodule(name) for name in names}
 
 
 def _check_experts(name: str, module: nn.Module, ep: int) -> None:
