@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from flatshard.cli import estimate, zoo
+from flatshard.cli.activations import Activations, Saved
 from flatshard.cli.estimate import Setup
 from flatshard.cli.main import main
 from flatshard.models import LlamaConfig, MoEConfig
@@ -47,29 +48,31 @@ def test_llama3_8b_on_64_ranks(capsys):
     # activations kept for backward, per token, bf16 except the fp32 parts:
     # per block: 2 RMSNorms (fp32 input + bf16 output), SDPA q/k/v/out + o_proj input
     # (5 x 32 heads x 128), fp32 logsumexp (32 heads), SwiGLU 4 x ffn;
-    # head: final norm, bf16 logits, fp32 copy, log-softmax and its gradient, and in its
-    # backward the log-probabilities' gradient and the softmax
+    # head: final norm, bf16 logits, and while the loss's backward runs the fp32
+    # log-softmax, its gradient and the logits' gradient
     per_block = 2 * (FP32 + BF16) * d + BF16 * 5 * 32 * 128 + FP32 * 32 + BF16 * 4 * f
-    head = (FP32 + BF16) * d + BF16 * V + 5 * FP32 * V
-    assert memory["activations"] == 4096 * (L * per_block + head) == 38_518_390_784
+    head = (FP32 + BF16) * d + BF16 * V + 3 * FP32 * V
+    assert memory["activations"] == 4096 * (L * per_block + head) == 34_315_698_176
     # at the start of backward: weights + AdamW + activations + the root's parts gathered
     # with their gradient buffers, two blocks gathered, two blocks' bf16 gradients, one fp32
     # copy reducing
     working = BF16 * 2 * root + BF16 * 4 * block + FP32 * block
     expected = FP32 * shard * 3 + memory["activations"] + working
-    assert memory["total"] == expected == 46_845_198_336
-    # full activation checkpointing: every block's input (bf16), the head, one block again;
+    assert memory["total"] == expected == 42_642_505_728
+    # full activation checkpointing: every block's input (bf16), then the head's backward
+    # (on Llama-3's vocabulary it outweighs one block recomputed with its gradients);
     # selective: what each block keeps (q, k, v, SDPA's output and logsumexp, o_proj's and
-    # down_proj's outputs, [gate; up]), the head, and one block's remainder recomputed
+    # down_proj's outputs, [gate; up]), then the head's backward again
+    assert head > per_block + per_block * 3 // 8
     full = plan(capsys, "llama3-8b", "--ac", "full")["memory"]["activations"]
-    assert full == 4096 * (L * BF16 * d + head + per_block)
+    assert full == 4096 * (L * BF16 * d + head)
     kept = BF16 * (2 * 32 + 2 * 8) * 128 + FP32 * 32 + BF16 * 2 * d + BF16 * 2 * f
     selective = plan(capsys, "llama3-8b", "--ac", "selective")["memory"]["activations"]
-    assert selective == 4096 * (L * (BF16 * d + kept) + head + per_block - kept)
+    assert selective == 4096 * (L * (BF16 * d + kept) + head)
     assert full < selective < memory["activations"]
-    # offload: the head, the last block (kept on the device) and the one fetched back ahead
+    # offload: the head with the last block (kept on the device)
     offload = plan(capsys, "llama3-8b", "--ac", "offload")["memory"]["activations"]
-    assert offload == 4096 * (head + 2 * per_block) < full
+    assert offload == 4096 * (head + per_block) < full
 
 
 def test_what_fits_per_activation_mode(capsys):
@@ -300,3 +303,19 @@ def test_qwen3_30b_a3b_with_expert_parallelism(capsys):
         abs(result["memory"]["optimizer"] - plain["memory"]["optimizer"])
         <= 1e-3 * plain["memory"]["optimizer"]
     )
+
+
+def test_activation_peak_is_the_larger_of_the_head_and_a_block_moment():
+    """Each mode's peak: the head's backward on top of what is saved, or, once it is done, a
+    block's backward (its activations recomputed where checkpointed, with 3/8 of them again
+    as gradients): the block moment wins where the vocabulary is small."""
+    layer = Saved(all=800, kept=300)
+    small_head = Activations(((2, layer),), block_input=10, head=100)
+    assert small_head.per_token("none") == 2 * 800 + 100
+    assert small_head.per_token("full") == 2 * 10 + 800 + 300
+    assert small_head.per_token("selective") == 2 * 10 + 2 * 300 + 500 + 300
+    assert small_head.per_token("offload") == 800 + 800 + 300
+    large_head = Activations(((2, layer),), block_input=10, head=5000)
+    assert large_head.per_token("full") == 2 * 10 + 5000
+    assert large_head.per_token("selective") == 2 * 10 + 2 * 300 + 5000
+    assert large_head.per_token("offload") == 5000 + 800

@@ -125,7 +125,7 @@ def test_memmap_data_in_one_process(tmp_path):
 
 
 def test_plan_matches_a_measured_run(tmp_path):
-    """The planner's peak memory is within 10% of a run's measured peak resident memory, and
+    """The planner's peak memory is within 10% of a run's measured peak memory, and
     its bytes per step equal the bytes the run's collectives moved."""
     sizes = ["--set", "model.preset=medium", "--set", "data.seq_len=32",
              "--set", "train.micro_batch=1", "--set", "train.global_batch=2"]  # fmt: skip
@@ -152,13 +152,13 @@ def test_plan_matches_a_measured_run(tmp_path):
 
 
 def test_plan_matches_measured_peaks_per_activation_checkpointing_mode(tmp_path):
-    """With activations dominant (4096 tokens on the tiny model), the planner's peak for
+    """With activations dominant (16384 tokens on the tiny model), the planner's peak for
     --ac none, full and selective is within 10% of each run's measured peak, and the modes
-    order as they should: full < selective < none. One process: with two, a loaded
-    machine moves when each rank's collectives finish, and with them full AC's peak
-    (+22% in one CI run)."""
+    order as they should: full < selective < none. One process: with two, a loaded machine
+    moves when each rank's collectives finish, and with them full AC's peak. Many tokens:
+    what does not grow with them (the allocator's, the kernel's counting) stays small."""
     sizes = ["--set", "model.preset=tiny", "--set", "data.seq_len=256", "--set", "run.nproc=1",
-             "--set", "train.micro_batch=16", "--set", "train.global_batch=16"]  # fmt: skip
+             "--set", "train.micro_batch=64", "--set", "train.global_batch=64"]  # fmt: skip
     env = cli_env(MALLOC_MMAP_THRESHOLD_="65536")
     measured = {}
     for mode in ("none", "full", "selective"):

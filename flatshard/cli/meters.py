@@ -1,10 +1,14 @@
 """What a training step costs: peak memory and bytes moved by flatshard's collectives.
 
-Memory: on CUDA the allocator's peak; on CPU the process's peak resident set (VmHWM)
-above the resident set when measuring started (the imported libraries and the data), the
-figure `flatshard plan` predicts. Communication: the payload of every all-gather and
-reduce-scatter flatshard issues (each bucket's padded size times its dtype's size), as
-`flatshard.comm.traffic` counts them.
+Memory: on CUDA the allocator's peak; on CPU the process's peak anonymous memory (what
+tensors and the allocator hold) above what it held when measuring started (the imported
+libraries and the data), the figure `flatshard plan` predicts. Library code paged in when
+training first runs it (file-backed pages, 5-10 MB at once, more where the kernel maps
+large folios) is not training memory: the peak resident set (VmHWM) less the file-backed
+and shared pages resident now, which only grow in a run.
+
+Communication: the payload of every all-gather and reduce-scatter flatshard issues (each
+bucket's padded size times its dtype's size), as `flatshard.comm.traffic` counts them.
 """
 
 from __future__ import annotations
@@ -60,13 +64,14 @@ class MemoryMeter:
                 handle.write("5")
         except OSError:
             pass
-        self.baseline = _status_bytes("VmRSS")
+        self.baseline = _status_bytes("RssAnon") or _status_bytes("VmRSS")
 
     def peak(self) -> int:
         """Peak bytes since `reset` (above the baseline on CPU)."""
         if self.cuda:
             return torch.cuda.max_memory_allocated()
-        return max(0, _status_bytes("VmHWM") - self.baseline)
+        not_anonymous = _status_bytes("RssFile") + _status_bytes("RssShmem")
+        return max(0, _status_bytes("VmHWM") - not_anonymous - self.baseline)
 
     def peak_resident(self) -> int:
         """The process's peak resident set, everything included (0 on CUDA)."""
