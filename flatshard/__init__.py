@@ -20,6 +20,7 @@ from flatshard.errors import (
     MeshError,
     OffloadError,
     OptimizerOrderError,
+    StatesOffloadedError,
     TokenIdError,
     UnevenShardError,
     WrappingError,
@@ -37,6 +38,7 @@ from flatshard.plan import ParallelPlan, register_plan
 from flatshard.policy import MixedPrecisionPolicy, OffloadPolicy
 from flatshard.registry import unit_of as state
 from flatshard.registry import units_below as units
+from flatshard.state_offload import offload_states, reload_states
 
 __all__ = [
     "CPUOffloadPolicy",
@@ -52,6 +54,7 @@ __all__ = [
     "OffloadError",
     "OffloadPolicy",
     "OptimizerOrderError",
+    "StatesOffloadedError",
     "ParallelDims",
     "ParallelPlan",
     "TokenIdError",
@@ -63,9 +66,11 @@ __all__ = [
     "hf",
     "materialize",
     "models",
+    "offload_states",
     "parallelize",
     "register_plan",
     "register_fsdp_forward_method",
+    "reload_states",
     "row_range",
     "share_comm_ctx",
     "state",

@@ -166,6 +166,34 @@ def wait_event(event) -> None:
         torch.cuda.current_stream().wait_event(event)
 
 
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def storage_to_host(storage: torch.UntypedStorage, pin_memory: bool) -> torch.Tensor:
+    """A host copy of a storage's bytes: from CUDA into pinned memory (when asked),
+    asynchronously; `host_copies_done()` says when it can be read or the storage freed."""
+    source = _bytes_of(storage)
+    pin = pin_memory and source.is_cuda
+    host = torch.empty(source.numel(), dtype=torch.uint8, pin_memory=pin)
+    return host.copy_(source, non_blocking=pin)
+
+
+def storage_from_host(storage: torch.UntypedStorage, host: torch.Tensor) -> None:
+    """Give a storage freed to size 0 its memory back and its bytes from `host` (copied on
+    the current stream: whatever runs after it on the stream sees them)."""
+    storage.resize_(host.numel())
+    _bytes_of(storage).copy_(host, non_blocking=host.is_pinned())
+
+
+def release_device_memory(device: torch.device) -> None:
+    """Hand memory freed on `device` back to the driver, so another engine in the process
+    (an inference server between training steps) can have it; the CPU: nothing to do."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
 def free_storage(tensor: torch.Tensor, pool: BufferPool | None = None) -> None:
     """Release a buffer's memory while views of it (saved for backward) stay valid objects."""
     storage = tensor.untyped_storage()

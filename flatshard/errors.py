@@ -33,6 +33,11 @@ class CheckpointError(FlatShardError):
     """A checkpoint is missing, incomplete, corrupted, or does not match the model."""
 
 
+class StatesOffloadedError(FlatShardError, RuntimeError):
+    """The model's or optimizer's states are on the host (`flatshard.offload_states`) and
+    something needs them on the device: `flatshard.reload_states` first."""
+
+
 class OffloadError(FlatShardError, OSError):
     """The optimizer offload cannot hold its state where it was asked to (a fraction out of
     range, a directory that cannot be written, a disk that is full)."""

@@ -18,6 +18,7 @@ _MANAGED = WeakIdKeyDictionary()  # sharded DTensor -> (unit, ManagedParam)
 _REPLACED_BY = WeakIdKeyDictionary()  # original parameter -> its sharded replacement
 _EXPERT_PARALLEL = WeakIdKeyDictionary()  # parameters an EP style split
 _ACTIVATION_OFFLOAD = WeakIdKeyDictionary()  # block -> its runtime.ActivationOffload
+_STATES_AWAY = WeakIdKeyDictionary()  # model -> what flatshard.offload_states moved
 
 
 def bind_unit(module: nn.Module, unit) -> None:
@@ -74,3 +75,16 @@ def bind_activation_offload(module: nn.Module, offload) -> None:
 def activation_offload_of(module: nn.Module):
     """The ActivationOffload of a block whose saved activations go to the host; None if not."""
     return _ACTIVATION_OFFLOAD.get(module)
+
+
+def bind_states_away(model: nn.Module, away) -> None:
+    _STATES_AWAY[model] = away
+
+
+def take_states_away(model: nn.Module):
+    """What `flatshard.offload_states` moved off `model`'s device (None: nothing), forgotten."""
+    return _STATES_AWAY.pop(model, None)
+
+
+def states_away_of(model: nn.Module):
+    return _STATES_AWAY.get(model)

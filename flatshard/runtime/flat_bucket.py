@@ -168,6 +168,14 @@ class FlatBucket:
         self.unsharded_grad = None
         return True
 
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        """Every gradient buffer this bucket holds: the kept shard's device part, and between
+        micro-batches the unsharded gradient and the sums not yet reduced."""
+        kept = self.shard.grad
+        buffers = [kept[0] if kept is not None else None]
+        buffers += [self.unsharded_grad, self._unsynced, self.unreplicated]
+        return [buffer for buffer in buffers if buffer is not None]
+
     @property
     def holds_unsynced(self) -> bool:
         return self._unsynced is not None

@@ -48,6 +48,7 @@ def attach(unit, module) -> None:
 
 
 def pre_forward(unit, args, kwargs):
+    unit.check_states_here()
     context = context_of(unit)
     if not context.in_backward:  # not an activation-checkpointing recompute
         unit.follow_requires_grad()

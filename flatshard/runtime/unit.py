@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from flatshard import comm
+from flatshard.errors import StatesOffloadedError
 from flatshard.layout import UnitLayout
 from flatshard.policy import MixedPrecisionPolicy, OffloadPolicy
 from flatshard.runtime.flat_bucket import FlatBucket
@@ -106,6 +107,7 @@ class Unit:
         self.forward_calls = 0  # forward calls whose inputs' gradients end its backward
         self.input_gradients_seen = 0
         self.post_backward_at_end = False  # a call had no such inputs (see hooks.py)
+        self.states_away = False  # flatshard.offload_states moved its shards to the host
 
     @property
     def root_part(self) -> bool:
@@ -136,8 +138,16 @@ class Unit:
         self.sharded_state = check_move(self.sharded_state, state)
 
     # --- parameters ------------------------------------------------------------------------
+    def check_states_here(self) -> None:
+        if self.states_away:
+            raise StatesOffloadedError(
+                "the model's parameters and gradients are on the host (flatshard."
+                "offload_states): call flatshard.reload_states(model, optimizer) first"
+            )
+
     def unshard(self, async_op: bool = False):
         """Start gathering the parameters (no-op while a gathered copy is up to date)."""
+        self.check_states_here()
         state = self.sharded_state
         if state is ShardedState.SHARDED or (state is ShardedState.UNSHARDED and self._stale()):
             self._start_gather()
