@@ -31,6 +31,7 @@ from flatshard.fsdp_module import (
     share_comm_ctx,
     weights_changed,
 )
+from flatshard.hf.stream import full_weights
 from flatshard.materialize import materialize
 from flatshard.mesh import Meshes, ParallelDims
 from flatshard.parallelize import parallelize
@@ -62,6 +63,7 @@ __all__ = [
     "WrappingError",
     "checkpoint",
     "clip_grad_norm_",
+    "full_weights",
     "fully_shard",
     "hf",
     "materialize",

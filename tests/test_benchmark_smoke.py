@@ -227,6 +227,22 @@ def test_compare_offload_modes(tmp_path):
     assert not list(tmp.glob("flatshard-bench-offload-*")), list(tmp.iterdir())
 
 
+def test_state_movement_script():
+    """The RL state-movement benchmark runs its four comparisons end to end (tiny preset)."""
+    script = os.path.join(ROOT, "benchmarks", "state_movement.py")
+    proc = subprocess.run(
+        [sys.executable, script, "--preset", "tiny", "--repeats", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [_cells(line) for line in proc.stdout.splitlines() if line.startswith("| ")]
+    compared = [row for row in rows[1:] if row[0] in ("offload", "reload", "full weights")]
+    assert len(compared) == 4 and all(float(row[-1]) > 0 for row in compared), proc.stdout
+
+
 def test_hf_parallel_script():
     """benchmarks/hf_parallel.py at its smallest: flatshard's transformers Llama under TP
     trains as FSDP2 + torch TP does, and reads a fraction of the checkpoint FSDP2 reads."""

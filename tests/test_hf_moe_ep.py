@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
+from test_full_weights import assert_streamed_as_saved
 from test_hf import assert_bit_exact, hf_logits, read_all, rel
 
 import flatshard
@@ -106,7 +107,8 @@ def _import_export(path, out, tokens, ep):
     expert_rows = [flatshard.row_range(e.gate_up_proj) for e in experts]
     boxes = [shard_spec(e.gate_up_proj).global_box for e in experts]
     hf.save_pretrained(model, out)
-    return logits, stats.bytes_read, held, expert_rows, boxes
+    streamed = [(n, t.clone()) for n, t in flatshard.full_weights(model, max_bytes=10_000)]
+    return logits, stats.bytes_read, held, expert_rows, boxes, streamed
 
 
 # --------------------------------------------------------------------------------------------
@@ -128,6 +130,8 @@ def test_import_with_ep_reads_own_experts_and_exports_bitwise(
     # tensor once: no rank read another's rows (no tensor is replicated here)
     for _, read, held, *_ in results:
         assert read == held
+    for *_, streamed in results:  # what an RL trainer pushes: the files' tensors, bitwise
+        assert_streamed_as_saved(streamed, out)
     whole = sum(t.numel() * t.element_size() for t in read_all(path).values())
     assert sum(r[1] for r in results) == whole
     # rank r holds experts of its EP index (r % ep) only, and the ranks cover them all
@@ -135,7 +139,7 @@ def test_import_with_ep_reads_own_experts_and_exports_bitwise(
     per_rank = n_experts // ep
     for layer in range(len(results[0][3])):
         covered = set()
-        for rank, (*_, rows, _) in enumerate(results):
+        for rank, (*_, rows, _, _) in enumerate(results):
             start, end = rows[layer]
             low = (rank % ep) * per_rank
             assert low <= start <= end <= low + per_rank, (rank, rows[layer])

@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 from distributed import run_distributed
+from test_full_weights import assert_streamed_as_saved
 from test_hf import assert_bit_exact, hf_logits, rel
 
 import flatshard
@@ -56,7 +57,8 @@ def _import_export(path, out, tokens, shard, tp):
     with torch.no_grad():
         logits = model(tokens).detach().clone()
     hf.save_pretrained(model, out)
-    return logits, stats.bytes_read
+    streamed = [(n, t.clone()) for n, t in flatshard.full_weights(model, max_bytes=10_000)]
+    return logits, stats.bytes_read, streamed
 
 
 def _total_bytes(path) -> int:
@@ -71,8 +73,9 @@ def test_hf_import_into_tp_reads_own_pieces_and_exports_bitwise(checkpoint, tmp_
     shard, tp = layout
     out = str(tmp_path / "export")
     results = run_distributed(_import_export, shard * tp, path, out, tokens, shard, tp)
-    for logits, _ in results:
+    for logits, _, streamed in results:
         assert rel(logits, expected) <= 1e-5
+        assert_streamed_as_saved(streamed, out)  # what an RL trainer pushes, bitwise
     assert_bit_exact(out, path)
     # every rank read its own piece: replicated tensors (embedding, norms, head, the
     # row-parallel biases) once per TP rank, TP-split tensors once in all

@@ -21,14 +21,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from flatshard import agreement
-from flatshard.dtensor.sharded_param import param_spec
 from flatshard.hf.adapter import StateDictAdapter, adapter_for
 from flatshard.hf.checkpoint import INDEX_FILE, SINGLE_FILE
 from flatshard.hf.errors import HFCheckpointError
 from flatshard.hf.names import NameRule, TensorMapping
+from flatshard.hf.stream import gathered, hf_order
 from flatshard.safetensors_stream import StreamingSafetensorsWriter, tensor_bytes
 
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
@@ -69,7 +68,6 @@ def save_pretrained(
             f"Hugging Face tensor(s) {twice[:5]} are assembled from several parameters or "
             "blocks; flatshard's export writes each from one block of one parameter"
         )
-    infos = {name: param_spec(model, name, param).info for name, param in params.items()}
     out_dtype = {m.hf_name: dtype or params[m.param_name].dtype for m in mappings}
     shards = _plan_shards(adapter.save_order(mappings), out_dtype, _parse_size(max_shard_size))
     group = dist.group.WORLD if dist.is_initialized() else None
@@ -80,33 +78,14 @@ def save_pretrained(
     )
 
     ordered = [m for shard in shards for m in shard]  # the order the files are written in
-    last_use = {m.param_name: i for i, m in enumerate(ordered)}
-    gathered: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for i, mapping in enumerate(ordered):
-            name = mapping.param_name
-            if name not in gathered:  # every rank gathers in the same (planned) order
-                param = params[name]
-                gathered[name] = (
-                    param.full_tensor() if isinstance(param, DTensor) else param.detach()
-                )
+    order, _ = hf_order(model, adapter, ordered)
+    with torch.no_grad():  # one parameter held at a time (or, for a MoE layer, its experts')
+        for name, piece in gathered(order, params, max_bytes=0):
             if writer is not None:
-                piece = _hf_tensor(mapping, infos[name], gathered[name])
-                writer.write(mapping.hf_name, piece.to(out_dtype[mapping.hf_name]))
-            if last_use[name] == i:
-                del gathered[name]  # only the parameters of the tensors being written are alive
+                writer.write(name, piece.to(out_dtype[name]))
+            del piece  # not held while the next parameter is gathered
     problem = writer.finish(files) if writer is not None else None
     agreement.agree(problem, group, HFCheckpointError)  # also the barrier: files exist after it
-
-
-def _hf_tensor(mapping: TensorMapping, info, full: torch.Tensor) -> torch.Tensor:
-    """HF tensor `mapping` cut from its parameter's full value `full`."""
-    if mapping.component is not None:
-        return info.component(mapping.component).select_global(full)
-    if mapping.tile is not None:
-        block = mapping.tile.inverse(mapping.hf_name)  # parameter -> HF
-        return block.take(full[block.box.slices])
-    return full
 
 
 def _parse_size(size: int | str) -> int:
