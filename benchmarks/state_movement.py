@@ -128,11 +128,23 @@ def worker(rank: int, world: int, port: int, args, queue):
     for _ in range(args.repeats):
         for name, seconds in one_repeat(fsdp2, ours).items():
             times.setdefault(name, []).append(seconds)
+    # On the CPU the host copies take the freed storages' place: the resident set should not
+    # grow by the state's size (it would if the "device" storages were not freed).
+    before = _resident()
+    flatshard.offload_states(*ours)
+    sizes["rss_growth"] = _resident() - before
+    flatshard.reload_states(*ours)
     if rank == 0:
         queue.put(({name: statistics.median(v) for name, v in times.items()}, sizes))
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # skip interpreter teardown, where gloo's threads sometimes abort
+
+
+def _resident() -> int:
+    with open("/proc/self/status") as handle:
+        line = next(line for line in handle if line.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
 
 
 def main() -> None:
@@ -144,6 +156,7 @@ def main() -> None:
     args = parser.parse_args()
     queue = mp.get_context("spawn").SimpleQueue()
     port = 29000 + os.getpid() % 1000
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # the workers' freed buffers go back at once
     mp.spawn(worker, args=(args.world, port, args, queue), nprocs=args.world)
     medians, sizes = queue.get()
     report = render(args, medians, sizes)
@@ -171,6 +184,9 @@ def render(args, medians: dict[str, float], sizes: dict[str, int]) -> str:
         f"torch {torch.__version__}",
         f"- per rank: {gb_state:.3f} GB of weights, gradients and AdamW state moved; "
         f"{gb_weights:.3f} GB of full weights streamed (fp32)",
+        f"- resident set growth at offload_states on rank 0: {sizes['rss_growth'] / 1e6:.1f} MB "
+        f"(the state moved: {sizes['state'] / 1e6:.1f} MB; its host copies replace the freed "
+        "storages)",
         "",
         "| what | peer | peer s | flatshard s | flatshard GB/s | × peer |",
         "|---|---|---|---|---|---|",

@@ -9,7 +9,8 @@ section that fails is reported (its exception) and the others still run. Writes
 `gpu_check.json` (every figure) and `gpu_check.txt` (a summary) to --out.
 
 Sections: env; cpu_parity (ZeRO-3 fp32 on the GPU equals the CPU run); bf16; offload
-(f = 0.5 and 1, pinned copies: losses equal no offload, step times); compile (blocks
+(f = 0.5 and 1, pinned copies: losses equal no offload, step times); state_offload
+(offload_states / reload_states: device memory left, bitwise training, GB/s); compile (blocks
 compiled: losses, graph breaks, step times); activation_memory (peak device memory per
 --ac mode against `flatshard plan`, and how much of what activation offload moves it
 saves); fsdp2_1b (a ~1B Llama in bf16: flatshard vs FSDP2 step time and MFU, side by side).
@@ -186,6 +187,63 @@ def offload(check: Check) -> dict:
     return out
 
 
+def state_offload(check: Check) -> dict:
+    """RL state movement: device memory left after `offload_states` (target: <= 2% of the
+    model's and AdamW's), training after `reload_states` equal to an uninterrupted run,
+    offload/reload and `full_weights` throughput."""
+
+    plain = check.train(check.sharded("35m"), "35m")["losses"]
+    model = check.sharded("35m")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses, out = [], {}
+    for step, tokens in enumerate(check.data("35m")):
+        tokens = tokens.to(check.device)
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        if step == 1:
+            del logits, loss
+            out = _away_and_back(check, model, optimizer)
+    out["equal_losses"] = losses == plain
+    left = out["device_bytes_after"] / max(1, out["device_bytes_before"]) if check.cuda else 0
+    out["ok"] = out["equal_losses"] and left <= 0.02
+    return out
+
+
+def _away_and_back(check: Check, model, optimizer) -> dict:
+    import flatshard
+
+    allocated = torch.cuda.memory_allocated if check.cuda else (lambda: 0)
+    check.sync()
+    before = allocated()
+    start = time.perf_counter()
+    moved = flatshard.offload_states(model, optimizer)
+    offload_s = time.perf_counter() - start
+    after = allocated()
+    start = time.perf_counter()
+    flatshard.reload_states(model, optimizer)
+    check.sync()
+    reload_s = time.perf_counter() - start
+    start = time.perf_counter()
+    streamed = 0
+    for _, tensor in flatshard.full_weights(model):
+        streamed += tensor.numel() * tensor.element_size()
+        del tensor
+    check.sync()
+    stream_s = time.perf_counter() - start
+    return {
+        "device_bytes_before": before,
+        "device_bytes_after": after,
+        "moved_bytes": moved,
+        "offload_gb_per_s": moved / 1e9 / offload_s,
+        "reload_gb_per_s": moved / 1e9 / reload_s,
+        "full_weights_gb_per_s": streamed / 1e9 / stream_s,
+    }
+
+
 def compile_blocks(check: Check) -> dict:
     from torch._dynamo.utils import counters
 
@@ -296,6 +354,7 @@ SECTIONS = {
     "cpu_parity": cpu_parity,
     "bf16": bf16,
     "offload": offload,
+    "state_offload": state_offload,
     "compile": compile_blocks,
     "activation_memory": activation_memory,
     "fsdp2_1b": fsdp2_1b,
