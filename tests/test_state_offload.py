@@ -21,7 +21,7 @@ from flatshard import registry
 from flatshard.dtensor.sharded_param import local_data
 from flatshard.models import Llama, MoE, MoEConfig
 
-STEPS = 5
+STEPS = 7  # 5 more after the first reload
 
 
 def _device_bytes(model, optimizer) -> tuple[int, int]:
