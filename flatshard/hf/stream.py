@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from flatshard import registry
 from flatshard.dtensor.sharded_param import param_spec
 from flatshard.hf.adapter import StateDictAdapter, adapter_for
 from flatshard.hf.errors import HFCheckpointError
@@ -34,9 +35,10 @@ def full_weights(
     (`names="hf"`: fused weights cut into their components, grouped experts one tensor per
     expert, parameter by parameter) or the model's own (`"model"`: its state dict's keys).
     Parameters are gathered a group at a time, at most `max_bytes` of them held at once (a
-    larger one alone); a tensor yielded is let go before the next group is gathered. Every
-    rank must exhaust the iterator (it runs collectives); with `to_rank`, only that rank
-    receives the tensors. `dtype`: cast them."""
+    larger one alone): a bucket that fits comes in one collective, its tensors views of it
+    (clone one to keep it alone). A tensor yielded is let go before the next group is
+    gathered. Every rank must exhaust the iterator (it runs collectives); with `to_rank`,
+    only that rank receives the tensors. `dtype`: cast them."""
     if names not in NAMES:
         raise ValueError(f"full_weights names={names!r}: use one of {NAMES}")
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
@@ -45,6 +47,8 @@ def full_weights(
     if to_rank is not None and not 0 <= to_rank < world:
         raise ValueError(f"full_weights to_rank={to_rank}: there are ranks 0..{world - 1}")
     receiving = to_rank is None or world == 1 or dist.get_rank() == to_rank
+    for unit in registry.units_below(model):
+        unit.check_states_here()  # not while offload_states has them on the host
     order, params = hf_order(model, adapter) if names == "hf" else _model_order(model)
     with torch.no_grad():
         for name, tensor in gathered(order, params, max_bytes):
@@ -92,30 +96,68 @@ def hf_tensor(mapping: TensorMapping, info, full: torch.Tensor) -> torch.Tensor:
     return full
 
 
+class _Group:
+    """What one gather brings: a bucket's parameters (one collective for the whole bucket,
+    where it holds them whole: no tensor or expert parallelism on its unit) or one
+    parameter (its DTensor's `full_tensor()`)."""
+
+    def __init__(self, nbytes: int, gather: Callable[[], dict[str, torch.Tensor]]):
+        self.nbytes, self.gather = nbytes, gather
+
+
+def _groups(params: dict, max_bytes: int) -> dict[str, _Group]:
+    """The group of every parameter: its bucket's where that fits in `max_bytes`."""
+    by_bucket: dict[int, list[tuple[str, int]]] = {}
+    buckets = {}
+    groups: dict[str, _Group] = {}
+    for name, param in params.items():
+        owner = registry.managed_of(param)
+        if owner is not None and owner[0].mesh.inner_mesh is None:
+            unit, managed = owner
+            bucket = unit.buckets[managed.bucket]
+            if bucket.layout.padded_size * bucket.shard.dtype.itemsize <= max_bytes:
+                by_bucket.setdefault(id(bucket), []).append((name, managed.index))
+                buckets[id(bucket)] = bucket
+                continue
+        groups[name] = _Group(_bytes(param), lambda p=param, n=name: {n: _full(p)})
+    for key, members in by_bucket.items():
+        bucket = buckets[key]
+
+        def gather(bucket=bucket, members=members):
+            flat = bucket.gather_main()
+            return {name: bucket.unsharded_view(flat, index) for name, index in members}
+
+        group = _Group(bucket.layout.padded_size * bucket.shard.dtype.itemsize, gather)
+        groups.update({name: group for name, _ in members})
+    return groups
+
+
 def gathered(order, params: dict, max_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for each (name, parameter name, cut) of `order`. A parameter is
-    gathered (by every rank, in the same order) when its first tensor comes, together with
-    the next ones to come while all held stay within `max_bytes`, and dropped after its
-    last tensor."""
-    last_use = {param_name: i for i, (_, param_name, _) in enumerate(order)}
-    upcoming = list(dict.fromkeys(param_name for _, param_name, _ in order))  # first uses
+    """(name, tensor) for each (name, parameter name, cut) of `order`. A parameter's group
+    is gathered (by every rank, in the same order) when its first tensor comes, together
+    with the next groups to come while all held stay within `max_bytes` (a larger one
+    alone), and dropped after its last tensor."""
+    group_of = _groups(params, max_bytes)
+    last_use = {group_of[param_name]: i for i, (_, param_name, _) in enumerate(order)}
+    upcoming = list(dict.fromkeys(group_of[param_name] for _, param_name, _ in order))
     next_up = 0
-    held: dict[str, torch.Tensor] = {}
+    held: dict[_Group, dict[str, torch.Tensor]] = {}
     for i, (name, param_name, cut) in enumerate(order):
-        if param_name not in held:  # it is upcoming[next_up]: start a group with it
-            held_bytes = sum(_bytes(params[n]) for n in held)
+        group = group_of[param_name]
+        if group not in held:  # it is upcoming[next_up]: gather it and what fits after it
+            held_bytes = sum(g.nbytes for g in held)
             while next_up < len(upcoming):
                 ahead = upcoming[next_up]
-                if ahead != param_name and held_bytes + _bytes(params[ahead]) > max_bytes:
+                if ahead is not group and held_bytes + ahead.nbytes > max_bytes:
                     break
-                held[ahead] = _full(params[ahead])
-                held_bytes += _bytes(params[ahead])
+                held[ahead] = ahead.gather()
+                held_bytes += ahead.nbytes
                 next_up += 1
-        full = held[param_name]
+        full = held[group][param_name]
         yield name, full if cut is None else cut(full)
         del full  # held here past its last use, it would count against the next group
-        if last_use[param_name] == i:
-            del held[param_name]
+        if last_use[group] == i:
+            del held[group]
 
 
 def _bytes(param) -> int:

@@ -96,6 +96,15 @@ class FlatBucket:
         pieces = self.layout.shard_views(self.unsharded)
         return self._all_gather(self.unsharded, source, self.group, pieces)
 
+    def gather_main(self) -> torch.Tensor:
+        """The whole bucket's main weights (in their dtype: fp32 under mixed precision),
+        gathered from every rank's shard in one collective: full parameters to cut from."""
+        shard = self.shard.whole()
+        output = torch.empty(self.layout.padded_size, dtype=shard.dtype, device=shard.device)
+        pieces = self.layout.shard_views(output)
+        comm.for_group(self.group).all_gather(output, shard, pieces).wait()
+        return output
+
     def keep_secondary(self, group_size: int, index: int) -> None:
         """After forward (hpZ): keep piece `index` of `group_size` of the gathered bucket;
         the group's ranks together hold all of it."""
