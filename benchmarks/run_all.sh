@@ -32,6 +32,8 @@ run --preset 35m --modes fsdp2,zero3,fsdp2-compile,compile3,acfull3,acsel3 --ste
   --warmup 2 --interleave steps
 run --preset 120m --modes fsdp2,zero3,fsdp2-compile,compile3 --steps 4 --rounds 1 --warmup 2 \
   --interleave steps
+# RL state movement (issue 36): offload/reload and full weights against FSDP2 recipes
+"$python" benchmarks/state_movement.py --preset 120m --repeats 3 >> "$out"
 if grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo; then
   run --preset 35m --steps 12 --rounds 4 --interleave steps --param-dtype bf16
   run --preset 35m --steps 4 --exact-memory --param-dtype bf16
