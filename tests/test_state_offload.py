@@ -18,6 +18,8 @@ from torch.distributed.tensor import DTensor
 
 import flatshard
 from flatshard import registry
+from flatshard.cli import zoo
+from flatshard.cli.estimate import Setup, plan
 from flatshard.dtensor.sharded_param import local_data
 from flatshard.models import Llama, MoE, MoEConfig
 
@@ -124,6 +126,26 @@ def test_training_after_offload_and_reload_is_bitwise_uninterrupted(case):
             assert restored == before
         if options.get("offload"):
             assert seen[0][0][1] > 0
+        if case in PLANNED:  # `flatshard plan`'s figure, with gradients held; the plan
+            # also counts the shards' padding for AdamW's state, which holds none
+            planned = _planned(world, options)
+            with_grads = seen[0][2]
+            assert with_grads == seen[2][2] <= planned <= 1.01 * with_grads
+            assert seen[1][2] < with_grads  # between steps: no gradients
+
+
+PLANNED = ("zero3", "zero2", "offload-half", "hsdp")
+
+
+def _planned(world: int, options: dict) -> int:
+    """What `flatshard plan` says offload_states frees per rank."""
+    spec = zoo.from_llama_config(config(**CONFIG), "test")
+    replicate = options.get("replicate", 1)
+    setup = Setup(world_size=world, dp_shard=world // replicate,
+                  zero_stage=options.get("zero_stage", 3), param_dtype="fp32",
+                  reduce_dtype="fp32", micro_batch=1, seq_len=8, grad_accum=1,
+                  backend="gloo", offload=options.get("offload", 0.0))  # fmt: skip
+    return plan(spec, setup).memory["offload_states"]
 
 
 def _misuse():

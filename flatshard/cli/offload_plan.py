@@ -39,8 +39,10 @@ def offloaded_share(units, dp_shard: int, fraction: float, rank: int = 0) -> flo
 
 def split_memory(memory: dict[str, int], share: float, disk: bool) -> dict[str, int]:
     """`memory` (estimate.py's per-rank figures) with the offloaded share moved off the
-    device: `device` (its peak), `host`, `disk`, and `total` = device + host (what a CPU
-    run, whose device is its host, holds in memory)."""
+    device: `device` (its peak), `host`, `disk`, `total` = device + host (what a CPU run,
+    whose device is its host, holds in memory), and `offload_states`: what
+    `flatshard.offload_states` moves off the device between steps (weights, gradients and
+    optimizer state still there)."""
     moved = {name: round(share * memory[name]) for name in ("params", "grads", "optimizer")}
     on_disk = moved["optimizer"] if disk else 0
     start = memory["peak_start_of_backward"] - moved["params"] - moved["optimizer"]
@@ -54,4 +56,5 @@ def split_memory(memory: dict[str, int], share: float, disk: bool) -> dict[str, 
         "host": host,
         "disk": on_disk,
         "total": device + host,
+        "offload_states": sum(memory[name] - moved[name] for name in moved),
     }

@@ -288,6 +288,7 @@ def format_plan(result: Plan) -> str:
         f"    {'activations (AC ' + result.setup.ac + ')':<32}{_gib(m['activations'])}",
         f"    total (peak estimate)           {_gib(m['total'])}",
         *_offload_lines(s, m),
+        f"    offload_states frees (RL)       {_gib(m['offload_states'])}  (between steps)",
         "",
         f"  padding: {100 * result.padding_fraction:.4f}% of parameter elements",
         "  communication per step, per rank (collective payload)",
