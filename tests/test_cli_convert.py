@@ -96,3 +96,46 @@ def test_tied_round_trip_in_one_process(tmp_path, capsys):
     greedy = [int(i) for i in capsys.readouterr().out.split()]
     with torch.no_grad():
         assert greedy[2] == int(model(torch.tensor([[5, 6]])).logits[0, -1].argmax())
+
+
+def _generation(path) -> dict:
+    config = transformers.GenerationConfig.from_pretrained(path)
+    return {k: getattr(config, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+
+
+@pytest.mark.parametrize("with_generation_config", [True, False])
+def test_export_keeps_token_ids_and_generation_config(tmp_path, capsys, with_generation_config):
+    """A Llama 3 style model (bos 10, eos [11, 12], pad 0) converted to a checkpoint and back
+    keeps its token ids in config.json and the generation config transformers reads
+    (written from the source's generation_config.json, or derived from the ids as
+    transformers does); an export over a previous one needs --overwrite."""
+    config = transformers.LlamaConfig(
+        vocab_size=61, hidden_size=32, intermediate_size=45, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        bos_token_id=10, eos_token_id=[11, 12], pad_token_id=0,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    model.generation_config.temperature = 0.6  # a generation setting beyond the token ids
+    model.generation_config.do_sample = True
+    model.save_pretrained(tmp_path / "hf")
+    if not with_generation_config:
+        (tmp_path / "hf" / "generation_config.json").unlink()
+    hf, ckpt, out = (str(tmp_path / name) for name in ("hf", "ckpt", "out"))
+    assert main(["convert", "hf-to-checkpoint", hf, ckpt]) == 0
+    assert main(["convert", "checkpoint-to-hf", ckpt, out]) == 0
+    exported = transformers.AutoConfig.from_pretrained(out)
+    assert (exported.bos_token_id, exported.eos_token_id, exported.pad_token_id) == (
+        10, [11, 12], 0,
+    )  # fmt: skip
+    expected = {"bos_token_id": 10, "eos_token_id": [11, 12], "pad_token_id": 0}
+    assert _generation(out) == expected
+    temperature = transformers.GenerationConfig.from_pretrained(out).temperature
+    assert (temperature == 0.6) == with_generation_config  # the source file, whole
+    capsys.readouterr()
+    assert main(["convert", "checkpoint-to-hf", ckpt, out]) == 2
+    error = capsys.readouterr().err
+    assert "not empty" in error and "--overwrite" in error and len(error.splitlines()) == 1
+    (tmp_path / "out" / "model-00001-of-00002.safetensors").write_bytes(b"old")  # an earlier
+    assert main(["convert", "checkpoint-to-hf", ckpt, out, "--overwrite"]) == 0
+    assert not (tmp_path / "out" / "model-00001-of-00002.safetensors").exists()
+    assert _generation(out) == expected

@@ -4,14 +4,19 @@ transformers model for any other causal LM).
 
 In one process the model is plain (unsharded); under torchrun it is sharded over the
 ranks, so each rank reads and writes only its rows. Weights only: a checkpoint made from a
-Hugging Face model has no optimizer state, and an exported one has no tokenizer files.
+Hugging Face model has no optimizer state, and an exported one has no tokenizer files; the
+source's config.json fields and generation_config.json come back on export.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from flatshard import checkpoint, hf
+from flatshard.cli import runs
 from flatshard.cli.errors import RunError
 from flatshard.cli.launch import init_distributed, run, under_launcher
 from flatshard.cli.model import (
@@ -46,13 +51,28 @@ def hf_to_checkpoint(args, sharded: bool) -> None:
         init_distributed()
     shard = hf.shard_decoder_layers if sharded else None
     model = hf.from_pretrained(args.source, shard=shard)
-    handle = checkpoint.save(args.target, model=model, step=args.step, source=str(args.source))
+    # what the model's config does not hold (token ids, tokenizer and generation settings)
+    # comes back on export; kept as JSON text (a checkpoint flattens a dict into its keys)
+    source = Path(args.source)
+    generation = source / "generation_config.json"
+    kept = {"hf_config": json.dumps(hf.read_hf_config(source))}
+    if generation.is_file():
+        kept["hf_generation_config"] = generation.read_text()
+    handle = checkpoint.save(
+        args.target, model=model, step=args.step, source=str(args.source), **kept
+    )
     path = handle.wait()
     count = sum(p.numel() for p in model.parameters())  # global numel, tied ones once
     _say(sharded, f"wrote {path} ({count:,} parameters, no optimizer state)")
 
 
 def checkpoint_to_hf(args, sharded: bool) -> None:
+    target = Path(args.target)
+    if target.is_dir() and any(target.iterdir()) and not args.overwrite:
+        raise RunError(
+            f"{target} is not empty; pass --overwrite to replace a previous export there (its "
+            "config, generation config and weights), or pick an empty directory"
+        )
     ranks = init_distributed() if sharded else None
     group = torch.distributed.group.WORLD if sharded else None
     root, step, path, cfg = saved_model_config(args.source, group)  # verified
@@ -69,6 +89,15 @@ def checkpoint_to_hf(args, sharded: bool) -> None:
         model = build_plain(cfg)
     checkpoint.load(root, model=model, step=step, verify=False)  # verified above
     dtype = HF_DTYPES[args.dtype] if args.dtype else None
-    hf.save_pretrained(model, args.target, dtype=dtype, max_shard_size=args.max_shard_size)
+    hf.save_pretrained(
+        model, args.target, dtype=dtype, max_shard_size=args.max_shard_size,
+        source_config=_saved_json(path, "hf_config"),
+        generation_config=_saved_json(path, "hf_generation_config"),
+    )  # fmt: skip
     count = sum(p.numel() for p in model.parameters())
     _say(sharded, f"wrote {args.target} from {path} ({count:,} parameters)")
+
+
+def _saved_json(path: str, name: str) -> dict | None:
+    text = runs.saved_extra(path, name)
+    return None if text is None else json.loads(text)

@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("target", metavar="HF_DIR")
     to_hf.add_argument("--dtype", default=None, choices=("fp32", "bf16", "fp16"))
     to_hf.add_argument("--max-shard-size", default="5GB")
+    to_hf.add_argument(
+        "--overwrite", action="store_true", help="replace a previous export in HF_DIR"
+    )
     return parser
 
 

@@ -31,6 +31,8 @@ from flatshard.hf.stream import gathered, hf_order
 from flatshard.safetensors_stream import StreamingSafetensorsWriter, tensor_bytes
 
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+# a source config's fields the export's own replace (the weights' dtype, where it came from)
+_NOT_KEPT = {"dtype", "torch_dtype", "_name_or_path", "name_or_path", "transformers_version"}
 
 
 def save_pretrained(
@@ -42,19 +44,32 @@ def save_pretrained(
     adapter: StateDictAdapter | None = None,
     rules: tuple[NameRule, ...] | None = None,
     extra_config: dict | None = None,
+    source_config: dict | None = None,
+    generation_config: dict | None = None,
 ) -> None:
     """Write `config.json` and the weights of `model` (sharded or plain) to `path`.
 
     Call on every rank. dtype: cast the saved tensors (default: each parameter's dtype).
     extra_config: fields that do not change the model (token ids, ...) to add to config.json.
-    Returns once the files are complete, on every rank.
+    source_config: the config.json the model was imported from: every field of it the
+    export does not write itself is kept (token ids, tokenizer and rope settings, ...).
+    generation_config: the generation_config.json to write (default: the model's own, or,
+    as transformers derives it, the config's token ids). Returns once the files are
+    complete, on every rank.
     """
     path = Path(path)
     adapter = adapter or adapter_for(model)
     if rules is not None:
         adapter = adapter.with_rules(rules)
     config = adapter.export_config(model, dtype, dict(extra_config or {}))  # same on all ranks
+    if source_config:
+        kept = {k: v for k, v in source_config.items() if k not in config and k not in _NOT_KEPT}
+        config = {**kept, **config}
     files = {"config.json": config, **adapter.export_files(model)}
+    if generation_config is not None:
+        files["generation_config.json"] = generation_config
+    elif "generation_config.json" not in files and _token_ids(config):
+        files["generation_config.json"] = _token_ids(config)
     mappings, unmapped = adapter.plan(model)
     if unmapped:
         raise HFCheckpointError(
@@ -86,6 +101,13 @@ def save_pretrained(
             del piece  # not held while the next parameter is gathered
     problem = writer.finish(files) if writer is not None else None
     agreement.agree(problem, group, HFCheckpointError)  # also the barrier: files exist after it
+
+
+def _token_ids(config: dict) -> dict:
+    """The generation config transformers derives from a config.json (its token ids), so
+    generation stops at the model's end token."""
+    names = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+    return {name: config[name] for name in names if config.get(name) is not None}
 
 
 def _parse_size(size: int | str) -> int:
@@ -185,7 +207,7 @@ class _ShardWriter:
         if self.problem:
             return self.problem
         try:
-            self._remove_stale_weights()
+            self._remove_stale(files)
             if len(self.shards) > 1:
                 _write_json(self.path / INDEX_FILE, self._index())
             for name, content in files.items():
@@ -204,11 +226,13 @@ class _ShardWriter:
         metadata = {"total_parameters": self.total_parameters, "total_size": total}
         return {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}
 
-    def _remove_stale_weights(self) -> None:
-        # A weights file from an earlier save would shadow or mix with this one on load.
+    def _remove_stale(self, files: dict) -> None:
+        # A weights file from an earlier save would shadow or mix with this one on load, and
+        # its generation config would outlive the config it came with.
+        earlier = (SINGLE_FILE, INDEX_FILE, "generation_config.json")
         for file in self.path.iterdir():
-            stale = file.name in (SINGLE_FILE, INDEX_FILE) or _SHARD_FILE.fullmatch(file.name)
-            if stale and file.name not in self.names:
+            stale = file.name in earlier or _SHARD_FILE.fullmatch(file.name)
+            if stale and file.name not in self.names and file.name not in files:
                 file.unlink()
 
 
