@@ -21,7 +21,7 @@ def test_offloaded_run_takes_the_plain_steps_and_resumes_on_the_disk_tier(tmp_pa
         flatshard("train", *TINY, "--steps", 4, "--out", offloaded, "--offload", 1,
                   "--set", "run.stop_at_step=2")
     )  # fmt: skip
-    assert "100% of the optimizer on the host" in result.stdout
+    assert "ZeRO-3, fp32, 100% of the optimizer on the host" in result.stdout
     tier = tmp_path / "tier"
     check_ok(flatshard("train", "--resume", offloaded, "--offload-dir", tier))
     check_ok(flatshard("train", *TINY, "--steps", 4, "--out", half, "--offload", 0.5, *NO_SAVE))

@@ -197,7 +197,10 @@ def test_hsdp_run_bytes_match_the_plan(tmp_path):
              "--set", "train.micro_batch=2", "--set", "train.global_batch=8",
              "--set", "run.nproc=4", "--set", "train.dp_replicate=2"]  # fmt: skip
     run = tmp_path / "run"
-    check_ok(flatshard("train", *sizes, "--steps", 2, "--out", run, "--set", "run.sample_tokens=0"))
+    result = check_ok(
+        flatshard("train", *sizes, "--steps", 2, "--out", run, "--set", "run.sample_tokens=0")
+    )
+    assert "4 process(es), gloo on cpu, ZeRO-3, fp32, HSDP over 2 replicas\n" in result.stdout
     plan = json.loads(check_ok(flatshard("plan", *sizes, "--json")).stdout)
     assert (plan["setup"]["world_size"], plan["setup"]["dp_shard"]) == (4, 2)
     # from the second step on: the first does not know yet which block runs last (ZeRO-3)

@@ -28,7 +28,7 @@ def run_header(trainer) -> str:
     lines = [
         f"flatshard train: {ranks.world_size} process(es), {dist.get_backend()} on "
         f"{ranks.device.type}, ZeRO-{config.train.zero_stage}, {config.train.precision}"
-        + (f", tensor parallel over {config.train.tp}" if config.train.tp > 1 else "")
+        + _describe_mesh(config.train)
         + _describe_activations(config.train.ac)
         + (", compiled blocks" if config.train.compile else "")
         + _describe_offload(config.train),
@@ -47,6 +47,17 @@ def run_header(trainer) -> str:
     return "\n".join(lines)
 
 
+def _describe_mesh(train) -> str:
+    parts = []
+    if train.dp_replicate > 1:
+        parts.append(f"HSDP over {train.dp_replicate} replicas")
+    if train.tp > 1:
+        parts.append(f"tensor parallel over {train.tp}")
+    if train.ep > 1:
+        parts.append(f"experts split over {train.ep}")
+    return "".join(", " + part for part in parts)
+
+
 def _describe_activations(ac: str) -> str:
     if ac == "offload":
         return ", activations offloaded to the host"
@@ -56,7 +67,7 @@ def _describe_activations(ac: str) -> str:
 def _describe_offload(train) -> str:
     if not train.offload and not train.offload_dir:
         return ""
-    share = f"{100 * (train.offload or 1.0):g}% of the optimizer on the host"
+    share = f", {100 * (train.offload or 1.0):g}% of the optimizer on the host"
     return share + (f", its state paged in {train.offload_dir}" if train.offload_dir else "")
 
 
