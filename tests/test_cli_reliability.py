@@ -160,3 +160,16 @@ def test_more_processes_than_cores_warn(tmp_path):
     warning = "flatshard: warning: 2 processes on this node share 1 CPU core(s) with 1 thread(s)"
     assert result.stderr.count(warning) == 1, result.stderr
     assert "start at most 1 (--nproc" in result.stderr
+
+
+def test_resuming_a_finished_run_says_how_to_go_on(run):
+    """A finished run resumed with the same steps trains nothing and names the flag; without
+    TensorBoard installed a run says it writes no events (metrics.jsonl has them)."""
+    result = check_ok(flatshard("train", "--resume", run))
+    assert "nothing to train: the run is at step 4 of train.steps 4; raise it to go on " \
+        "(--steps 8)" in result.stdout  # fmt: skip
+    assert len(metrics(run)) == 4
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        assert "TensorBoard is not installed: no events written" in result.stdout

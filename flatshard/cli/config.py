@@ -269,8 +269,30 @@ def parallel_dims(config: RunConfig, world_size: int) -> ParallelDims:
     train = config.train
     try:
         return ParallelDims(world_size, dp_replicate=train.dp_replicate, tp=train.tp, ep=train.ep)
-    except MeshError as error:  # it names the degree: say which key holds it
-        raise ConfigError(f"train.{error}") from None
+    except MeshError as error:  # it names the degree: say which key holds it, and the fix
+        raise ConfigError(f"train.{error}{_process_fix(train)}") from None
+
+
+def _process_fix(train) -> str:
+    """The smallest number of processes these degrees work on, as the flag that sets it."""
+    for world in range(1, 1025):
+        try:
+            ParallelDims(world, dp_replicate=train.dp_replicate, tp=train.tp, ep=train.ep)
+        except MeshError:
+            continue
+        return f"; run {world} processes or a multiple (--nproc {world})"
+    return ""
+
+
+def _batch_fixes(global_batch: int, micro_batch: int, dp: int) -> str:
+    """Flags that make `global_batch` split over `dp` ranks in micro-batches."""
+    fixes = []
+    if global_batch % dp == 0:
+        fixes.append(
+            f"--micro-batch {max(d for d in range(1, micro_batch) if global_batch // dp % d == 0)}"
+        )
+    fixes.append(f"--global-batch {-(-global_batch // (micro_batch * dp)) * micro_batch * dp}")
+    return "pass " + " or ".join(fixes) + ", or change the number of processes (--nproc)"
 
 
 def check(config: RunConfig, world_size: int | None = None) -> None:
@@ -304,8 +326,8 @@ def check(config: RunConfig, world_size: int | None = None) -> None:
             raise ConfigError(
                 f"train.global_batch ({train.global_batch}) must be a multiple of "
                 f"train.micro_batch x data-parallel ranks ({train.micro_batch} x {dims.dp} = "
-                f"{per_step}{shared}; {world_size} processes asked for): change "
-                "--global-batch, --micro-batch or the number of processes (--nproc)"
+                f"{per_step}{shared}; {world_size} processes asked for): "
+                + _batch_fixes(train.global_batch, train.micro_batch, dims.dp)
             )
     model, seq_len = config.model, config.data.seq_len
     if model.max_seq_len and model.max_seq_len < seq_len:

@@ -118,5 +118,10 @@ def _tensorboard(directory: str | None):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # tensorboard is optional
+        print(
+            "TensorBoard is not installed: no events written (pip install tensorboard); "
+            "metrics.jsonl has every step",
+            flush=True,
+        )
         return None
     return SummaryWriter(directory)

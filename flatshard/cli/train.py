@@ -84,7 +84,7 @@ class Trainer:
         )
         self.checkpoints = runs.checkpoint_root(run_dir)
         self.step, self.position, self.last_saved = 0, 0, None
-        self.resumed_from = None
+        self.resumed_from = self.resumed_step = None
         if resume_step is not None:
             self._resume(resume_step)
         if ranks.is_main:
@@ -95,7 +95,7 @@ class Trainer:
     # --- set-up ----------------------------------------------------------------------------
     def _resume(self, step: int) -> None:
         result = runs.resume(self.checkpoints, self.model, self.optimizer, step, self.ranks)
-        self.step = self.last_saved = result.step
+        self.step = self.last_saved = self.resumed_step = result.step
         self.resumed_from = result.path
         self.position = result.extra["data_position"]
 
@@ -238,6 +238,11 @@ class Trainer:
                 say(f"exit status {EXIT_STOPPED}: stopped by a signal, resumable", flush=True)
             return
         saved = f"checkpoint: {latest}" if latest else "no checkpoint (checkpoint.at_end = false)"
+        if self.step == self.resumed_step:
+            say(
+                f"nothing to train: the run is at step {self.step} of train.steps "
+                f"{config.train.steps}; raise it to go on (--steps {2 * self.step})"
+            )
         say(f"finished {self.step} steps; {saved}", flush=True)
         if config.run.sample_tokens:
             max_seq_len = self.model_config.max_seq_len if self.model_config else None
