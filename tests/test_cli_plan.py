@@ -211,6 +211,9 @@ def test_embedding_looked_up_from_its_shards():
         (["--world-size", "8", "--dp-shard", "3"], "dp_shard x tp (3 x 1) must divide"),
         (["--hpz-group", "-2"], "--hpz-group -2: it must be >= 0"),
         (["--device-memory", "0"], "--device-memory 0: it must be > 0 (GiB)"),
+        # only the flags the user gave are named, a default world is said to be one
+        (["--tp", "3"], "--tp 3 does not divide --world-size 8 (the default): pick"),
+        (["--world-size", "4", "--tp", "2", "--ep", "3"], "--world-size 4, --tp 2, --ep 3: ep"),
     ],
 )
 def test_impossible_values_are_one_line_errors(capsys, args, expected):

@@ -130,6 +130,12 @@ def plan_command(args) -> int:
     spec, defaults = _model_and_defaults(args)
     chosen = {name: getattr(args, name) for name in defaults if getattr(args, name) is not None}
     values = {**defaults, **chosen}
+    if "dp_shard" not in chosen and values["world_size"] % max(1, values["tp"]):
+        given = "" if "world_size" in chosen else " (the default)"
+        raise ConfigError(
+            f"--tp {values['tp']} does not divide --world-size {values['world_size']}{given}: "
+            f"pick --world-size a multiple of {values['tp']}, or another --tp"
+        )
     if "dp_shard" not in chosen and {"world_size", "tp"} & set(chosen):
         # a training config's dp_shard was for its own world and tp: keep its replicas
         replicas = 1
@@ -141,8 +147,9 @@ def plan_command(args) -> int:
     try:
         result = plan(spec, Setup(**values))
     except MeshError as error:  # name the flags that set the degrees
-        flags = f"--world-size {values['world_size']}, --dp-shard {values['dp_shard']}"
-        raise ConfigError(f"{flags}, --tp {values['tp']}, --ep {values['ep']}: {error}") from None
+        names = ("world_size", "dp_shard", "tp", "ep")
+        flags = ", ".join(f"--{n.replace('_', '-')} {values[n]}" for n in names if n in chosen)
+        raise ConfigError(f"{flags or 'the run config'}: {error}") from None
     text = format_plan(result) + _what_fits(result, args.device_memory)
     print(json.dumps(result.to_dict(), indent=1) if args.json else text)
     empty = [unit for unit in result.units if unit.empty_ranks]
