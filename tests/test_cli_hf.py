@@ -56,6 +56,8 @@ def test_fine_tune_resume_convert_sample(mixtral, tmp_path, capsys):
     straight, split = tmp_path / "straight", tmp_path / "split"
     first = check_ok(flatshard("train", "--hf", path, *RUN, "--steps", STEPS, "--out", straight))
     assert "MixtralForCausalLM from" in first.stdout and "2 process(es)" in first.stdout
+    model_line = next(line for line in first.stdout.splitlines() if "[model]" in line)
+    assert model_line.strip() == f'[model] hf="{path}"'  # not the reference model's sizes
     expected = [r["loss"] for r in metrics(straight)]
     assert len(expected) == STEPS
 

@@ -23,7 +23,7 @@ def run_header(trainer) -> str:
             f"[{section}] " + ", ".join(f"{k}={toml_value(v)}" for k, v in values.items()),
             width=100, initial_indent="  ", subsequent_indent="      ",
         )
-        for section, values in config.nested().items()
+        for section, values in _shown(config).items()
     )  # fmt: skip
     lines = [
         f"flatshard train: {ranks.world_size} process(es), {dist.get_backend()} on "
@@ -45,6 +45,15 @@ def run_header(trainer) -> str:
     if trainer.resumed_from is not None:
         lines.append(f"resuming from step {trainer.step} ({trainer.resumed_from})")
     return "\n".join(lines)
+
+
+def _shown(config) -> dict:
+    """The effective config as printed: a Hugging Face model's [model] is its path (the
+    reference model's sizes do not apply to it)."""
+    nested = config.nested()
+    if config.model.hf:
+        nested["model"] = {"hf": config.model.hf}
+    return nested
 
 
 def _describe_mesh(train) -> str:
