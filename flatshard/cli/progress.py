@@ -50,7 +50,7 @@ class Progress:
         interactive: bool | None = None,
     ):
         self.total, self.start, self.log_interval = total_steps, start_step, log_interval
-        self.interactive = sys.stderr.isatty() if interactive is None else interactive
+        self.interactive = _sized_terminal() if interactive is None else interactive
         self._keep_metrics_until(metrics_path, start_step)
         self.metrics = open(metrics_path, "a")
         self.tensorboard = _tensorboard(tensorboard_dir)
@@ -110,6 +110,17 @@ class Progress:
         self.metrics.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+
+
+def _sized_terminal() -> bool:
+    """Whether stderr is a terminal a bar can be drawn on: one of no size (a pseudo-terminal
+    under `script` from a pipe) gets the plain step lines, as a pipe does."""
+    if not sys.stderr.isatty():
+        return False
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns > 0
+    except OSError:
+        return False
 
 
 def _tensorboard(directory: str | None):
