@@ -7,6 +7,7 @@ runs the command."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -173,3 +174,17 @@ def test_resuming_a_finished_run_says_how_to_go_on(run):
         import tensorboard  # noqa: F401
     except ImportError:
         assert "TensorBoard is not installed: no events written" in result.stdout
+
+
+def test_resuming_with_more_steps_says_how_the_rate_moves(run):
+    """More steps on resume recompute the cosine schedule: the header says so, with the next
+    step's rate under both schedules, and that step runs at the new one."""
+    result = check_ok(flatshard("train", "--resume", run, "--steps", 8))
+    line = next(line for line in result.stdout.splitlines() if "train.steps 4 -> 8" in line)
+    now, before = re.fullmatch(
+        r"train\.steps 4 -> 8: the learning-rate schedule is recomputed; step 5 runs at "
+        r"(\S+) \(the run's schedule: (\S+)\)",
+        line,
+    ).groups()
+    assert float(now) == pytest.approx(metrics(run)[4]["lr"], rel=1e-2)
+    assert float(before) < float(now)  # the old schedule had decayed further

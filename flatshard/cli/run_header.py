@@ -44,6 +44,8 @@ def run_header(trainer) -> str:
     ]
     if trainer.resumed_from is not None:
         lines.append(f"resuming from step {trainer.step} ({trainer.resumed_from})")
+        if trainer.schedule_note:
+            lines.append(trainer.schedule_note)
     return "\n".join(lines)
 
 

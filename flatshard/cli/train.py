@@ -10,6 +10,7 @@ continues with exactly the losses an uninterrupted run would have had.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -30,7 +31,7 @@ from flatshard.cli.meters import MemoryMeter, share_step, warm_up_runtime
 from flatshard.cli.model import build_run_model, check_hf_vocab, llama_config
 from flatshard.cli.progress import Progress
 from flatshard.cli.run_header import run_header
-from flatshard.cli.schedule import learning_rate
+from flatshard.cli.schedule import learning_rate, schedule_change
 from flatshard.cli.stop import StopRequest
 from flatshard.models.registry import training_loss
 from flatshard.runtime.offload import offloaded_bytes
@@ -84,7 +85,7 @@ class Trainer:
         )
         self.checkpoints = runs.checkpoint_root(run_dir)
         self.step, self.position, self.last_saved = 0, 0, None
-        self.resumed_from = self.resumed_step = None
+        self.resumed_from = self.resumed_step = self.schedule_note = None
         if resume_step is not None:
             self._resume(resume_step)
         if ranks.is_main:
@@ -97,6 +98,10 @@ class Trainer:
         result = runs.resume(self.checkpoints, self.model, self.optimizer, step, self.ranks)
         self.step = self.last_saved = self.resumed_step = result.step
         self.resumed_from = result.path
+        if self.ranks.is_main:  # what the header says of a changed schedule
+            saved = runs.saved_extra(result.path, "run_config")
+            saved_train = json.loads(saved).get("train", {}) if saved else {}
+            self.schedule_note = schedule_change(saved_train, self.config.train, self.step)
         self.position = result.extra["data_position"]
 
     # --- the loop ------------------------------------------------------------------------------
