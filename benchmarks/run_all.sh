@@ -34,6 +34,7 @@ run --preset 120m --modes fsdp2,zero3,fsdp2-compile,compile3 --steps 4 --rounds 
   --interleave steps
 # RL state movement (issue 36): offload/reload and full weights against FSDP2 recipes
 "$python" benchmarks/state_movement.py --preset 120m --repeats 3 >> "$out"
+"$python" benchmarks/sample_speed.py --repeats 3 >> "$out"  # flatshard sample: KV cache
 if grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo; then
   run --preset 35m --steps 12 --rounds 4 --interleave steps --param-dtype bf16
   run --preset 35m --steps 4 --exact-memory --param-dtype bf16

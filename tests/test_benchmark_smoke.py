@@ -243,6 +243,17 @@ def test_state_movement_script():
     assert len(compared) == 4 and all(float(row[-1]) > 0 for row in compared), proc.stdout
 
 
+def test_sample_speed_script():
+    """The sampling benchmark runs both ways and they choose the same tokens."""
+    script = os.path.join(ROOT, "benchmarks", "sample_speed.py")
+    proc = subprocess.run(
+        [sys.executable, script, "--tokens", "4", "--repeats", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "same tokens: True" in proc.stdout and "| KV cache |" in proc.stdout
+
+
 def test_hf_parallel_script():
     """benchmarks/hf_parallel.py at its smallest: flatshard's transformers Llama under TP
     trains as FSDP2 + torch TP does, and reads a fraction of the checkpoint FSDP2 reads."""

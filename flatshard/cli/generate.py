@@ -3,6 +3,7 @@ choice of each token is broadcast) or plain in one process."""
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -11,6 +12,7 @@ import torch.distributed as dist
 from flatshard import comm
 from flatshard.cli import runs
 from flatshard.cli.tokenizer import tokenizer_for
+from flatshard.models import KVCache
 
 
 @torch.no_grad()
@@ -24,21 +26,60 @@ def generate(
     top_k: int = 40,
     seed: int = 0,
     device: torch.device | str = "cpu",
+    cache: bool = True,
+    progress=None,
 ) -> list[int]:
-    """`new_tokens` token ids following `prompt` (which must not be empty)."""
+    """`new_tokens` token ids following `prompt` (which must not be empty). `cache`: feed
+    each new token alone against the keys and values kept of the others (the same tokens as
+    without; greedy ones bitwise up to float rounding). `progress(done)`: after each token."""
     generator = torch.Generator().manual_seed(seed)
     sharded = dist.is_initialized() and dist.get_world_size() > 1
+    feeder = _Feeder(model, max_seq_len, device, cache)
     ids = list(prompt)
-    for _ in range(new_tokens):
-        context = torch.tensor([ids[-max_seq_len:]], dtype=torch.long, device=device)
-        output = model(context)
-        logits = getattr(output, "logits", output)[0, -1].float().cpu()  # transformers: .logits
+    for done in range(1, new_tokens + 1):
+        logits = feeder.next_logits(ids)
         chosen = torch.tensor([_choose(logits, temperature, top_k, generator)])
         if sharded:  # rounding may differ across ranks: rank 0's choice is everyone's
             chosen = chosen.to(comm.group_device(None))
             dist.broadcast(chosen, src=0)
         ids.append(int(chosen.item()))
+        if progress is not None:
+            progress(done)
     return ids[len(prompt) :]
+
+
+class _Feeder:
+    """Feeds the model what it has not seen: flatshard's models keep a `KVCache`,
+    transformers' their past_key_values. Once the text outgrows max_seq_len the window of
+    the last max_seq_len tokens moves with every token and is fed whole, as without a cache
+    (its positions start at 0 again)."""
+
+    def __init__(self, model, max_seq_len: int, device, cache: bool):
+        accepted = inspect.signature(model.forward).parameters
+        self.kind = None
+        if cache and "cache" in accepted:
+            self.kind = "flatshard"
+        elif cache and "past_key_values" in accepted:
+            self.kind = "transformers"
+        self.model, self.max_seq_len, self.device = model, max_seq_len, device
+        self.state, self.seen = None, 0
+
+    def next_logits(self, ids: list[int]) -> torch.Tensor:
+        if self.kind is not None and self.seen and len(ids) <= self.max_seq_len:
+            fed = ids[self.seen :]
+        else:  # the first token, no cache, or a window that moved: the whole window
+            self.state = KVCache() if self.kind == "flatshard" else None
+            fed = ids[-self.max_seq_len :]
+        tokens = torch.tensor([fed], dtype=torch.long, device=self.device)
+        if self.kind == "flatshard":
+            output = self.model(tokens, cache=self.state)
+        elif self.kind == "transformers":
+            output = self.model(tokens, past_key_values=self.state, use_cache=True)
+            self.state = output.past_key_values
+        else:
+            output = self.model(tokens)
+        self.seen = len(ids) if len(ids) < self.max_seq_len else 0
+        return getattr(output, "logits", output)[0, -1].float().cpu()  # transformers: .logits
 
 
 def _choose(logits: torch.Tensor, temperature: float, top_k: int, generator) -> int:

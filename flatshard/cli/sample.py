@@ -3,10 +3,13 @@ reshards the checkpoint into it) or on every rank of a group (a sharded model)."
 
 from __future__ import annotations
 
+import sys
+import time
 from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch.cuda import is_available as cuda_available
+from tqdm import tqdm
 
 from flatshard import checkpoint
 from flatshard.cli import runs
@@ -69,6 +72,11 @@ def sample_worker(request: SampleRequest, sharded: bool) -> None:
             else build_plain(cfg, device)
         )
     checkpoint.load(root, model=model, step=step, verify=False)  # verified above
+    bar = tqdm(
+        total=request.tokens, desc="sampling", unit="token", leave=False,
+        disable=not (is_main and sys.stderr.isatty()),
+    )  # fmt: skip
+    started = time.perf_counter()
     new = generate(
         model,
         prompt,
@@ -78,8 +86,13 @@ def sample_worker(request: SampleRequest, sharded: bool) -> None:
         top_k=request.top_k,
         seed=request.seed,
         device=device,
+        progress=lambda done: bar.update(1),
     )
+    bar.close()
     if is_main:
+        seconds = time.perf_counter() - started
+        rate = len(new) / max(seconds, 1e-9)
+        print(f"{len(new)} tokens in {seconds:.1f} s ({rate:,.0f} tokens/s)", file=sys.stderr)
         if tokenizer is None or request.prompt_ids:
             print(" ".join(map(str, prompt + new)))
         else:

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flatshard.models.kv_cache import positions
+
 # GPT-style init scale. nn.Embedding's default N(0, 1) would give huge logits once the
 # embedding is tied to lm_head, so every weight matrix uses the same small normal init.
 INIT_STD = 0.02
@@ -242,7 +244,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None, layer: int = 0
+    ) -> torch.Tensor:
         b, t, _ = x.shape
         # heads from the projections' widths (-1), not the config: under tensor
         # parallelism each rank's projections hold its share of the heads
@@ -253,13 +257,18 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # -> [B, heads, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        mask = None
+        if cache is not None:  # generation: attend to every token seen so far
+            k, v = cache.extend(layer, k, v)
+            mask = cache.attention_mask(t, k.shape[2], x.device)
         if q.shape[1] != k.shape[1]:
             # Query head i reads kv head i // group. Repeating explicitly rather than
             # passing enable_gqa=True keeps every SDPA backend eligible (on CUDA the
             # memory-efficient kernel does not take enable_gqa and would fall back to math).
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        causal = mask is None and q.shape[2] == k.shape[2]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -295,9 +304,22 @@ class TransformerBlock(nn.Module):
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None, layer: int = 0
+    ) -> torch.Tensor:
+        h = x + self.attn(self.attn_norm(x), cos, sin, cache, layer)
         return h + self.mlp(self.mlp_norm(h))
+
+
+def rope_at(cfg, tokens: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for `tokens` [B, T], at the positions after what `cache` holds (None:
+    from 0); the sequence, seen tokens included, must fit max_seq_len."""
+    where = positions(cache, tokens.shape[1])
+    if where.stop > cfg.max_seq_len:
+        raise ValueError(f"sequence length {where.stop} exceeds max_seq_len ({cfg.max_seq_len})")
+    inv_freq = rope_inv_freq(cfg, tokens.device)  # rope_type "llama3" rescales it
+    cos, sin = rope_cos_sin(where.stop, cfg.head_dim, cfg.rope_theta, tokens.device, inv_freq)
+    return cos[where.start :], sin[where.start :]
 
 
 class Llama(nn.Module):
@@ -321,14 +343,13 @@ class Llama(nn.Module):
             # Only after every submodule exists: tying is not part of any reset.
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        _, t = tokens.shape
-        if t > self.config.max_seq_len:
-            raise ValueError(f"sequence length {t} exceeds max_seq_len ({self.config.max_seq_len})")
-        cfg = self.config
-        inv_freq = rope_inv_freq(cfg, tokens.device)
-        cos, sin = rope_cos_sin(t, cfg.head_dim, cfg.rope_theta, tokens.device, inv_freq)
+    def forward(self, tokens: torch.Tensor, cache=None) -> torch.Tensor:
+        """`cache` (a `flatshard.models.KVCache`): `tokens` follow what it holds, and their
+        keys and values join it (generation feeds each new token alone)."""
+        cos, sin = rope_at(self.config, tokens, cache)
         h = self.embed_tokens(tokens)
-        for layer in self.layers:
-            h = layer(h, cos, sin)
+        for index, layer in enumerate(self.layers):
+            h = layer(h, cos, sin) if cache is None else layer(h, cos, sin, cache, index)
+        if cache is not None:
+            cache.length += tokens.shape[1]
         return self.lm_head(self.norm(h))

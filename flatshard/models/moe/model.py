@@ -24,8 +24,7 @@ from flatshard.models.llama.model import (
     Embedding,
     Linear,
     RMSNorm,
-    rope_cos_sin,
-    rope_inv_freq,
+    rope_at,
 )
 from flatshard.models.moe.config import MoEConfig
 from flatshard.models.moe.expert_compute import (
@@ -130,8 +129,10 @@ class MoEBlock(nn.Module):
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MoELayer(cfg) if cfg.is_moe_layer(index) else MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None, layer: int = 0
+    ) -> torch.Tensor:
+        h = x + self.attn(self.attn_norm(x), cos, sin, cache, layer)
         return h + self.mlp(self.mlp_norm(h))
 
 
@@ -148,18 +149,16 @@ class MoE(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, tokens: torch.Tensor, *, return_router_stats: bool = False):
-        _, t = tokens.shape
-        if t > self.config.max_seq_len:
-            raise ValueError(f"sequence length {t} exceeds max_seq_len ({self.config.max_seq_len})")
-        cfg = self.config
-        inv_freq = rope_inv_freq(cfg, tokens.device)  # rope_type "llama3" rescales it
-        cos, sin = rope_cos_sin(t, cfg.head_dim, cfg.rope_theta, tokens.device, inv_freq)
+    def forward(self, tokens: torch.Tensor, *, return_router_stats: bool = False, cache=None):
+        """`cache`: as Llama's (flatshard.models.KVCache)."""
+        cos, sin = rope_at(self.config, tokens, cache)
         h = self.embed_tokens(tokens)
         stats = []
-        for layer in self.layers:
-            h = layer(h, cos, sin)
+        for index, layer in enumerate(self.layers):
+            h = layer(h, cos, sin) if cache is None else layer(h, cos, sin, cache, index)
             if isinstance(layer.mlp, MoELayer):
                 stats.append(layer.mlp.pop_router_stats())
+        if cache is not None:
+            cache.length += tokens.shape[1]
         logits = self.lm_head(self.norm(h))
         return (logits, tuple(stats)) if return_router_stats else logits
