@@ -9,6 +9,7 @@ when one of them fails, and prints each distinct user error once.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import shutil
@@ -54,10 +55,25 @@ class Ranks:
         return self.rank == 0
 
 
+class _DimByDimNote(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "sequential all_reduce operations" not in record.getMessage()
+
+
+def _drop_dim_by_dim_note() -> None:
+    """torch's DTensor logs, on every rank, a 5-line note each time it reduces a value
+    partial over two mesh dims (the gradient norm under TP or EP): a scalar's cost, which
+    would bury the run's own one-line messages."""
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    if not any(isinstance(f, _DimByDimNote) for f in logger.filters):
+        logger.addFilter(_DimByDimNote())
+
+
 def init_distributed(device_choice: str = "auto", threads: int = 0) -> Ranks:
     """Join the process group torchrun (or `run`) described in the environment: NCCL on
     CUDA, gloo on CPU."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    _drop_dim_by_dim_note()
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     use_cuda = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
