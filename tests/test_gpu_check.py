@@ -26,7 +26,8 @@ def test_cpu_dry_run(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    sections = ["cpu_parity", "bf16", "offload", "compile", "activation_memory", "fsdp2_1b"]
+    sections = ["cpu_parity", "bf16", "offload", "state_offload", "compile",
+                "activation_memory", "fsdp2_1b"]  # fmt: skip
     for name in sections:
         assert report[name]["ok"] is True, (name, report[name])
     assert report["cpu_parity"]["max_rel"] == 0  # CPU against CPU here
@@ -36,5 +37,7 @@ def test_cpu_dry_run(tmp_path):
     assert memory["offload"]["moved_bytes_per_step"] > 0
     assert all(memory[mode]["plan_device_bytes"] > 0 for mode in ("none", "full", "selective"))
     assert report["fsdp2_1b"]["ratio"] > 0
+    moved = report["state_offload"]
+    assert moved["equal_losses"] and moved["moved_bytes"] > 0 and moved["offload_gb_per_s"] > 0
     summary = (tmp_path / "gpu_check.txt").read_text()
     assert summary.count("ok=True") == len(sections)
