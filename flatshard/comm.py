@@ -175,7 +175,7 @@ def storage_to_host(storage: torch.UntypedStorage, pin_memory: bool) -> torch.Te
     asynchronously; `host_copies_done()` says when it can be read or the storage freed."""
     source = _bytes_of(storage)
     pin = pin_memory and source.is_cuda
-    host = torch.empty(source.numel(), dtype=torch.uint8, pin_memory=pin)
+    host = torch.empty(source.numel(), dtype=torch.uint8, device="cpu", pin_memory=pin)
     return host.copy_(source, non_blocking=pin)
 
 
