@@ -132,7 +132,9 @@ class MoEBlock(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None, layer: int = 0
     ) -> torch.Tensor:
-        h = x + self.attn(self.attn_norm(x), cos, sin, cache, layer)
+        # the cache only when generating: a TP style on `attn` expects (x, cos, sin)
+        extra = () if cache is None else (cache, layer)
+        h = x + self.attn(self.attn_norm(x), cos, sin, *extra)
         return h + self.mlp(self.mlp_norm(h))
 
 
