@@ -20,7 +20,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 from datetime import datetime, timezone
 
 import torch
@@ -32,34 +31,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import flatshard  # noqa: E402
 from benchmarks.bench_modes import PRESETS  # noqa: E402
-from flatshard.models import Llama, LlamaConfig  # noqa: E402
+from benchmarks.checkpoint_bench import build as checkpoint_model  # noqa: E402
+from benchmarks.checkpoint_bench import timed  # noqa: E402
+from flatshard.models import LlamaConfig  # noqa: E402
 
 
 def build(framework: str, cfg: LlamaConfig):
-    torch.manual_seed(0)
-    model = Llama(cfg)
-    if framework == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-    else:
-        fully_shard = flatshard.fully_shard
-    for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for param in model.parameters():  # one step so the optimizer state exists
-        param.grad = torch.ones_like(param)
-    optimizer.step()
-    for param in model.parameters():  # and gradients held, as between backward and step
+    """checkpoint_bench's model with its AdamW state, and gradients held, as between a
+    backward and its optimizer step."""
+    model, optimizer = checkpoint_model(framework, cfg)
+    for param in model.parameters():
         param.grad = torch.ones_like(param)
     return model, optimizer
-
-
-def timed(fn) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - start
 
 
 def _fsdp2_tensors(model, optimizer) -> list[torch.Tensor]:
