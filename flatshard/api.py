@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from flatshard import registry
+from flatshard import peer_failure, registry
 from flatshard.dtensor import patches
 from flatshard.dtensor.tp_params import onto_tp_mesh
 from flatshard.errors import WrappingError
@@ -87,6 +87,7 @@ def fully_shard(
         ignored=frozenset(id(p) for p in ignored_params or ()),
     )
     patches.install()
+    peer_failure.install()
     mesh = mesh.joined(*_inner_mesh(modules))
     if len(modules) == 1:
         for members in first_use_groups(module):

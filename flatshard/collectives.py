@@ -20,7 +20,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from flatshard import compat, nccl_shim
+from flatshard import compat, nccl_shim, peer_failure
 
 
 class Traffic:
@@ -173,8 +173,11 @@ class _PointToPointAllGather:
             )
 
     def wait(self) -> bool:
-        for work in self.works:
-            work.wait()
+        try:
+            for work in self.works:
+                work.wait()
+        except RuntimeError as error:
+            peer_failure.raise_for(error, "an all-gather")
         self.works = []  # they refer to the buffers
         return True
 
@@ -206,7 +209,10 @@ class _AllToAllReduceScatter:
     def wait(self) -> bool:
         if self.received is None:
             return True
-        self.work.wait()
+        try:
+            self.work.wait()
+        except RuntimeError as error:
+            peer_failure.raise_for(error, "a reduce-scatter")
         self.work = None  # it refers to both buffers: drop it before one goes back to the pool
         pieces = self.received.view(self.world, -1)
         if self.world == 2:  # one add: the same rounding as torch.sum, ~2x faster

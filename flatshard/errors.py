@@ -41,3 +41,8 @@ class StatesOffloadedError(FlatShardError, RuntimeError):
 class OffloadError(FlatShardError, OSError):
     """The optimizer offload cannot hold its state where it was asked to (a fraction out of
     range, a directory that cannot be written, a disk that is full)."""
+
+
+class PeerFailedError(FlatShardError, RuntimeError):
+    """Another rank failed while this one waited for it in a collective: the message names
+    that rank and its exception (`flatshard/peer_failure.py`)."""
