@@ -26,6 +26,7 @@ from multiprocessing.connection import wait
 import torch
 import torch.distributed as dist
 
+from flatshard import peer_failure
 from flatshard.cli.errors import RunError, warn
 from flatshard.errors import FlatShardError
 
@@ -159,7 +160,8 @@ def _call(worker: Callable, args: tuple, error_dir: str | None) -> int:
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
-    except BaseException:
+    except BaseException as error:
+        peer_failure.record(error)  # a peer waiting for this rank then names it
         print(f"[rank {rank}] " + traceback.format_exc(), file=sys.stderr, flush=True)
         return 1
     finally:
