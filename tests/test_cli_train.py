@@ -35,7 +35,7 @@ def test_train_resume_sample_inspect(tmp_path):
     )
     assert "stopped at step 3" in first.stdout
     assert sorted(os.listdir(split / "checkpoints")) == ["latest", "step-00000003"]
-    resumed = check_ok(flatshard("train", "--resume", split))
+    resumed = check_ok(flatshard("train", "--resume", split, "--set", "run.sample_tokens=6"))
     assert "resuming from step 3" in resumed.stdout
     # the load says what it reads before it starts, and how long it took
     loading = (
@@ -43,6 +43,9 @@ def test_train_resume_sample_inspect(tmp_path):
         r"process\(es\)\.\.\.\nloaded step 3 in [0-9.]+ s"
     )
     assert re.search(loading, resumed.stdout), resumed.stdout
+    # the closing sample says how long it took (it can be the longest part of a short run)
+    assert re.search(r"6 tokens in [0-9.]+ s \([0-9,]+ tokens/s\)", resumed.stderr)
+    assert (split / "sample.txt").read_text().startswith("The ")
     assert [r["step"] for r in metrics(split)] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in metrics(split)] == expected  # bitwise: same world, same order
 

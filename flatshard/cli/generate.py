@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
+import time
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from flatshard import comm
 from flatshard.cli import runs
@@ -46,6 +49,23 @@ def generate(
         if progress is not None:
             progress(done)
     return ids[len(prompt) :]
+
+
+def generate_with_progress(model, prompt: list[int], *, is_main: bool, **options) -> list[int]:
+    """`generate` with a progress bar on rank 0's terminal and, after it, the tokens and
+    how long they took (on stderr: a sample of a sharded model can take a while)."""
+    bar = tqdm(
+        total=options["new_tokens"], desc="sampling", unit="token", leave=False,
+        disable=not (is_main and sys.stderr.isatty()),
+    )  # fmt: skip
+    started = time.perf_counter()
+    new = generate(model, prompt, progress=lambda done: bar.update(1), **options)
+    bar.close()
+    if is_main:
+        seconds = time.perf_counter() - started
+        rate = len(new) / max(seconds, 1e-9)
+        print(f"{len(new)} tokens in {seconds:.1f} s ({rate:,.0f} tokens/s)", file=sys.stderr)
+    return new
 
 
 class _Feeder:
@@ -103,9 +123,10 @@ def sample_at_end(model, tokenizer_name, config, max_seq_len, ranks, run_dir: st
         return
     prompt = config.run.sample_prompt
     ids = tokenizer.encode(prompt) or [tokenizer.end_of_text]
-    new = generate(
+    new = generate_with_progress(
         model,
         ids,
+        is_main=ranks.is_main,
         new_tokens=config.run.sample_tokens,
         max_seq_len=max_seq_len or config.data.seq_len,
         seed=config.train.seed,

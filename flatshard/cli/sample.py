@@ -3,18 +3,15 @@ reshards the checkpoint into it) or on every rank of a group (a sharded model)."
 
 from __future__ import annotations
 
-import sys
-import time
 from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch.cuda import is_available as cuda_available
-from tqdm import tqdm
 
 from flatshard import checkpoint
 from flatshard.cli import runs
 from flatshard.cli.errors import RunError
-from flatshard.cli.generate import generate
+from flatshard.cli.generate import generate_with_progress
 from flatshard.cli.launch import init_distributed
 from flatshard.cli.model import (
     build_plain,
@@ -72,27 +69,18 @@ def sample_worker(request: SampleRequest, sharded: bool) -> None:
             else build_plain(cfg, device)
         )
     checkpoint.load(root, model=model, step=step, verify=False)  # verified above
-    bar = tqdm(
-        total=request.tokens, desc="sampling", unit="token", leave=False,
-        disable=not (is_main and sys.stderr.isatty()),
-    )  # fmt: skip
-    started = time.perf_counter()
-    new = generate(
+    new = generate_with_progress(
         model,
         prompt,
+        is_main=is_main,
         new_tokens=request.tokens,
         max_seq_len=max_seq_len(cfg),
         temperature=request.temperature,
         top_k=request.top_k,
         seed=request.seed,
         device=device,
-        progress=lambda done: bar.update(1),
     )
-    bar.close()
     if is_main:
-        seconds = time.perf_counter() - started
-        rate = len(new) / max(seconds, 1e-9)
-        print(f"{len(new)} tokens in {seconds:.1f} s ({rate:,.0f} tokens/s)", file=sys.stderr)
         if tokenizer is None or request.prompt_ids:
             print(" ".join(map(str, prompt + new)))
         else:
