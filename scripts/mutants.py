@@ -186,6 +186,22 @@ MUTANTS = (
         ("tests/test_load_state_dict.py",),
     ),
     Mutant(
+        "full-weights-local-box",
+        "a full-weights file is read at each piece's local coordinates, not its global ones",
+        "flatshard/checkpoint/full_weights.py",
+        "value.to_local()[local.slices].copy_(piece[box.slices])",
+        "value.to_local()[local.slices].copy_(piece[local.slices])",
+        ("tests/test_full_state_paths.py::test_hf_and_full_weights_files_as_one_process",),
+    ),
+    Mutant(
+        "hf-piece-local",
+        "a Hugging Face tensor is read at this rank's local coordinates, not its stored ones",
+        "flatshard/hf/load.py",
+        "        data = f.get_slice(mapping.hf_name)[stored.slices]",
+        "        data = f.get_slice(mapping.hf_name)[into.slices]",
+        ("tests/test_full_state_paths.py::test_hf_and_full_weights_files_as_one_process",),
+    ),
+    Mutant(
         "full-state-piece",
         "a full state dict is cut by the local parameter's rows, not by this rank's piece of "
         "the global tensor (expert 0's rows on every EP rank)",
@@ -208,8 +224,7 @@ MUTANTS = (
         "a TP rank's share of a fused component is placed at its local start in the component",
         "flatshard/layout/tensor_parallel.py",
         "slab_offset = tuple(rank * part if d == dim else 0 for d in range(len(global_shape)))",
-        "slab_offset = tuple(start - c.start if d == dim else 0 "
-        "for d in range(len(global_shape)))",
+        "slab_offset = tuple(start - c.start if d == dim else 0 for d in range(len(global_shape)))",
         ("tests/test_full_state_paths.py::test_dcp_chunks_of_all_ranks_tile_each_tensor_evenly",),
     ),
 )

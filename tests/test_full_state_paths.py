@@ -4,7 +4,9 @@ AdamW step in one process gives the full model and optimizer state; each composi
 (finer rows), optimizer offload of half the state, the disk tier under EP) loads it into
 a fresh model with `set_model_state_dict` / `set_optimizer_state_dict(full_state_dict=
 True)` (and the model alone with `load_state_dict`), and every entry read back is the one
-loaded.
+loaded. The same compositions write the one-process model's Hugging Face directory and
+full-weights file bitwise (`hf.save_pretrained`, `checkpoint.export_full`) and read the
+one-process files back entry by entry (`hf.from_pretrained`, `checkpoint.load_full`).
 
 Each rank must take its own piece of each full tensor: its expert rows under EP, its TP
 block, its layout rows (a piece taken from the wrong coordinates put expert 0's rows on
@@ -19,6 +21,8 @@ import tempfile
 import pytest
 import torch
 from distributed import run_distributed
+from safetensors.torch import load_file
+from test_hf import assert_bit_exact, read_all
 from test_moe_training import moe_loss
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -29,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import flatshard
+from flatshard import checkpoint, hf
 from flatshard.models import Llama, LlamaConfig, MoE, MoEConfig
 
 FULL = StateDictOptions(full_state_dict=True)
@@ -160,3 +165,64 @@ def test_dcp_chunks_of_all_ranks_tile_each_tensor_evenly(case):
             for offsets, sizes in rank_chunks[key][1]:
                 covered[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))] += 1
         assert covered.min() == covered.max() >= 1, (key, covered.unique().tolist())
+
+
+# --------------------------------------------------------------------------------------------
+# The same compositions through the Hugging Face and full-weights files, both ways
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_process_files(full_states, tmp_path_factory):
+    """kind -> (HF directory, full-weights file) written from the one-process model."""
+    out = {}
+    for kind, (model_state, _) in full_states.items():
+        folder = tmp_path_factory.mktemp(f"one-process-{kind}")
+        model = _build(kind, seed=5)
+        model.load_state_dict(model_state)
+        hf.save_pretrained(model, folder / "hf")
+        checkpoint.export_full(model, str(folder / "full.safetensors"))
+        out[kind] = (str(folder / "hf"), str(folder / "full.safetensors"))
+    return out
+
+
+def _through_files(kind, dims_keywords, keywords, model_state, hf_dir, full_file, out):
+    """Writes this composition's HF directory and full-weights file to `out` (from a model
+    given the full state); returns the entries that read back wrong after loading the
+    one-process files into fresh models (the model's full state from the full-weights file;
+    the HF tensors from the HF directory, which may build transformers' model)."""
+    import functools
+
+    import torch.distributed as dist
+
+    dims = flatshard.ParallelDims(dist.get_world_size(), **dims_keywords)
+    if keywords.get("offload_policy") == "disk":
+        folder = tempfile.mkdtemp(prefix=f"disk-tier-{dist.get_rank()}-")
+        keywords = dict(offload_policy=flatshard.OffloadPolicy(1.0, path=folder))
+    model = flatshard.parallelize(_build(kind, seed=5), dims, **keywords)
+    set_model_state_dict(model, copy.deepcopy(model_state), options=FULL)
+    hf.save_pretrained(model, f"{out}/hf")
+    checkpoint.export_full(model, f"{out}/full.safetensors")
+
+    fresh = flatshard.parallelize(_build(kind, seed=6), dims, **keywords)
+    checkpoint.load_full(fresh, full_file)
+    wrong = _differences(get_model_state_dict(fresh, options=FULL), model_state, "load_full")
+    shard = functools.partial(flatshard.parallelize, dims=dims, **keywords)
+    loaded = hf.from_pretrained(hf_dir, shard=shard)
+    saved = read_all(hf_dir)
+    wrong += _differences(dict(flatshard.full_weights(loaded)), saved, "from_pretrained")
+    return wrong
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_hf_and_full_weights_files_as_one_process(one_process_files, full_states, case, tmp_path):
+    """save_pretrained / export_full of each composition write the one-process files
+    bitwise; from_pretrained / load_full of the one-process files read back every entry."""
+    world, kind, dims_keywords, keywords = CASES[case]
+    hf_dir, full_file = one_process_files[kind]
+    args = (kind, dims_keywords, keywords, full_states[kind][0], hf_dir, full_file, str(tmp_path))
+    for rank, wrong in enumerate(run_distributed(_through_files, world, *args)):
+        assert wrong == [], f"rank {rank}: {wrong[:8]}"
+    assert_bit_exact(tmp_path / "hf", hf_dir)
+    written, expected = load_file(tmp_path / "full.safetensors"), load_file(full_file)
+    assert _differences(written, expected, "export_full") == []
