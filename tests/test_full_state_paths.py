@@ -6,7 +6,8 @@ a fresh model with `set_model_state_dict` / `set_optimizer_state_dict(full_state
 True)` (and the model alone with `load_state_dict`), and every entry read back is the one
 loaded. The same compositions write the one-process model's Hugging Face directory and
 full-weights file bitwise (`hf.save_pretrained`, `checkpoint.export_full`) and read the
-one-process files back entry by entry (`hf.from_pretrained`, `checkpoint.load_full`).
+one-process files back entry by entry (`hf.from_pretrained`, `checkpoint.load_full`). And by values: loading full tensors whose
+values are their elements' indices, every element is read by one rank of each copy.
 
 Each rank must take its own piece of each full tensor: its expert rows under EP, its TP
 block, its layout rows (a piece taken from the wrong coordinates put expert 0's rows on
@@ -226,3 +227,73 @@ def test_hf_and_full_weights_files_as_one_process(one_process_files, full_states
     assert_bit_exact(tmp_path / "hf", hf_dir)
     written, expected = load_file(tmp_path / "full.safetensors"), load_file(full_file)
     assert _differences(written, expected, "export_full") == []
+
+
+# --------------------------------------------------------------------------------------------
+# Which rank reads which element: full tensors whose values are their elements' indices
+# --------------------------------------------------------------------------------------------
+
+
+def _indexed(state: dict) -> dict:
+    """Each tensor's values replaced by its elements' indices, unique over the whole state
+    (exact in float32: the tiny models have far fewer than 2**24 elements)."""
+    out, base = {}, 0
+    for key, value in state.items():
+        out[key] = torch.arange(base, base + value.numel(), dtype=value.dtype).view(value.shape)
+        base += value.numel()
+    assert base < 2**24
+    return out
+
+
+@pytest.fixture(scope="module")
+def indexed_files(full_states, tmp_path_factory):
+    """kind -> (indexed full model state, HF directory of it written by one process)."""
+    out = {}
+    for kind, (model_state, _) in full_states.items():
+        folder = tmp_path_factory.mktemp(f"indexed-{kind}")
+        model = _build(kind, seed=5)
+        state = _indexed(model_state)
+        model.load_state_dict(state)
+        hf.save_pretrained(model, folder)
+        out[kind] = (state, str(folder))
+    return out
+
+
+def _elements_held(kind, dims_keywords, keywords, state, hf_dir):
+    """This rank's local values (element indices) after loading the indexed full state
+    (set_model_state_dict) and the indexed HF directory (from_pretrained)."""
+    import functools
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    dims = flatshard.ParallelDims(dist.get_world_size(), **dims_keywords)
+    if keywords.get("offload_policy") == "disk":
+        folder = tempfile.mkdtemp(prefix=f"disk-tier-{dist.get_rank()}-")
+        keywords = dict(offload_policy=flatshard.OffloadPolicy(1.0, path=folder))
+
+    def held(model):
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+        return torch.cat([t.detach().reshape(-1).cpu() for t in local]).long()
+
+    model = flatshard.parallelize(_build(kind, seed=5), dims, **keywords)
+    set_model_state_dict(model, copy.deepcopy(state), options=FULL)
+    shard = functools.partial(flatshard.parallelize, dims=dims, **keywords)
+    return held(model), held(hf.from_pretrained(hf_dir, shard=shard))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_element_is_read_by_one_rank_of_each_copy(indexed_files, case):
+    """The full-state and Hugging Face slicing paths, checked by the values they read: over
+    all ranks, every element of a tensor is held the same number of times (once per copy:
+    replicas, TP ranks of a replicated tensor), none missing, none twice within a copy."""
+    world, kind, dims_keywords, keywords = CASES[case]
+    state, hf_dir = indexed_files[kind]
+    per_rank = run_distributed(_elements_held, world, kind, dims_keywords, keywords, state, hf_dir)
+    total = sum(value.numel() for value in state.values())
+    for path, tensors in (("full state", state), ("hf", read_all(hf_dir))):
+        held = torch.cat([ranks[path == "hf"] for ranks in per_rank])
+        counts = torch.bincount(held, minlength=total)
+        for name, value in tensors.items():
+            times = counts[value.reshape(-1).long()]
+            assert times.min() == times.max() >= 1, (path, name, times.unique().tolist())
