@@ -6,8 +6,9 @@ a fresh model with `set_model_state_dict` / `set_optimizer_state_dict(full_state
 True)` (and the model alone with `load_state_dict`), and every entry read back is the one
 loaded. The same compositions write the one-process model's Hugging Face directory and
 full-weights file bitwise (`hf.save_pretrained`, `checkpoint.export_full`) and read the
-one-process files back entry by entry (`hf.from_pretrained`, `checkpoint.load_full`). And by values: loading full tensors whose
-values are their elements' indices, every element is read by one rank of each copy.
+one-process files back entry by entry (`hf.from_pretrained`, `checkpoint.load_full`). And
+by values: loading full tensors whose values are their elements' indices, every element is
+read by one rank of each copy.
 
 Each rank must take its own piece of each full tensor: its expert rows under EP, its TP
 block, its layout rows (a piece taken from the wrong coordinates put expert 0's rows on
