@@ -1,0 +1,75 @@
+"""Which parameters of a param group a flat step takes, and its ranges, kept between steps.
+
+A parameter is taken when it is flatshard's (flat_state.slot_of) and its gradient is the
+view of its bucket's reduced gradient shard that flatshard set (a gradient someone else
+put there is stepped by torch's code). The ranges are rebuilt when the taken parameters
+change (one got its first gradient, or none this step), when a shard was reallocated, or
+after `load_state_dict`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flatshard.dtensor.row_shard import RowShard
+from flatshard.optim.flat_state import Range, Slot, slot_of
+
+
+def split_group(group: dict) -> tuple[list[tuple[object, Slot]], list]:
+    """(the (param, slot) a flat step takes, the other parameters with gradients)."""
+    flat, rest = [], []
+    grads: dict[int, tuple | None] = {}  # a shard's kept gradient parts, looked up once
+    for param in group["params"]:
+        grad = param.grad
+        if grad is None:
+            continue
+        slot = slot_of(param)
+        if slot is None or not _is_the_reduced_view(grad, slot, grads):
+            rest.append(param)
+        else:
+            flat.append((param, slot))
+    return flat, rest
+
+
+def _is_the_reduced_view(grad, slot: Slot, grads: dict) -> bool:
+    local = getattr(grad, "_local_tensor", None)
+    if not isinstance(local, RowShard):
+        return False
+    if slot.numel == 0:
+        return True  # nothing to step (an empty tensor's address means nothing)
+    key = id(slot.storage)
+    if key not in grads:
+        grads[key] = slot.storage.grad
+    parts = grads[key]
+    part = None if parts is None else parts[1 if slot.host else 0]
+    if part is None or local.data_.dtype != part.dtype:
+        return False
+    expected = part.data_ptr() + slot.start * part.element_size()
+    return local.data_.data_ptr() == expected and local.data_.is_contiguous()
+
+
+class FlatPlan:
+    """A group's ranges, by device, and the step counters of its parameters."""
+
+    def __init__(self, ids: tuple, mains: dict, ranges: list[Range], steps: list):
+        self.ids, self.mains, self.steps = ids, mains, steps
+        self.by_device: dict[torch.device, list[Range]] = {}
+        for r in ranges:
+            self.by_device.setdefault(r.first.main().device, []).append(r)
+
+    @classmethod
+    def of(cls, flat: list[tuple[object, Slot]], ranges: list[Range], steps: list) -> FlatPlan:
+        mains = {slot.side: slot.main() for _, slot in flat}
+        return cls(tuple(id(param) for param, _ in flat), mains, ranges, steps)
+
+    def fits(self, flat: list[tuple[object, Slot]]) -> bool:
+        """Still the plan of these parameters on the same buffers."""
+        if tuple(id(param) for param, _ in flat) != self.ids:
+            return False
+        return all(self.mains.get(slot.side) is slot.main() for _, slot in flat)
+
+    @staticmethod
+    def grad(r: Range) -> torch.Tensor:
+        """The range of this step's reduced gradient shard."""
+        parts = r.first.storage.grad
+        return parts[1 if r.first.host else 0][r.start : r.end]
