@@ -116,6 +116,23 @@ PRESETS = {
         micro_batch=4,
         steps=4,
     ),
+    # Many small parameters (issue 38's host-cost case): 24 blocks of dim 256, 220
+    # parameters of 256-256x704 elements, 21.5M in all; short sequences, so the per-parameter
+    # host work of an optimizer step shows against the math.
+    "many-small": dict(
+        cfg=dict(
+            vocab_size=2048,
+            dim=256,
+            n_layers=24,
+            n_heads=4,
+            n_kv_heads=2,
+            ffn_dim=704,
+            max_seq_len=64,
+        ),
+        seq=64,
+        micro_batch=2,
+        steps=6,
+    ),
     # MoE, 17.6M parameters (12.6M of them experts; 8.1M active per token): dim 256, 4
     # layers, 8 experts top-2 of ffn 512 each (torch._grouped_mm), 8k vocab, aux weight 0.01.
     "moe-small": dict(
@@ -172,6 +189,9 @@ COMPILE_MODES = ["fsdp2-compile", "compile3"]
 # it shows the copies' cost, not the memory it saves on a GPU).
 AC_MODES = ["acfull3", "acsel3", "acoff3"]
 AC_OF_MODE = {"acfull3": "full", "acsel3": "selective", "acoff3": "offload"}
+# flatshard's own optimizer (flatshard.optim.AdamW: flat moments per bucket, a few ops per
+# param group) in place of torch.optim.AdamW (run when asked for with --modes)
+FLAT_OPTIMIZER_MODES = ["zero3f", "zero1f"]
 # flatshard's offload modes: (fraction, on the disk tier)
 OFFLOAD_FRACTIONS = {"off50": (0.5, False), "off100": (1.0, False), "offdisk": (1.0, True)}
 MODE_NAMES = {
@@ -197,13 +217,15 @@ MODE_NAMES = {
     "fsdp2-compile": "FSDP2 compiled blocks",
     "compile3": "flatshard ZeRO-3 compiled blocks",
     "acfull3": "flatshard ZeRO-3 full AC",
+    "zero3f": "flatshard ZeRO-3 + flat AdamW",
+    "zero1f": "flatshard ZeRO-1 + flat AdamW",
     "acsel3": "flatshard ZeRO-3 selective AC",
     "acoff3": "flatshard ZeRO-3 activation offload",
 }
 FLATSHARD_STAGES = {
     "zero3": 3, "zero2": 2, "zero1": 1, "hsdp3": 3, "hpz3": 3, "tp3": 3, "moe3": 3, "ep3": 3,
     "off50": 3, "off100": 3, "offdisk": 3, "compile3": 3, "acfull3": 3, "acsel3": 3,
-    "acoff3": 3,
+    "acoff3": 3, "zero3f": 3, "zero1f": 1,
 }  # fmt: skip
 HPZ_GROUP = 2
 HSDP_REPLICAS = 2

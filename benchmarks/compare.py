@@ -68,6 +68,7 @@ from bench_modes import (
     COMPILE_MODES,
     DTYPES,
     EP_DEGREE,
+    FLAT_OPTIMIZER_MODES,
     HSDP_MODES,
     MODE_NAMES,
     MODES,
@@ -195,7 +196,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--modes",
         help="comma-separated subset (default: the Llama modes, or with an MoE preset "
         "single and the MoE modes); also HSDP/hpZ (fsdp2-hsdp, hsdp3, fsdp2-hpz, hpz3), TP "
-        "(fsdp2-tp, tp3) and optimizer offload (fsdp2-cpuoff, off50, off100, offdisk)",
+        "(fsdp2-tp, tp3), optimizer offload (fsdp2-cpuoff, off50, off100, offdisk) and the flat "
+        "AdamW (zero3f, zero1f)",
     )
     parser.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "RESULTS.md"))
     parser.add_argument("--append", action="store_true", help="append to --out")
@@ -213,7 +215,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.modes is None:
         args.modes = ",".join(["single", *MOE_MODES] if moe else MODES)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    known = MODES + HSDP_MODES + TP_MODES + MOE_MODES + OFFLOAD_MODES + COMPILE_MODES + AC_MODES
+    known = MODES + HSDP_MODES + TP_MODES + MOE_MODES + OFFLOAD_MODES + COMPILE_MODES
+    known += AC_MODES + FLAT_OPTIMIZER_MODES
     unknown = sorted(set(modes) - set(known))
     if unknown or not modes:
         parser.error(f"unknown modes {unknown}; choose from {known}")

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from bench_modes import (
     DTYPES,
+    FLAT_OPTIMIZER_MODES,
     FLATSHARD_STAGES,
     LR,
     OFFLOAD_DIRS,
@@ -29,6 +30,7 @@ from bench_modes import (
 from comm_counter import COUNTER, nbytes
 
 from flatshard import comm as flatshard_comm
+from flatshard import optim as flatshard_optim
 from flatshard import registry
 from flatshard.runtime.gather_policy import LOOKUP_PLAN_BYTES, all_gathers_per_step, lookup_payloads
 from flatshard.runtime.offload import offloaded_bytes
@@ -208,9 +210,8 @@ class ModeRun:
             mode, cfg, DTYPES[opts["param_dtype"]]
         )
         self.offload_dirs = OFFLOAD_DIRS[dirs_before:]
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY
-        )
+        make = flatshard_optim.AdamW if mode in FLAT_OPTIMIZER_MODES else torch.optim.AdamW
+        self.optimizer = make(self.model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
         self.build_s = time.perf_counter() - t_build
         # which part of each global batch this rank trains on (TP: its data-parallel rank's)
         self.data_rank, self.data_world = data_slice(mode)
