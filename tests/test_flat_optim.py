@@ -1,4 +1,4 @@
-"""`flatshard.optim.AdamW` against `torch.optim.AdamW` on the same sharded model: losses,
+"""`flatshard.optim.AdamW` / `SGD` against torch's on the same sharded model: losses,
 weights and every optimizer state bitwise, over ZeRO stages, world sizes, weight-decay
 groups, a frozen parameter, optimizer offload and the disk tier; a checkpoint of either
 loads into the other."""
@@ -31,11 +31,19 @@ def _groups(model, frozen: bool):
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return [
         {"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.1},
-        {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0, "lr": 3e-3},
+        {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0},
     ]
 
 
-def _train(kind: str, zero_stage: int, offload, frozen: bool, foreach):
+OPTIMIZERS = {  # name: (flatshard's, torch's, keywords)
+    "adamw": (optim.AdamW, torch.optim.AdamW, dict(lr=1e-3, betas=(0.9, 0.95))),
+    "sgd": (optim.SGD, torch.optim.SGD, dict(lr=0.1, momentum=0.9, dampening=0.1)),
+    "sgd-nesterov": (optim.SGD, torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True)),
+    "sgd-plain": (optim.SGD, torch.optim.SGD, dict(lr=0.1, maximize=True)),
+}
+
+
+def _train(kind: str, zero_stage: int, offload, frozen: bool, foreach, name="adamw"):
     rank, world = dist.get_rank(), dist.get_world_size()
     policy = None
     if offload == "half":
@@ -43,9 +51,10 @@ def _train(kind: str, zero_stage: int, offload, frozen: bool, foreach):
     elif offload == "disk":
         policy = flatshard.OffloadPolicy(1.0, path=tempfile.mkdtemp(prefix=f"tier-{rank}-"))
     model = shard(build_model(config()), zero_stage=zero_stage, offload_policy=policy)
-    make = optim.AdamW if kind == "flat" else torch.optim.AdamW
+    ours, theirs, keywords = OPTIMIZERS[name]
+    make = ours if kind == "flat" else theirs
     extra = {} if kind == "flat" else {"foreach": foreach}
-    optimizer = make(_groups(model, frozen), lr=1e-3, betas=(0.9, 0.95), **extra)
+    optimizer = make(_groups(model, frozen), **keywords, **extra)
     losses = []
     for tokens in batches(model.config, STEPS):
         per_rank = tokens.shape[0] // world
@@ -56,7 +65,9 @@ def _train(kind: str, zero_stage: int, offload, frozen: bool, foreach):
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return losses, full_state(model), full_optimizer_state(model, optimizer)
+    flat = sum(len(plan.ids) for plan in getattr(optimizer, "_plans", {}).values())
+    trainable = sum(p.requires_grad for p in model.parameters())
+    return losses, full_state(model), full_optimizer_state(model, optimizer), (flat, trainable)
 
 
 def _bitwise(ours: dict, theirs: dict) -> list[str]:
@@ -77,10 +88,23 @@ CASES = [  # (world, zero stage, offload, frozen)
 
 @pytest.mark.parametrize("world, zero_stage, offload, frozen", CASES, ids=str)
 def test_flat_adamw_equals_torch_adamw_bitwise(world, zero_stage, offload, frozen):
-    args = (zero_stage, offload, frozen)
-    ours = run_distributed(_train, world, "flat", *args, None)[0]
+    _assert_equal(world, (zero_stage, offload, frozen), "adamw")
+
+
+SGD_CASES = [("sgd", 2, 3, None), ("sgd-nesterov", 2, 1, "half"), ("sgd-plain", 2, 3, None)]
+
+
+@pytest.mark.parametrize("name, world, zero_stage, offload", SGD_CASES, ids=str)
+def test_flat_sgd_equals_torch_sgd_bitwise(name, world, zero_stage, offload):
+    _assert_equal(world, (zero_stage, offload, True), name)
+
+
+def _assert_equal(world, args, name):
+    ours = run_distributed(_train, world, "flat", *args, None, name)[0]
+    flat, trainable = ours[3]  # every parameter stepped flat (the disk tier: by torch's code)
+    assert flat == (0 if args[1] == "disk" else trainable), (flat, trainable)
     for foreach in (True, False):
-        theirs = run_distributed(_train, world, "torch", *args, foreach)[0]
+        theirs = run_distributed(_train, world, "torch", *args, foreach, name)[0]
         assert ours[0] == theirs[0], (foreach, ours[0], theirs[0])
         assert _bitwise(ours[1], theirs[1]) == [], foreach
         assert _bitwise(ours[2], theirs[2]) == [], foreach

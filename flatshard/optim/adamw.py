@@ -4,8 +4,8 @@
 torch's AdamW steps every parameter as its own tensor: on flatshard each one is a DTensor
 over a `RowShard`, so each of its ~10 ops per parameter dispatches twice in Python. Here
 the moments are flat buffers per bucket side (flat_state.py) and each op runs once per
-group over a handful of plain slices, in the order and with the scalars torch's AdamW uses,
-so the results are torch's bit for bit. Parameters a flat step cannot take (not
+group and device over a handful of plain slices, in the order and with the scalars torch's
+AdamW uses, so the results are torch's bit for bit. Parameters a flat step cannot take (not
 flatshard's, state in the disk tier, a gradient that is not the reduced shard's view) and
 groups with options it does not implement (amsgrad, capturable, differentiable, fused, a
 tensor lr or betas) go through torch's own code.
@@ -16,58 +16,37 @@ from __future__ import annotations
 import torch
 from torch.optim.adam import adam
 
-from flatshard.optim.flat_state import FlatStates, Range, merge_ranges
-from flatshard.optim.plan import FlatPlan, split_group
+from flatshard.optim.flat_optimizer import FlatStepping
+from flatshard.optim.plan import FlatPlan
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-class AdamW(torch.optim.AdamW):
+class AdamW(FlatStepping, torch.optim.AdamW):
     def __init__(self, params, *args, **kwargs):
         super().__init__(params, *args, **kwargs)
-        self._flat = FlatStates(_MOMENTS)
-        self._plans: dict[int, FlatPlan] = {}
+        self._init_flat()
 
-    def load_state_dict(self, state_dict) -> None:
-        super().load_state_dict(state_dict)
-        self._plans.clear()  # the loaded states are adopted into the flat buffers next step
+    @staticmethod
+    def _flat_options(group: dict) -> bool:
+        return not (
+            group["amsgrad"]
+            or group["capturable"]
+            or group["differentiable"]
+            or group["fused"]
+            or any(isinstance(v, torch.Tensor) for v in (group["lr"], *group["betas"]))
+        )
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for index, group in enumerate(self.param_groups):
-            if not _flat_options(group) or getattr(self, "grad_scale", None) is not None:
-                self._torch_step(group, [p for p in group["params"] if p.grad is not None])
-                continue
-            flat, rest = split_group(group)
-            for param in group["params"]:  # states in parameter order, as torch's (a
-                if param.grad is not None:  # state dict lists them so on every rank)
-                    self.state[param]
-            if rest:
-                self._torch_step(group, rest)
-            if flat:
-                plan = self._plans.get(index)
-                if plan is None or not plan.fits(flat):
-                    plan = self._plans[index] = self._plan(flat)
-                self._flat_step(group, plan)
-        return loss
+    @staticmethod
+    def _state_names(group: dict) -> tuple[str, ...]:
+        return _MOMENTS
 
-    def _plan(self, flat: list) -> FlatPlan:
-        """Adopt each parameter's state into the flat buffers and merge the pieces into
-        ranges (by side and step count)."""
-        triples = []
-        for param, slot in flat:
-            state = self.state[param]
-            if not state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            if not self._flat.holds(state, slot):
-                self._flat.adopt(param, slot, state)
-            triples.append((param, slot, int(state["step"].item())))
-        steps = [self.state[param]["step"] for param, _ in flat]
-        return FlatPlan.of(flat, merge_ranges(triples), steps)
+    @staticmethod
+    def _age(state: dict) -> int:
+        """The step count (torch keeps it per parameter, a float32 tensor on the CPU)."""
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        return int(state["step"].item())
 
     def _flat_step(self, group: dict, plan: FlatPlan) -> None:
         beta1, beta2 = group["betas"]
@@ -76,10 +55,10 @@ class AdamW(torch.optim.AdamW):
         for ranges in plan.by_device.values():
             params = [self._main(r) for r in ranges]
             grads = [plan.grad(r) for r in ranges]
-            exp_avgs = [self._flat.range(r.first, "exp_avg", r.start, r.end) for r in ranges]
-            exp_avg_sqs = [self._flat.range(r.first, "exp_avg_sq", r.start, r.end) for r in ranges]
+            exp_avgs = [self._state(r, "exp_avg") for r in ranges]
+            exp_avg_sqs = [self._state(r, "exp_avg_sq") for r in ranges]
             for r in ranges:
-                r.step += 1
+                r.age += 1
             if group["maximize"]:
                 grads = torch._foreach_neg(grads)
             if decay != 0:
@@ -88,24 +67,19 @@ class AdamW(torch.optim.AdamW):
             torch._foreach_mul_(exp_avg_sqs, beta2)
             torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
             del grads
-            step_size = [(lr / (1 - beta1 ** float(r.step))) * -1 for r in ranges]
-            bias_correction2_sqrt = [(1 - beta2 ** float(r.step)) ** 0.5 for r in ranges]
+            step_size = [(lr / (1 - beta1 ** float(r.age))) * -1 for r in ranges]
+            bias_correction2_sqrt = [(1 - beta2 ** float(r.age)) ** 0.5 for r in ranges]
             denom = torch._foreach_sqrt(exp_avg_sqs)
             torch._foreach_div_(denom, bias_correction2_sqrt)
             torch._foreach_add_(denom, eps)
             torch._foreach_addcdiv_(params, exp_avgs, denom, step_size)
-
-    @staticmethod
-    def _main(r: Range) -> torch.Tensor:
-        return r.first.main()[r.start : r.end]
 
     def _torch_step(self, group: dict, params: list) -> None:
         """torch's own AdamW step of `params` (those of `group` a flat step does not take)."""
         if not params:
             return
         lists = ([], [], [], [], [], [])
-        subgroup = {**group, "params": params}
-        has_complex = self._init_group(subgroup, *lists)
+        has_complex = self._init_group({**group, "params": params}, *lists)
         beta1, beta2 = group["betas"]
         adam(
             *lists,
@@ -125,14 +99,3 @@ class AdamW(torch.optim.AdamW):
             found_inf=getattr(self, "found_inf", None),
             decoupled_weight_decay=group["decoupled_weight_decay"],
         )
-
-
-def _flat_options(group: dict) -> bool:
-    """Options the flat step implements (the others go through torch's code)."""
-    return not (
-        group["amsgrad"]
-        or group["capturable"]
-        or group["differentiable"]
-        or group["fused"]
-        or any(isinstance(v, torch.Tensor) for v in (group["lr"], *group["betas"]))
-    )

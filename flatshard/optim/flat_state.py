@@ -9,7 +9,7 @@ optimizer would hold (the same keys, shapes and placements), so `state_dict()`, 
 `get_optimizer_state_dict` see no difference.
 
 A step then runs over ranges: consecutive parameters of one bucket side, one param group
-and one step count, merged across the padding between them (zero weights, gradients and
+and one age (Adam's step count), merged across the padding between them (zero weights, gradients and
 states: an update leaves them zero), so a bucket is a few slices, not one tensor per
 parameter. Every offset comes from the parameters' `ShardSpec`s.
 """
@@ -81,25 +81,29 @@ def only_padding(intervals: list[tuple[int, int]], start: int, end: int) -> bool
 
 class FlatStates:
     """Flat buffers of one optimizer's per-element states (e.g. 'exp_avg'), one per bucket
-    side, and each parameter's DTensor view of its rows."""
+    side and state, and each parameter's DTensor view of its rows."""
 
-    def __init__(self, names: tuple[str, ...]):
-        self.names = names
+    def __init__(self):
         self.buffers: dict[tuple[int, bool], tuple[torch.Tensor, dict]] = {}
 
     def buffer(self, slot: Slot) -> dict[str, torch.Tensor]:
-        """The side's buffers, made (zeroed) at first use, or again if the shard was
-        reallocated (an offload placement, a dtype conversion)."""
+        """The side's buffers by state name, made (zeroed) at first use, or again if the
+        shard was reallocated (an offload placement, a dtype conversion)."""
         main = slot.main()
         held = self.buffers.get(slot.side)
         if held is None or held[0] is not main:
-            made = {name: torch.zeros_like(main) for name in self.names}
-            held = self.buffers[slot.side] = (main, made)
+            held = self.buffers[slot.side] = (main, {})
         return held[1]
+
+    def _named(self, slot: Slot, name: str) -> torch.Tensor:
+        buffers = self.buffer(slot)
+        if name not in buffers:
+            buffers[name] = torch.zeros_like(slot.main())
+        return buffers[name]
 
     def view(self, param: DTensor, slot: Slot, name: str) -> DTensor:
         """`param`'s rows of state `name`: a DTensor placed as `param` is."""
-        flat = self.buffer(slot)[name]
+        flat = self._named(slot, name)
         rows = as_param(flat[slot.start : slot.start + slot.numel], slot.spec)
         local = param._local_tensor
         return DTensor.from_local(
@@ -112,12 +116,12 @@ class FlatStates:
         )
 
     def range(self, slot: Slot, name: str, start: int, end: int) -> torch.Tensor:
-        return self.buffer(slot)[name][start:end]
+        return self._named(slot, name)[start:end]
 
-    def adopt(self, param: DTensor, slot: Slot, state: dict) -> None:
-        """Make `state`'s entries views of the flat buffers, keeping their values (a state
-        torch made, or one `load_state_dict` put there)."""
-        for name in self.names:
+    def adopt(self, param: DTensor, slot: Slot, state: dict, names: tuple[str, ...]) -> None:
+        """Make `state`'s entries `names` views of the flat buffers, keeping their values (a
+        state torch made, or one `load_state_dict` put there; zeros where there is none)."""
+        for name in names:
             view = self.view(param, slot, name)
             value = state.get(name)
             if value is not None:
@@ -125,15 +129,15 @@ class FlatStates:
                     view.to_local().copy_(rows_in_layout(value, slot.spec))
             state[name] = view
 
-    def holds(self, state: dict, slot: Slot) -> bool:
-        """Whether `state`'s entries are this side's views (nothing to adopt)."""
+    def holds(self, state: dict, slot: Slot, names: tuple[str, ...]) -> bool:
+        """Whether `state`'s entries `names` are this side's views (nothing to adopt)."""
         buffers = self.buffers.get(slot.side)
         if buffers is None or buffers[0] is not slot.main():
             return False
-        for name in self.names:
+        for name in names:
             value = state.get(name)
             local = getattr(value, "_local_tensor", None)
-            if not isinstance(local, RowShard) or local.version_base is not buffers[1][name]:
+            if not isinstance(local, RowShard) or local.version_base is not buffers[1].get(name):
                 return False
         return True
 
@@ -141,30 +145,30 @@ class FlatStates:
 @dataclass
 class Range:
     """Consecutive elements of one side stepped as one: `[start, end)`, the parameters in it
-    and their (common) step count."""
+    and their (common) age."""
 
     first: Slot
     start: int
     end: int
-    step: int
+    age: int  # what pieces stepped as one share: a step count, a buffer made or not
     params: list = field(default_factory=list)
 
 
 def merge_ranges(slots: list[tuple[object, Slot, int]]) -> list[Range]:
-    """Ranges of (param, slot, step) triples: consecutive pieces of one side with the same
-    step, joined across gaps that hold no other parameter's piece."""
+    """Ranges of (param, slot, age) triples: consecutive pieces of one side with the same
+    age, joined across gaps that hold no other parameter's piece."""
     ranges: list[Range] = []
     intervals: dict[tuple[int, bool], list] = {}
     ordered = sorted(slots, key=lambda t: (t[1].side, t[1].start))
-    for param, slot, step in ordered:
+    for param, slot, age in ordered:
         if slot.numel == 0:
             continue
         last = ranges[-1] if ranges else None
-        if last is not None and last.first.side == slot.side and last.step == step:
+        if last is not None and last.first.side == slot.side and last.age == age:
             known = intervals.setdefault(slot.side, side_intervals(slot.storage, slot.host))
             if only_padding(known, last.end, slot.start):
                 last.end = slot.start + slot.numel
                 last.params.append(param)
                 continue
-        ranges.append(Range(slot, slot.start, slot.start + slot.numel, step, [param]))
+        ranges.append(Range(slot, slot.start, slot.start + slot.numel, age, [param]))
     return ranges
