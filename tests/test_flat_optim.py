@@ -157,3 +157,42 @@ def test_a_checkpoint_of_one_loads_into_the_other(first):
     expected = run_distributed(_straight, 2)[0]
     weights, states = run_distributed(_checkpoint_across, 2, first)[0]
     assert _bitwise(weights, expected[0]) == [] and _bitwise(states, expected[1]) == []
+
+
+# --- tensor and expert parallelism: parameters on other meshes, experts in their own units --
+COMPOSED = {  # name: (world, ParallelDims keywords, MoE)
+    "tp2": (2, dict(tp=2), False),
+    "ep2": (2, dict(ep=2), True),
+    "tp2-ep2": (4, dict(tp=2, ep=2), True),
+}
+
+
+def _train_composed(kind: str, dims_keywords: dict, moe: bool):
+    from test_full_state_paths import _build, _loss
+
+    world = dist.get_world_size()
+    dims = flatshard.ParallelDims(world, **dims_keywords)
+    model = flatshard.parallelize(_build("moe" if moe else "llama", seed=0), dims)
+    make = optim.AdamW if kind == "flat" else torch.optim.AdamW
+    optimizer = make(model.parameters(), lr=1e-3, weight_decay=0.1)
+    data_rank, data_world = dims.build().dp_rank, dims.dp
+    for tokens in batches(model.config, STEPS):
+        per_rank = tokens.shape[0] // data_world
+        _loss(model, tokens[data_rank * per_rank : (data_rank + 1) * per_rank]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    flat = sum(len(plan.ids) for plan in getattr(optimizer, "_plans", {}).values())
+    trainable = sum(p.requires_grad for p in model.parameters())
+    return full_state(model), full_optimizer_state(model, optimizer), (flat, trainable)
+
+
+@pytest.mark.parametrize("case", list(COMPOSED))
+def test_flat_adamw_under_tensor_and_expert_parallelism(case):
+    world, dims_keywords, moe = COMPOSED[case]
+    ours = run_distributed(_train_composed, world, "flat", dims_keywords, moe)
+    theirs = run_distributed(_train_composed, world, "torch", dims_keywords, moe)
+    flat, trainable = ours[0][2]
+    assert flat == trainable  # every parameter stepped flat
+    for rank in range(world):
+        assert _bitwise(ours[rank][0], theirs[rank][0]) == []
+        assert _bitwise(ours[rank][1], theirs[rank][1]) == []
