@@ -10,7 +10,7 @@ from torch.distributed.fsdp import (
     UnshardHandle,
 )
 
-from flatshard import checkpoint, hf, models
+from flatshard import checkpoint, hf, models, optim
 from flatshard.api import fully_shard
 from flatshard.dtensor.clip import clip_grad_norm_
 from flatshard.dtensor.sharded_param import row_range
@@ -71,6 +71,7 @@ __all__ = [
     "materialize",
     "models",
     "offload_states",
+    "optim",
     "parallelize",
     "register_plan",
     "register_fsdp_forward_method",

@@ -322,3 +322,15 @@ def test_activation_peak_is_the_larger_of_the_head_and_a_block_moment():
     assert large_head.per_token("full") == 2 * 10 + 5000
     assert large_head.per_token("selective") == 2 * 10 + 2 * 300 + 5000
     assert large_head.per_token("offload") == 5000 + 800
+
+
+def test_optimizer_state_per_optimizer(capsys):
+    """SGD keeps one fp32 state per trained element (its momentum), AdamW two: half the
+    bytes; the flat and torch AdamW the same."""
+    states = {
+        name: plan(capsys, "llama3-8b", "--world-size", 8, "--optimizer", name)["memory"][
+            "optimizer"
+        ]
+        for name in ("adamw", "torch-adamw", "sgd")
+    }
+    assert states["adamw"] == states["torch-adamw"] == 2 * states["sgd"] > 0

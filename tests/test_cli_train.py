@@ -354,3 +354,18 @@ def test_compiled_checkpointed_run_trains_like_eager_and_resumes_without(tmp_pat
         assert max(abs(a - b) / b for a, b in zip(got, expected)) <= 1e-5, (run, got, expected)
     error = one_line_error(flatshard("train", *sizes, "--steps", 1, "--ac", "fulll"))
     assert "train.ac" in error and "fulll" in error
+
+
+@pytest.mark.slow
+def test_flat_and_torch_adamw_train_the_same(tmp_path):
+    """`--optimizer adamw` (the default: flatshard.optim.AdamW) and `torch-adamw` give the same
+    losses bit for bit; `sgd` trains too."""
+    losses = {}
+    for name in ("adamw", "torch-adamw", "sgd"):
+        extra = ["--lr", "0.3"] if name == "sgd" else []
+        run = tmp_path / name
+        check_ok(flatshard("train", *TINY, "--steps", 4, "--optimizer", name, *extra, "--out", run))
+        losses[name] = [r["loss"] for r in metrics(run)]
+        assert f'optimizer = "{name}"' in (run / "config.toml").read_text()
+    assert losses["adamw"] == losses["torch-adamw"]
+    assert losses["sgd"][-1] < losses["sgd"][0] and losses["sgd"] != losses["adamw"]

@@ -78,13 +78,22 @@ class Setup:
     seq_len: int
     grad_accum: int
     backend: str = "nccl"  # gloo needs a receive buffer per reduce-scatter
-    optimizer_states: int = 2  # AdamW
+    optimizer: str = "adamw"  # adamw, torch-adamw (two fp32 states), sgd (momentum: one)
     hpz_group: int = 0  # ZeRO-3: ranks a block stays sharded over after forward (0: all)
     tp: int = 1  # tensor-parallel ranks (innermost)
     ep: int = 1  # expert-parallel ranks (borrowed from dp_shard x tp)
     offload: float = 0.0  # share of each rank's shards offloaded to the host
     offload_disk: bool = False  # the offloaded optimizer state in the disk tier's files
     ac: str = "none"  # activation checkpointing: none, full or selective (activations.py)
+
+    @property
+    def optimizer_states(self) -> int:
+        """fp32 states per trained element."""
+        return 1 if self.optimizer == "sgd" else 2
+
+    @property
+    def optimizer_name(self) -> str:
+        return {"sgd": "SGD", "torch-adamw": "torch AdamW"}.get(self.optimizer, "AdamW")
 
     def __post_init__(self):
         for name in (

@@ -70,6 +70,12 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument("--zero-stage", type=int, default=None, choices=(1, 2, 3))
     parser.add_argument(
+        "--optimizer",
+        default=None,
+        choices=("adamw", "sgd", "torch-adamw"),
+        help="its state per trained element: AdamW two fp32 values, SGD one (default adamw)",
+    )
+    parser.add_argument(
         "--ac",
         default=None,
         choices=("none", "full", "selective", "offload"),
@@ -168,7 +174,7 @@ def _model_and_defaults(args):
     defaults = dict(
         world_size=8, dp_shard=None, zero_stage=3, param_dtype="bf16", reduce_dtype="fp32",
         micro_batch=1, seq_len=4096, grad_accum=1, backend="nccl", hpz_group=0, tp=1, ep=1,
-        offload=0.0, offload_disk=False, ac="none",
+        offload=0.0, offload_disk=False, ac="none", optimizer="adamw",
     )  # fmt: skip
     if args.model is not None:
         return zoo.resolve(args.model), defaults
@@ -186,6 +192,7 @@ def _model_and_defaults(args):
         offload_disk=bool(train.offload_dir),
         zero_stage=train.zero_stage,
         ac=train.ac,
+        optimizer=train.optimizer,
         hpz_group=train.hpz_group,
         param_dtype=train.precision,
         micro_batch=train.micro_batch,
@@ -269,9 +276,8 @@ def format_plan(result: Plan) -> str:
     lines = [
         f"flatshard plan: {result.model}, {_size(result.num_params)} parameters, on {mesh}",
         f"  ZeRO-{s.zero_stage} ({s.backend}), {s.param_dtype} compute, {s.reduce_dtype} "
-        "gradient reduction, "
-        f"fp32 weights and AdamW state; micro batch {s.micro_batch} x {s.seq_len} tokens, "
-        f"{s.grad_accum} micro-batch(es) per step",
+        f"gradient reduction, fp32 weights and {s.optimizer_name} state; micro batch "
+        f"{s.micro_batch} x {s.seq_len} tokens, {s.grad_accum} micro-batch(es) per step",
         "",
         f"  {'unit (one fully_shard call)':<32}{'params':>10}{'per rank':>11}{'padding':>10}"
         f"{'buckets':>9}",
@@ -289,7 +295,7 @@ def format_plan(result: Plan) -> str:
         "  per-rank memory",
         f"    parameters (fp32 shards)        {_gib(m['params'])}",
         f"    gradients (fp32 shards)         {_gib(m['grads'])}",
-        f"    optimizer state (AdamW)         {_gib(m['optimizer'])}",
+        f"    {'optimizer state (' + s.optimizer_name + ')':<32}{_gib(m['optimizer'])}",
         f"    largest unsharded unit          {_gib(m['largest_unsharded_unit'])}  ({largest})",
         f"    unsharded working set           {_gib(m['unsharded_working_set'])}",
         f"    {'activations (AC ' + result.setup.ac + ')':<32}{_gib(m['activations'])}",

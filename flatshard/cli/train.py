@@ -78,11 +78,7 @@ class Trainer:
         self.model = build_run_model(
             config, self.model_config, self.dims, ranks.device, resume_step is None
         )
-        self.optimizer = torch.optim.AdamW(
-            _parameter_groups(self.model, train.weight_decay),
-            lr=train.lr,
-            betas=(train.beta1, train.beta2),
-        )
+        self.optimizer = make_optimizer(train, _parameter_groups(self.model, train.weight_decay))
         self.checkpoints = runs.checkpoint_root(run_dir)
         self.step, self.position, self.last_saved = 0, 0, None
         self.resumed_from = self.resumed_step = self.schedule_note = None
@@ -253,6 +249,15 @@ class Trainer:
             max_seq_len = self.model_config.max_seq_len if self.model_config else None
             sample_at_end(self.model, self.data.tokenizer, config, max_seq_len, self.ranks,
                           self.run_dir)  # fmt: skip
+
+
+def make_optimizer(train, groups) -> torch.optim.Optimizer:
+    """`train.optimizer`: flatshard.optim's AdamW or SGD (torch's math over flat shards, the
+    same state dict), or torch.optim.AdamW."""
+    if train.optimizer == "sgd":
+        return flatshard.optim.SGD(groups, lr=train.lr, momentum=train.momentum)
+    make = torch.optim.AdamW if train.optimizer == "torch-adamw" else flatshard.optim.AdamW
+    return make(groups, lr=train.lr, betas=(train.beta1, train.beta2))
 
 
 def _parameter_groups(model, weight_decay: float) -> list[dict]:
