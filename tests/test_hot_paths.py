@@ -16,6 +16,7 @@ HOT = [
     ROOT / "dtensor" / "row_shard.py",
     ROOT / "dtensor" / "redistribute.py",
     ROOT / "dtensor" / "sharded_param.py",
+    *sorted((ROOT / "optim").glob("*.py")),
 ]
 CREATORS = {"empty", "zeros", "ones", "full", "arange", "tensor", "rand", "randn", "randint",
             "empty_strided", "linspace", "eye"}  # fmt: skip
@@ -25,6 +26,8 @@ ALLOWED = {
     ("agreement.py", "all_gather_ints"): "the lookup's plan: split sizes must be known on the host "
     "before any rank posts the exchange (one sync per forward, documented)",
     ("agreement.py", "agree"): "set-up only (fully_shard, save): never per step",
+    ("adamw.py", "_age"): "the step counter lives on the CPU, as torch keeps it (no device "
+    "sync), and is read when the flat ranges are planned, not per step",
 }
 
 

@@ -45,13 +45,13 @@ class AdamW(FlatStepping, torch.optim.AdamW):
     def _age(state: dict) -> int:
         """The step count (torch keeps it per parameter, a float32 tensor on the CPU)."""
         if "step" not in state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")
         return int(state["step"].item())
 
     def _flat_step(self, group: dict, plan: FlatPlan) -> None:
         beta1, beta2 = group["betas"]
         lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
-        torch._foreach_add_(plan.steps, torch.tensor(1.0), alpha=1.0)
+        torch._foreach_add_(plan.steps, torch.tensor(1.0, device="cpu"), alpha=1.0)
         for ranges in plan.by_device.values():
             params = [self._main(r) for r in ranges]
             grads = [plan.grad(r) for r in ranges]
