@@ -32,6 +32,10 @@ run --preset 35m --modes fsdp2,zero3,fsdp2-compile,compile3,acfull3,acsel3 --ste
   --warmup 2 --interleave steps
 run --preset 120m --modes fsdp2,zero3,fsdp2-compile,compile3 --steps 4 --rounds 1 --warmup 2 \
   --interleave steps
+# Flat optimizers (issue 38): flatshard.optim.AdamW against torch's AdamW on flatshard and
+# on FSDP2, on many small parameters, world 2 and 4.
+run --preset many-small --modes ddp,fsdp2,zero3,zero3f --steps 6
+run --preset many-small --modes ddp,fsdp2,zero3,zero3f --steps 6 --world 4
 # RL state movement (issue 36): offload/reload and full weights against FSDP2 recipes
 "$python" benchmarks/state_movement.py --preset 120m --repeats 3 >> "$out"
 "$python" benchmarks/sample_speed.py --repeats 3 >> "$out"  # flatshard sample: KV cache

@@ -299,3 +299,13 @@ def test_compare_compile_and_ac_modes(tmp_path):
     assert float(found["flatshard ZeRO-3 full AC"]) == 0, found
     assert float(found["flatshard ZeRO-3 selective AC"]) == 0, found
     assert float(found["flatshard ZeRO-3 activation offload"]) == 0, found
+
+
+def test_compare_flat_optimizer_modes(tmp_path):
+    """flatshard.optim.AdamW (zero3f, zero1f) beside torch's AdamW on flatshard: the report
+    has their rows and the same losses as FSDP2's (the flat step is torch's math)."""
+    text = _run_compare(
+        tmp_path, "--modes", "fsdp2,zero3,zero3f,zero1f", "--interleave", "steps", "--rounds", "1"
+    )
+    for name in ("flatshard ZeRO-3 + flat AdamW", "flatshard ZeRO-1 + flat AdamW"):
+        assert float(_row(text, name)["loss Δ vs FSDP2"]) <= 1e-6, text
