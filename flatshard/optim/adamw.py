@@ -52,7 +52,7 @@ class AdamW(FlatStepping, torch.optim.AdamW):
         beta1, beta2 = group["betas"]
         lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
         torch._foreach_add_(plan.steps, torch.tensor(1.0, device="cpu"), alpha=1.0)
-        for ranges in plan.by_device.values():
+        for ranges in plan.batches:
             params = [self._main(r) for r in ranges]
             grads = [plan.grad(r) for r in ranges]
             exp_avgs = [self._state(r, "exp_avg") for r in ranges]

@@ -48,14 +48,34 @@ def _is_the_reduced_view(grad, slot: Slot, grads: dict) -> bool:
     return local.data_.data_ptr() == expected and local.data_.is_contiguous()
 
 
+# Elements stepped by one run of the ops: the temporaries a step makes (Adam's denominator,
+# a decayed gradient) are at most this many, whatever the shard's size (2**24 fp32: 64 MiB).
+BATCH_ELEMENTS = 2**24
+
+
 class FlatPlan:
-    """A group's ranges, by device, and the step counters of its parameters."""
+    """A group's ranges in batches (one device each, at most BATCH_ELEMENTS elements: a
+    longer range is cut; the ops are elementwise), and the step counters of its
+    parameters."""
 
     def __init__(self, ids: tuple, mains: dict, ranges: list[Range], steps: list):
         self.ids, self.mains, self.steps = ids, mains, steps
-        self.by_device: dict[torch.device, list[Range]] = {}
+        by_device: dict[torch.device, list[Range]] = {}
         for r in ranges:
-            self.by_device.setdefault(r.first.main().device, []).append(r)
+            for start in range(r.start, r.end, BATCH_ELEMENTS):
+                end = min(start + BATCH_ELEMENTS, r.end)
+                piece = Range(r.first, start, end, r.age, r.params)
+                by_device.setdefault(r.first.main().device, []).append(piece)
+        self.batches: list[list[Range]] = []
+        for pieces in by_device.values():
+            batch, size = [], 0
+            for piece in pieces:
+                if batch and size + piece.end - piece.start > BATCH_ELEMENTS:
+                    self.batches.append(batch)
+                    batch, size = [], 0
+                batch.append(piece)
+                size += piece.end - piece.start
+            self.batches.append(batch)
 
     @classmethod
     def of(cls, flat: list[tuple[object, Slot]], ranges: list[Range], steps: list) -> FlatPlan:

@@ -40,7 +40,7 @@ class SGD(FlatStepping, torch.optim.SGD):
 
     def _flat_step(self, group: dict, plan: FlatPlan) -> None:
         lr, decay, momentum = group["lr"], group["weight_decay"], group["momentum"]
-        for ranges in plan.by_device.values():
+        for ranges in plan.batches:
             params = [self._main(r) for r in ranges]
             grads = [plan.grad(r) for r in ranges]
             if group["maximize"]:
