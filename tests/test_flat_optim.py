@@ -44,7 +44,7 @@ OPTIMIZERS = {  # name: (flatshard's, torch's, keywords)
 
 
 def _train(kind: str, zero_stage: int, offload, frozen: bool, foreach, name="adamw"):
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     policy = None
     if offload == "half":
         policy = flatshard.OffloadPolicy(0.5)
@@ -57,14 +57,7 @@ def _train(kind: str, zero_stage: int, offload, frozen: bool, foreach, name="ada
     optimizer = make(_groups(model, frozen), **keywords, **extra)
     losses = []
     for tokens in batches(model.config, STEPS):
-        per_rank = tokens.shape[0] // world
-        mine = tokens[rank * per_rank : (rank + 1) * per_rank]
-        logits = model(mine[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), mine[:, 1:].flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+        losses.append(_step(model, optimizer, tokens))
     flat = sum(len(plan.ids) for plan in getattr(optimizer, "_plans", {}).values())
     trainable = sum(p.requires_grad for p in model.parameters())
     return losses, full_state(model), full_optimizer_state(model, optimizer), (flat, trainable)
@@ -110,51 +103,41 @@ def _assert_equal(world, args, name):
         assert _bitwise(ours[2], theirs[2]) == [], foreach
 
 
+def _step(model, optimizer, tokens) -> float:
+    """One step on this rank's slice of `tokens`; its loss."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank = tokens.shape[0] // world
+    mine = tokens[rank * per_rank : (rank + 1) * per_rank]
+    logits = model(mine[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), mine[:, 1:].flatten())
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
 def _checkpoint_across(first: str):
     """Two steps with one optimizer, its state into the other (DCP's state-dict API), two
-    more steps: the same as four steps with torch's."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    more steps (first None: four steps with torch's)."""
+    makes = {"flat": optim.AdamW, "torch": torch.optim.AdamW, None: torch.optim.AdamW}
+    second = {"flat": "torch", "torch": "flat", None: None}[first]
     data = batches(config(), 4)
-
-    def run(model, optimizer, tokens):
-        per_rank = tokens.shape[0] // world
-        mine = tokens[rank * per_rank : (rank + 1) * per_rank]
-        logits = model(mine[:, :-1])
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), mine[:, 1:].flatten()).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-    makes = {"flat": optim.AdamW, "torch": torch.optim.AdamW}
-    second = "torch" if first == "flat" else "flat"
     model = shard(build_model(config()))
     optimizer = makes[first](model.parameters(), lr=1e-3, weight_decay=0.1)
     for tokens in data[:2]:
-        run(model, optimizer, tokens)
-    saved = get_optimizer_state_dict(model, optimizer)
-    other = makes[second](model.parameters(), lr=1e-3, weight_decay=0.1)
-    set_optimizer_state_dict(model, other, saved)
+        _step(model, optimizer, tokens)
+    if first is not None:
+        saved = get_optimizer_state_dict(model, optimizer)
+        optimizer = makes[second](model.parameters(), lr=1e-3, weight_decay=0.1)
+        set_optimizer_state_dict(model, optimizer, saved)
     for tokens in data[2:]:
-        run(model, other, tokens)
-    return full_state(model), full_optimizer_state(model, other)
-
-
-def _straight():
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = shard(build_model(config()))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    for tokens in batches(config(), 4):
-        per_rank = tokens.shape[0] // world
-        mine = tokens[rank * per_rank : (rank + 1) * per_rank]
-        logits = model(mine[:, :-1])
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), mine[:, 1:].flatten()).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        _step(model, optimizer, tokens)
     return full_state(model), full_optimizer_state(model, optimizer)
 
 
 @pytest.mark.parametrize("first", ["flat", "torch"])
 def test_a_checkpoint_of_one_loads_into_the_other(first):
-    expected = run_distributed(_straight, 2)[0]
+    expected = run_distributed(_checkpoint_across, 2, None)[0]
     weights, states = run_distributed(_checkpoint_across, 2, first)[0]
     assert _bitwise(weights, expected[0]) == [] and _bitwise(states, expected[1]) == []
 

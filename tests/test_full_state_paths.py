@@ -58,6 +58,18 @@ def _build(kind: str, seed: int):
     return MoE(MoEConfig.tiny(n_experts=2 if kind == "moe-2-experts" else 4))
 
 
+def _composition(dims_keywords: dict, keywords: dict):
+    """(ParallelDims, parallelize keywords) of a case on this rank: the disk tier gets a
+    folder of its own per rank for the optimizer state's files."""
+    import torch.distributed as dist
+
+    dims = flatshard.ParallelDims(dist.get_world_size(), **dims_keywords)
+    if keywords.get("offload_policy") == "disk":
+        folder = tempfile.mkdtemp(prefix=f"disk-tier-{dist.get_rank()}-")
+        keywords = dict(offload_policy=flatshard.OffloadPolicy(1.0, path=folder))
+    return dims, keywords
+
+
 def _loss(model, tokens):
     if isinstance(model, MoE):
         return moe_loss(model, tokens)
@@ -90,12 +102,8 @@ def _differences(ours: dict, theirs: dict, where: str) -> list[str]:
 
 def _load(kind: str, dims_keywords: dict, keywords: dict, model_state, optim_state):
     """Every entry that reads back other than loaded, as 'path: key' (none: all exact)."""
-    import torch.distributed as dist
 
-    dims = flatshard.ParallelDims(dist.get_world_size(), **dims_keywords)
-    if keywords.get("offload_policy") == "disk":  # the optimizer state in files, per rank
-        folder = tempfile.mkdtemp(prefix=f"disk-tier-{dist.get_rank()}-")
-        keywords = dict(offload_policy=flatshard.OffloadPolicy(1.0, path=folder))
+    dims, keywords = _composition(dims_keywords, keywords)
     model = flatshard.parallelize(_build(kind, seed=5), dims, **keywords)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     # torch puts the loaded (sharded) values into the dicts it is given: give it copies
@@ -129,13 +137,9 @@ def test_a_full_state_loads_exactly_into(full_states, case):
 def _chunk_lists(kind: str, dims_keywords: dict, keywords: dict) -> dict:
     """{state key: (global shape, this rank's chunks as (offsets, sizes))}, for every sharded
     weight and optimizer state after one AdamW step."""
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    dims = flatshard.ParallelDims(dist.get_world_size(), **dims_keywords)
-    if keywords.get("offload_policy") == "disk":
-        folder = tempfile.mkdtemp(prefix=f"disk-tier-{dist.get_rank()}-")
-        keywords = dict(offload_policy=flatshard.OffloadPolicy(1.0, path=folder))
+    dims, keywords = _composition(dims_keywords, keywords)
     model = flatshard.parallelize(_build(kind, seed=5), dims, **keywords)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     _loss(model, torch.arange(36).reshape(4, 9) % model.config.vocab_size).backward()
@@ -195,12 +199,7 @@ def _through_files(kind, dims_keywords, keywords, model_state, hf_dir, full_file
     the HF tensors from the HF directory, which may build transformers' model)."""
     import functools
 
-    import torch.distributed as dist
-
-    dims = flatshard.ParallelDims(dist.get_world_size(), **dims_keywords)
-    if keywords.get("offload_policy") == "disk":
-        folder = tempfile.mkdtemp(prefix=f"disk-tier-{dist.get_rank()}-")
-        keywords = dict(offload_policy=flatshard.OffloadPolicy(1.0, path=folder))
+    dims, keywords = _composition(dims_keywords, keywords)
     model = flatshard.parallelize(_build(kind, seed=5), dims, **keywords)
     set_model_state_dict(model, copy.deepcopy(model_state), options=FULL)
     hf.save_pretrained(model, f"{out}/hf")
@@ -265,13 +264,9 @@ def _elements_held(kind, dims_keywords, keywords, state, hf_dir):
     (set_model_state_dict) and the indexed HF directory (from_pretrained)."""
     import functools
 
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    dims = flatshard.ParallelDims(dist.get_world_size(), **dims_keywords)
-    if keywords.get("offload_policy") == "disk":
-        folder = tempfile.mkdtemp(prefix=f"disk-tier-{dist.get_rank()}-")
-        keywords = dict(offload_policy=flatshard.OffloadPolicy(1.0, path=folder))
+    dims, keywords = _composition(dims_keywords, keywords)
 
     def held(model):
         local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]

@@ -23,10 +23,6 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 class AdamW(FlatStepping, torch.optim.AdamW):
-    def __init__(self, params, *args, **kwargs):
-        super().__init__(params, *args, **kwargs)
-        self._init_flat()
-
     @staticmethod
     def _flat_options(group: dict) -> bool:
         return not (

@@ -18,7 +18,8 @@ from flatshard.optim.plan import FlatPlan, split_group
 
 
 class FlatStepping:
-    def _init_flat(self) -> None:
+    def __init__(self, params, *args, **kwargs):
+        super().__init__(params, *args, **kwargs)  # the torch optimizer's, as it takes them
         self._flat = FlatStates()
         self._plans: dict[int, FlatPlan] = {}
 

@@ -19,10 +19,6 @@ _MOMENTUM = ("momentum_buffer",)
 
 
 class SGD(FlatStepping, torch.optim.SGD):
-    def __init__(self, params, *args, **kwargs):
-        super().__init__(params, *args, **kwargs)
-        self._init_flat()
-
     @staticmethod
     def _flat_options(group: dict) -> bool:
         return not (
