@@ -334,3 +334,16 @@ def test_optimizer_state_per_optimizer(capsys):
         for name in ("adamw", "torch-adamw", "sgd")
     }
     assert states["adamw"] == states["torch-adamw"] == 2 * states["sgd"] > 0
+
+
+def test_checkpoint_size_files_and_save_time(capsys):
+    """A save writes the fp32 weights and both AdamW states once; HSDP's second replica
+    writes nothing, so 16 ranks at dp_shard 8 write 8 files (and the metadata), each an
+    eighth; the time is one rank's bytes over --write-gbps."""
+    result = plan(capsys, "llama3-8b", "--world-size", 16, "--dp-shard", 8, "--write-gbps", 2)
+    saved, n = result["checkpoint"], result["num_params"]
+    assert saved["bytes"] == 3 * FP32 * n and saved["files"] == 9 and saved["writers"] == 8
+    assert saved["bytes_per_writer"] == -(-saved["bytes"] // 8)
+    assert saved["save_seconds"] == saved["bytes_per_writer"] / 2e9
+    sgd = plan(capsys, "llama3-8b", "--world-size", 8, "--optimizer", "sgd")["checkpoint"]
+    assert sgd["bytes"] == 2 * FP32 * n and sgd["files"] == 9

@@ -39,6 +39,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from flatshard.cli.activations import MODES as AC_MODES
+from flatshard.cli.checkpoint_plan import checkpoint_figures
 from flatshard.cli.errors import ConfigError
 from flatshard.cli.estimate_parallel import (
     DTYPE_BYTES,
@@ -85,6 +86,7 @@ class Setup:
     offload: float = 0.0  # share of each rank's shards offloaded to the host
     offload_disk: bool = False  # the offloaded optimizer state in the disk tier's files
     ac: str = "none"  # activation checkpointing: none, full or selective (activations.py)
+    write_gbps: float = 1.0  # how fast each rank writes its checkpoint file (GB/s)
 
     @property
     def optimizer_states(self) -> int:
@@ -171,6 +173,7 @@ class Plan:
     padding_fraction: float
     # the device's peak per rank under each activation mode (AC_MODES), to see what fits
     device_peak_by_ac: dict[str, int]
+    checkpoint: dict[str, float]  # what a save writes (checkpoint_plan.py)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -200,7 +203,8 @@ def plan(spec: ModelSpec, setup: Setup) -> Plan:
     used = sum(u.numel * u.count for u in units)
     padding = sum(u.padding * u.count for u in units) / used if used else 0.0
     peaks = {mode: figures["device"] for mode, figures in by_ac.items()}
-    return Plan(spec.name, num_params, setup, units, memory, communication, padding, peaks)
+    saved = checkpoint_figures(num_params, setup)
+    return Plan(spec.name, num_params, setup, units, memory, communication, padding, peaks, saved)
 
 
 def _unit_figures(unit, dp_shard: int, bucket_per_param: bool = False) -> UnitFigures:

@@ -70,6 +70,13 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument("--zero-stage", type=int, default=None, choices=(1, 2, 3))
     parser.add_argument(
+        "--write-gbps",
+        type=float,
+        default=None,
+        metavar="GB/S",
+        help="how fast each rank writes its checkpoint file, for the save time (default 1)",
+    )
+    parser.add_argument(
         "--optimizer",
         default=None,
         choices=("adamw", "sgd", "torch-adamw"),
@@ -174,7 +181,7 @@ def _model_and_defaults(args):
     defaults = dict(
         world_size=8, dp_shard=None, zero_stage=3, param_dtype="bf16", reduce_dtype="fp32",
         micro_batch=1, seq_len=4096, grad_accum=1, backend="nccl", hpz_group=0, tp=1, ep=1,
-        offload=0.0, offload_disk=False, ac="none", optimizer="adamw",
+        offload=0.0, offload_disk=False, ac="none", optimizer="adamw", write_gbps=1.0,
     )  # fmt: skip
     if args.model is not None:
         return zoo.resolve(args.model), defaults
@@ -319,4 +326,12 @@ def format_plan(result: Plan) -> str:
         lines.append(f"    EP all-to-all (tokens)          {_gib(c['ep_all_to_all'])}")
     wire = c["wire_per_rank"] + c["tp_wire_per_rank"] + c["ep_wire_per_rank"]
     lines.append(f"    on the wire (ring algorithms)   {_gib(wire)}")
+    k = result.checkpoint
+    total, each = _gib(k["bytes"]).strip(), _gib(k["bytes_per_writer"]).strip()
+    lines += [
+        "",
+        f"  checkpoint: {total} (fp32 weights and {s.optimizer_name} state) in {k['files']:,} "
+        f"files: {k['writers']:,} ranks write {each} each, about {k['save_seconds']:.1f} s at "
+        f"{s.write_gbps:g} GB/s per rank (--write-gbps)",
+    ]
     return "\n".join(lines)
