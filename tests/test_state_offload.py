@@ -60,7 +60,7 @@ def _refusals(model, optimizer, tokens) -> list[str]:
     return refused
 
 
-def _train(interrupt, *, zero_stage=3, tp=1, ep=1, replicate=1, offload=0.0):
+def _train(interrupt, *, zero_stage=3, tp=1, ep=1, replicate=1, offload=0.0, flat=False):
     torch.manual_seed(0)
     model = MoE(MoEConfig.tiny("mixtral")) if ep > 1 else Llama(config(**CONFIG))
     dims = flatshard.ParallelDims(dist.get_world_size(), dp_replicate=replicate, tp=tp, ep=ep)
@@ -68,7 +68,11 @@ def _train(interrupt, *, zero_stage=3, tp=1, ep=1, replicate=1, offload=0.0):
     flatshard.parallelize(model, dims, zero_stage=zero_stage, offload_policy=policy)
     meshes = dims.build()
     loss_fn = partial(moe_loss, group=meshes.dp.get_group()) if ep > 1 else lm_loss
-    optimizer = adamw(model.parameters())
+    optimizer = (
+        flatshard.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        if flat  # its state: views of one flat buffer per bucket side
+        else adamw(model.parameters())
+    )
     losses, seen = [], []
     for step, tokens in enumerate(batches(model.config, STEPS)):
         loss = loss_fn(model, rank_slice(tokens, meshes.dp_rank, dims.dp))
@@ -104,6 +108,7 @@ CASES = {
     "hsdp": (4, {"replicate": 2}),
     "tp2": (2, {"tp": 2}),
     "ep2": (2, {"ep": 2}),
+    "flat-adamw": (2, {"flat": True, "offload": 0.5}),
 }
 
 
