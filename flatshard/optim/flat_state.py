@@ -59,8 +59,7 @@ def slot_of(param) -> Slot | None:
     if storage.tier_of(info.index) is not None:
         return None
     spec = storage.specs[info.index]
-    host = storage.on_host(info.index)
-    start = spec.shard_offset - (storage.cut if host else 0)
+    host, start = storage.side_offset(info.index)
     return Slot(storage, host, start, spec.numel, spec)
 
 
@@ -68,8 +67,8 @@ def side_intervals(storage: ShardStorage, host: bool) -> list[tuple[int, int]]:
     """The `[start, end)` of every parameter's piece on one side of a shard, in order."""
     out = []
     for index, spec in enumerate(storage.specs):
-        if spec.numel and storage.on_host(index) == host:
-            start = spec.shard_offset - (storage.cut if host else 0)
+        on_host, start = storage.side_offset(index)
+        if spec.numel and on_host == host:
             out.append((start, start + spec.numel))
     return sorted(out)
 

@@ -114,6 +114,11 @@ class ShardStorage:
     def on_host(self, index: int) -> bool:
         return self.host_main is not None and self.specs[index].shard_offset >= self.cut
 
+    def side_offset(self, index: int) -> tuple[bool, int]:
+        """(on the host, offset in that side's buffer) of the index-th param's piece."""
+        host = self.on_host(index)
+        return host, self.specs[index].shard_offset - (self.cut if host else 0)
+
     def rows(self, index: int) -> torch.Tensor:
         """The index-th param's rows of the main weights."""
         return self._split_rows(self.main, self.host_main, index)
@@ -134,9 +139,8 @@ class ShardStorage:
 
     def _split_rows(self, device_part, host_part, index: int) -> torch.Tensor:
         spec = self.specs[index]
-        shard, start = device_part, spec.shard_offset
-        if self.on_host(index):
-            shard, start = host_part, start - self.cut
+        host, start = self.side_offset(index)
+        shard = host_part if host else device_part
         return as_param(shard[start : start + spec.numel], spec)
 
     # --- the gradient shard ---------------------------------------------------------------
