@@ -3,15 +3,11 @@
 # The rest of `torch.distributed.fsdp`'s FSDP2 names, so a script ports by its import line:
 # flatshard's modules are FSDPModules, its unshard handles UnshardHandles, and
 # `fully_shard` takes FSDP2's CPUOffloadPolicy and DataParallelMeshDims as they are.
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    DataParallelMeshDims,
-    FSDPModule,
-    UnshardHandle,
-)
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, UnshardHandle
 
 from flatshard import checkpoint, hf, models, optim
 from flatshard.api import fully_shard
+from flatshard.compat import DataParallelMeshDims
 from flatshard.dtensor.clip import clip_grad_norm_
 from flatshard.dtensor.sharded_param import row_range
 from flatshard.errors import (

@@ -107,38 +107,61 @@ def _side_stream(device: torch.device):
     return _side_streams[device]
 
 
-def _same_strides(tensor: torch.Tensor, device, pin_memory: bool = False) -> torch.Tensor:
-    # strides kept (a copy made contiguous could send backward's kernels down another
-    # summation order): results stay bitwise those without offload
-    return torch.empty_strided(
-        tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device, pin_memory=pin_memory
-    )
+def _is_dense(tensor: torch.Tensor) -> bool:
+    """Its elements fill one block of memory without gaps (a contiguous layout, its dims
+    perhaps permuted): then a copy with the same strides is one memcpy."""
+    expected = 1
+    for size, stride in sorted(
+        ((size, stride) for size, stride in zip(tensor.shape, tensor.stride()) if size != 1),
+        key=lambda pair: pair[1],
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _host_like(tensor: torch.Tensor, pin_memory: bool) -> torch.Tensor:
+    # a dense tensor keeps its strides (one memcpy each way); one with gaps (a slice of a
+    # fused projection) is packed: copying into its own strides would go through pageable
+    # temporaries on the host, synchronously
+    if _is_dense(tensor):
+        return torch.empty_strided(
+            tensor.shape, tensor.stride(), dtype=tensor.dtype, pin_memory=pin_memory
+        )
+    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin_memory)
 
 
 def activation_to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A host copy of a saved activation, strides kept. From CUDA: into pinned memory on a
-    side stream that first waits for the compute that made it; the device tensor is marked
-    in use by that stream, so dropping it is safe at once. On the CPU: a copy (the memory
-    is the same; the path is what is exercised)."""
+    """A host copy of a saved activation (`activation_to_device` restores its strides). From
+    CUDA: into pinned memory on a side stream that first waits for the compute that made it;
+    the device tensor is marked in use by that stream, so dropping it is safe at once. On
+    the CPU: a copy (the memory is the same; the path is what is exercised)."""
     if tensor.device.type != "cuda":
-        return _same_strides(tensor, "cpu").copy_(tensor.detach())
+        return _host_like(tensor, pin_memory=False).copy_(tensor.detach())
     side = _side_stream(tensor.device)
     side.wait_stream(torch.cuda.current_stream(tensor.device))
     with torch.cuda.stream(side):
-        host = _same_strides(tensor, "cpu", pin_memory=True).copy_(tensor, non_blocking=True)
+        host = _host_like(tensor, pin_memory=True).copy_(tensor, non_blocking=True)
     tensor.record_stream(side)
     return host
 
 
-def activation_to_device(host: torch.Tensor, device: torch.device):
-    """(the activation on `device`, strides kept, and an event to wait for before reading
-    it): from pinned memory on the side stream, after its copy down (same stream, so in
-    order). On the CPU: the host copy itself, nothing to wait for."""
+def activation_to_device(host: torch.Tensor, like: tuple, device: torch.device):
+    """(the activation on `device` with the (shape, strides) `like` it was saved with, and an
+    event to wait for before reading it): from pinned memory on the side stream, after its
+    copy down (same stream, so in order). Strides are kept because a copy made contiguous
+    could send backward's kernels down another summation order: results stay bitwise those
+    without offload. On the CPU: the host copy itself where its strides are the same."""
+    shape, stride = like
     if device.type != "cuda":
-        return host, None
+        if host.stride() == tuple(stride):
+            return host, None
+        return torch.empty_strided(shape, stride, dtype=host.dtype).copy_(host), None
     side = _side_stream(device)
     with torch.cuda.stream(side):
-        tensor = _same_strides(host, device).copy_(host, non_blocking=True)
+        tensor = torch.empty_strided(shape, stride, dtype=host.dtype, device=device)
+        tensor.copy_(host, non_blocking=True)
         event = side.record_event()
     return tensor, event
 

@@ -3,18 +3,23 @@ parameter behind a sharded DTensor, the sharded replacement of an original param
 the parameters expert parallelism split.
 
 The one place these links live (weak, by identity: nothing here keeps a module or tensor
-alive), so no code reads private attributes set elsewhere. A leaf: it imports nothing of
-flatshard, so every layer may ask it. `flatshard.state(module)` and `flatshard.units(model)`
-are its public face.
+alive), so no code reads private attributes set elsewhere. A unit refers to its modules
+and parameters, so the links to it are weak too (a weak key whose value led back to it
+would keep it forever: a model deleted would keep its device memory); each module holds
+its unit through its hooks, which keeps the unit alive exactly as long as the module.
+A leaf: it imports nothing of flatshard, so every layer may ask it.
+`flatshard.state(module)` and `flatshard.units(model)` are its public face.
 """
 
 from __future__ import annotations
 
+import weakref
+
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-_UNIT_OF_MODULE = WeakIdKeyDictionary()
-_MANAGED = WeakIdKeyDictionary()  # sharded DTensor -> (unit, ManagedParam)
+_UNIT_OF_MODULE = WeakIdKeyDictionary()  # module -> weakref of its unit
+_MANAGED = WeakIdKeyDictionary()  # sharded DTensor -> weakrefs of (unit, ManagedParam)
 _REPLACED_BY = WeakIdKeyDictionary()  # original parameter -> its sharded replacement
 _EXPERT_PARALLEL = WeakIdKeyDictionary()  # parameters an EP style split
 _ACTIVATION_OFFLOAD = WeakIdKeyDictionary()  # block -> its runtime.ActivationOffload
@@ -22,32 +27,37 @@ _STATES_AWAY = WeakIdKeyDictionary()  # model -> what flatshard.offload_states m
 
 
 def bind_unit(module: nn.Module, unit) -> None:
-    _UNIT_OF_MODULE[module] = unit
+    _UNIT_OF_MODULE[module] = weakref.ref(unit)
 
 
 def unit_of(module: nn.Module):
     """The unit `module` belongs to (a fully_shard-ed module, or a member of a list or
     first-use group); None if none."""
-    return _UNIT_OF_MODULE.get(module)
+    return _alive(_UNIT_OF_MODULE.get(module))
 
 
 def units_below(module: nn.Module) -> list:
     """Every unit of `module` and the modules below it, each once, in `modules()` order."""
     found: dict[int, object] = {}
     for sub in module.modules():
-        unit = _UNIT_OF_MODULE.get(sub)
+        unit = _alive(_UNIT_OF_MODULE.get(sub))
         if unit is not None:
             found.setdefault(id(unit), unit)
     return list(found.values())
 
 
 def bind_param(sharded, unit, managed) -> None:
-    _MANAGED[sharded] = (unit, managed)
+    _MANAGED[sharded] = (weakref.ref(unit), weakref.ref(managed))
 
 
 def managed_of(param):
-    """(unit, ManagedParam) of a sharded parameter; None for any other tensor."""
-    return _MANAGED.get(param)
+    """(unit, ManagedParam) of a sharded parameter; None for any other tensor (or one whose
+    model is gone)."""
+    refs = _MANAGED.get(param)
+    if refs is None:
+        return None
+    unit, managed = refs[0](), refs[1]()
+    return None if unit is None or managed is None else (unit, managed)
 
 
 def mark_replaced(original, replacement) -> None:
@@ -88,3 +98,7 @@ def take_states_away(model: nn.Module):
 
 def states_away_of(model: nn.Module):
     return _STATES_AWAY.get(model)
+
+
+def _alive(ref):
+    return None if ref is None else ref()

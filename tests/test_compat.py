@@ -13,7 +13,9 @@ from flatshard import nccl_shim
 
 
 def _train_without_new_names(take_away: bool):
-    saved = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single")}
+    # (a torch before 2.13 has not got them: nothing to take away, the old names run)
+    new_names = ("all_gather_single", "reduce_scatter_single")
+    saved = {name: getattr(dist, name) for name in new_names if hasattr(dist, name)}
     old = {
         name: getattr(dist, name) for name in ("all_gather_into_tensor", "reduce_scatter_tensor")
     }

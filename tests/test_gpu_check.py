@@ -27,7 +27,7 @@ def test_cpu_dry_run(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     sections = ["cpu_parity", "bf16", "offload", "state_offload", "compile",
-                "activation_memory", "fsdp2_1b"]  # fmt: skip
+                "activation_memory", "fsdp2_1b", "activation_offload_1b"]  # fmt: skip
     for name in sections:
         assert report[name]["ok"] is True, (name, report[name])
     assert report["cpu_parity"]["max_rel"] == 0  # CPU against CPU here

@@ -25,16 +25,17 @@ from flatshard import comm, registry
 class _OnHost:
     """One saved activation on the host, and its copy back once started."""
 
-    __slots__ = ("host", "device", "fetched", "event")
+    __slots__ = ("host", "like", "device", "fetched", "event")
 
     def __init__(self, tensor: torch.Tensor):
         self.host = comm.activation_to_host(tensor)
+        self.like = (tensor.shape, tensor.stride())  # restored on the way back
         self.device = tensor.device
         self.fetched = self.event = None
 
     def fetch(self) -> None:
         if self.fetched is None:
-            self.fetched, self.event = comm.activation_to_device(self.host, self.device)
+            self.fetched, self.event = comm.activation_to_device(self.host, self.like, self.device)
 
     def take(self) -> torch.Tensor:
         # the device copy stays here for every op that saved this tensor; it is freed with
