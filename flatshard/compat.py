@@ -26,31 +26,35 @@ def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async
     return scatter(output, input, op=op, group=group, async_op=async_op)
 
 
+@dataclass
+class OwnDataParallelMeshDims:
+    """Which dims of a whole SPMD mesh are data parallel: FSDP2's `DataParallelMeshDims`,
+    for a torch without it. `shard` and `replicate` are one dim name or a tuple of names
+    (flattened into one)."""
+
+    shard: str | tuple[str, ...] | None = None
+    replicate: str | tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        if self.shard is None and self.replicate is None:
+            raise ValueError("DataParallelMeshDims needs a shard or a replicate dim name")
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return _names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        return _names(self.replicate)
+
+
+def _names(dims) -> tuple[str, ...]:
+    if dims is None:
+        return ()
+    return (dims,) if isinstance(dims, str) else tuple(dims)
+
+
 try:  # FSDP2's full-SPMD-mesh argument, new in torch 2.13
     from torch.distributed.fsdp import DataParallelMeshDims
 except ImportError:
-
-    @dataclass
-    class DataParallelMeshDims:
-        """Which dims of a whole SPMD mesh are data parallel (FSDP2's class, for older torch):
-        `shard` and `replicate` are one dim name or a tuple of names (flattened into one)."""
-
-        shard: str | tuple[str, ...] | None = None
-        replicate: str | tuple[str, ...] | None = None
-
-        def __post_init__(self):
-            if self.shard is None and self.replicate is None:
-                raise ValueError("DataParallelMeshDims needs a shard or a replicate dim name")
-
-        @property
-        def shard_names(self) -> tuple[str, ...]:
-            return _names(self.shard)
-
-        @property
-        def replicate_names(self) -> tuple[str, ...]:
-            return _names(self.replicate)
-
-    def _names(dims) -> tuple[str, ...]:
-        if dims is None:
-            return ()
-        return (dims,) if isinstance(dims, str) else tuple(dims)
+    DataParallelMeshDims = OwnDataParallelMeshDims

@@ -5,11 +5,13 @@ ones and equals training with them."""
 
 from __future__ import annotations
 
+import pytest
 import torch.distributed as dist
 from distributed import run_distributed
 from reference import batches, build_model, config, full_state, rel_diff, shard, train
 
 from flatshard import nccl_shim
+from flatshard.compat import OwnDataParallelMeshDims
 
 
 def _train_without_new_names(take_away: bool):
@@ -55,3 +57,20 @@ def test_training_without_the_new_collective_names():
         assert calls["all_gather_into_tensor"] > 0
         if nccl_shim.active():
             assert calls["reduce_scatter_tensor"] > 0
+
+
+@pytest.mark.parametrize(
+    "shard, replicate", [("dp", None), (("dp_a", "dp_b"), "dp_replicate"), (None, "dp")]
+)
+def test_own_data_parallel_mesh_dims_reads_as_fsdp2s(shard, replicate):
+    # what a torch before 2.13 gets for FSDP2's class (fully_shard reads only these names)
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    ours = OwnDataParallelMeshDims(shard=shard, replicate=replicate)
+    theirs = DataParallelMeshDims(shard=shard, replicate=replicate)
+    assert (ours.shard_names, ours.replicate_names) == (theirs.shard_names, theirs.replicate_names)
+
+
+def test_own_data_parallel_mesh_dims_needs_a_dim():
+    with pytest.raises(ValueError, match="shard or a replicate"):
+        OwnDataParallelMeshDims()
