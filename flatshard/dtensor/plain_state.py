@@ -7,9 +7,9 @@ placements (no copy: loads land in the optimizer's own tensor), and unwrapped af
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from flatshard.dtensor.row_shard import RowShard
+from flatshard.dtensor.sharded_param import dtensor_viewing
 
 
 def as_dtensors(model, optim_state: dict) -> None:
@@ -22,11 +22,10 @@ def as_dtensors(model, optim_state: dict) -> None:
         param = model.get_parameter(fqn)
         for key in bare:
             local = states[key]
-            view = DTensor.from_local(
+            view = dtensor_viewing(  # on the host when offloaded: no device copy
                 local,
                 param.device_mesh,
                 param.placements,
-                run_check=False,
                 shape=torch.Size(local.spec.global_shape),
                 stride=local.spec.global_strides,
             )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from flatshard import registry
 from flatshard.dtensor.row_shard import RowShard
@@ -135,11 +136,23 @@ def make_row_sharded_dtensor(
     placements = list(mesh.placements_for(tp_placement))
     if spec.info.shard_dim:  # FSDP2's Shard(d) from shard_placement_fn
         placements[mesh.shard_mesh_dim] = Shard(spec.info.shard_dim)
-    return DTensor.from_local(
+    return dtensor_viewing(
         RowShard(local, spec, version_base, mesh.shard_mesh_dim, tier),
         mesh.param_mesh,
         placements,
-        run_check=False,
         shape=torch.Size(spec.global_shape),
         stride=spec.global_strides,
     )
+
+
+def dtensor_viewing(local: torch.Tensor, mesh, placements, shape, stride) -> DTensor:
+    """`DTensor.from_local(local, mesh, placements, run_check=False, shape=, stride=)`,
+    except that `local` stays where it is. `from_local` copies a local tensor on another
+    device type than the mesh's to the mesh's: an offloaded piece (host memory, a CUDA
+    mesh) would become a device copy that the optimizer steps while the unit gathers
+    the host buffer, which never changes. As FSDP2's CPU offload, the DTensor views the
+    host memory itself (no autograd edge: `local` needs no gradient)."""
+    tensor_meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
+    dtensor_spec = DTensorSpec(mesh, tuple(placements), tensor_meta=tensor_meta)
+    # a fresh tensor object sharing `local`'s memory, as from_local's
+    return DTensor(local.view_as(local), dtensor_spec, requires_grad=local.requires_grad)

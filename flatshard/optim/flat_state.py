@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from flatshard import registry
 from flatshard.dtensor.row_shard import RowShard
-from flatshard.dtensor.sharded_param import rows_in_layout
+from flatshard.dtensor.sharded_param import dtensor_viewing, rows_in_layout
 from flatshard.runtime.shard_storage import ShardStorage, as_param
 
 
@@ -105,11 +105,10 @@ class FlatStates:
         flat = self._named(slot, name)
         rows = as_param(flat[slot.start : slot.start + slot.numel], slot.spec)
         local = param._local_tensor
-        return DTensor.from_local(
+        return dtensor_viewing(  # on the host when offloaded: no device copy
             RowShard(rows, slot.spec, flat, local.mesh_dim),
             param.device_mesh,
             param.placements,
-            run_check=False,
             shape=param.shape,
             stride=param.stride(),
         )
