@@ -36,8 +36,10 @@ def compute_device(device_type: str) -> torch.device:
 
 def group_device(group) -> torch.device:
     """The device `group`'s backend moves (None: the default group): NCCL only moves CUDA
-    tensors; gloo here moves CPU ones. A visible GPU does not make a gloo run a CUDA one."""
-    if dist.get_backend(group) == "nccl":
+    tensors; gloo here moves CPU ones. A visible GPU does not make a gloo run a CUDA one.
+    "cuda:nccl,cpu:gloo" (the trainer's on CUDA: host pieces reduce over gloo) is CUDA."""
+    backend = str(dist.get_backend(group))
+    if backend == "nccl" or "cuda:nccl" in backend:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -48,3 +48,13 @@ def test_root_moves_forward_inputs_to_the_parameters_device():
     assert moved_args[1]["n"] == 3 and moved_kwargs["x"].device.type == "meta"
     same = torch.zeros(2)
     assert _to_device(same, torch.device("cpu")) is same  # already there: no copy
+
+
+def test_nccl_beside_gloo_is_a_cuda_group(monkeypatch):
+    # the trainer's backend on CUDA: "cuda:nccl,cpu:gloo" (host pieces reduce over gloo)
+    from flatshard import comm
+
+    for backend, expected in (("cuda:nccl,cpu:gloo", "cuda"), ("nccl", "cuda"), ("gloo", "cpu")):
+        monkeypatch.setattr(comm.dist, "get_backend", lambda group=None, b=backend: b)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        assert comm.group_device(None).type == expected

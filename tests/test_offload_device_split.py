@@ -77,6 +77,7 @@ def _train_with_split(fraction: float, optimizer: str = "torch"):
         for model, optimizer, out in zip(models, optimizers, losses):
             loss = lm_loss(model, tokens)
             loss.backward()
+            flatshard.clip_grad_norm_(model.parameters(), 0.5)  # host and device groups
             optimizer.step()
             optimizer.zero_grad()
             out.append(loss.item())

@@ -107,7 +107,10 @@ def init_distributed(device_choice: str = "auto", threads: int = 0) -> Ranks:
                 per_node=True,
             )
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", init_method="env://")
+        # on CUDA, gloo beside NCCL: the pieces optimizer offload keeps on the host (their
+        # gradient norms, their full tensors for a checkpoint) are reduced where they are
+        backend = "cuda:nccl,cpu:gloo" if use_cuda else "gloo"
+        dist.init_process_group(backend, init_method="env://")
     return Ranks(rank, world, local_rank, local_world, device)
 
 

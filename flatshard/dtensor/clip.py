@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
+from flatshard.dtensor.sharded_param import dtensor_viewing
+
 
 def _mesh_key(tensor) -> tuple:
     """Gradients clipped together: on one mesh and one device (optimizer offload keeps some
@@ -49,6 +51,7 @@ def clip_grad_norm_(
         scale = coefficient.to(group[0].device)
         if isinstance(group[0], DTensor):
             mesh = group[0].device_mesh
-            scale = DTensor.from_local(scale, mesh, [Replicate()] * mesh.ndim, run_check=False)
+            # a host group's scale stays on the host (from_local: to the mesh's device)
+            scale = dtensor_viewing(scale, mesh, [Replicate()] * mesh.ndim, (), ())
         torch._foreach_mul_(group, scale)
     return total
