@@ -129,9 +129,9 @@ def _host_like(tensor: torch.Tensor, pin_memory: bool) -> torch.Tensor:
     # temporaries on the host, synchronously
     if _is_dense(tensor):
         return torch.empty_strided(
-            tensor.shape, tensor.stride(), dtype=tensor.dtype, pin_memory=pin_memory
+            tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu", pin_memory=pin_memory
         )
-    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin_memory)
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin_memory)
 
 
 def activation_to_host(tensor: torch.Tensor) -> torch.Tensor:
@@ -159,7 +159,8 @@ def activation_to_device(host: torch.Tensor, like: tuple, device: torch.device):
     if device.type != "cuda":
         if host.stride() == tuple(stride):
             return host, None
-        return torch.empty_strided(shape, stride, dtype=host.dtype).copy_(host), None
+        restrided = torch.empty_strided(shape, stride, dtype=host.dtype, device=device)
+        return restrided.copy_(host), None
     side = _side_stream(device)
     with torch.cuda.stream(side):
         tensor = torch.empty_strided(shape, stride, dtype=host.dtype, device=device)
