@@ -20,7 +20,7 @@ import torch.distributed as dist
 from distributed import run_distributed
 from reference import SEQ, build_model, config, lm_loss, rank_slice, shard
 
-from flatshard import registry
+from flatshard import nccl_shim, registry
 
 BATCH = 36  # global; each of up to 3 micro-batches (12 sequences) divides over 1-4 ranks
 TOLERANCE = 2e-6  # per tensor, fp32: sums in another order, nothing else (max seen 5.7e-7)
@@ -35,6 +35,14 @@ DIVIDE_FACTOR = 3.0
 ACCUMULATION = [(1, False), (3, False), (3, True)]  # micro-batches, sync on the last only
 STAGES = (1, 2, 3)
 CASES = list(itertools.product(VARIANTS, STAGES, ACCUMULATION))
+# every pair of (variant, stage, accumulation) once: each variant at each stage with the
+# accumulation setting that rotates over both (15 cases, not 45); world 3 (uneven rows)
+# runs every case, the other world sizes and the NCCL hazard shim's pass run these
+PAIRS = [
+    (variant, stage, ACCUMULATION[(v + s) % len(ACCUMULATION)])
+    for v, variant in enumerate(VARIANTS)
+    for s, stage in enumerate(STAGES)
+]
 
 
 def _data(variant: str, steps: int = 1) -> list[torch.Tensor]:
@@ -135,9 +143,10 @@ def _reference(variant: str, microbatches: int, world: int):
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_gradients_and_sgd_weights_equal_one_process_per_tensor(world_size):
-    results = run_distributed(_sharded_run, world_size, CASES, timeout=600)[0]
+    cases = CASES if world_size == 3 and not nccl_shim.active() else PAIRS
+    results = run_distributed(_sharded_run, world_size, cases, timeout=600)[0]
     failures = []
-    for (variant, stage, (micro, last_only)), (grads, looked_up, weights) in zip(CASES, results):
+    for (variant, stage, (micro, last_only)), (grads, looked_up, weights) in zip(cases, results):
         case = f"{variant} ZeRO-{stage} micro={micro} sync_last_only={last_only}"
         ref_grads, ref_weights = _reference(variant, micro, world_size)
         for name, error in _per_tensor_errors(grads, ref_grads).items():
