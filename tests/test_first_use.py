@@ -9,9 +9,14 @@ from flatshard import registry
 from flatshard.runtime.first_use import first_use_groups
 
 
+class _StandInUnit:
+    """What fully_shard(layer) leaves (the registry holds units weakly: the module owns it)."""
+
+
 def _mark_blocks(model: nn.Module) -> nn.Module:
     for layer in model.layers:
-        registry.bind_unit(layer, object())  # what fully_shard(layer) leaves
+        layer.stand_in_unit = _StandInUnit()
+        registry.bind_unit(layer, layer.stand_in_unit)
     return model
 
 
