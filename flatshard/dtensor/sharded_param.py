@@ -145,6 +145,18 @@ def make_row_sharded_dtensor(
     )
 
 
+def gradient_dtensor(local: torch.Tensor, param: DTensor, tier=None) -> DTensor:
+    """The DTensor `.grad` of flatshard's sharded `param` over `local` (this rank's rows of
+    a reduced gradient shard, in the parameter's dtype): placed exactly as the parameter,
+    so it shares the parameter's DTensorSpec instead of building one per parameter per
+    step (this runs for every parameter after every synced backward)."""
+    param_local = param._local_tensor
+    if local.dtype != param.dtype:
+        raise TypeError(f"a {local.dtype} gradient for a {param.dtype} parameter")
+    row_shard = RowShard(local, param_local.spec, None, param_local.mesh_dim, tier)
+    return DTensor(row_shard, param._spec, requires_grad=False)
+
+
 def dtensor_viewing(local: torch.Tensor, mesh, placements, shape, stride) -> DTensor:
     """`DTensor.from_local(local, mesh, placements, run_check=False, shape=, stride=)`,
     except that `local` stays where it is. `from_local` copies a local tensor on another

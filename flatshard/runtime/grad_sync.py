@@ -18,7 +18,7 @@ import torch
 
 from flatshard import comm
 from flatshard.dtensor.row_shard import RowShard
-from flatshard.dtensor.sharded_param import local_data, make_row_sharded_dtensor
+from flatshard.dtensor.sharded_param import gradient_dtensor, local_data
 from flatshard.errors import UnevenShardError
 from flatshard.runtime.flat_bucket import FlatBucket
 
@@ -177,13 +177,9 @@ class GradientSync:
                 rows.add_(_own_rows(param, rows).to(rows.device))
         kept = bucket.shard.keep_grad(fresh)
         for param in params:
-            local = bucket.shard.grad_rows(kept, param.index)
-            spec = bucket.specs[param.index]
-            param.sharded.grad = make_row_sharded_dtensor(
-                local,
-                self.unit.mesh,
-                spec,
-                tp_placement=param.tp_placement,
+            param.sharded.grad = gradient_dtensor(
+                bucket.shard.grad_rows(kept, param.index),
+                param.sharded,
                 tier=bucket.shard.tier_of(param.index),  # SGD's momentum is a clone of it
             )
 
