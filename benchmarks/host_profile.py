@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import socket
 import sys
 import time
 from collections import defaultdict
@@ -74,7 +75,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29561")
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as probe:  # a free port
+            probe.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
     dist.init_process_group("gloo", rank=0, world_size=1)
 
     cfg = make_config(args.preset)

@@ -254,6 +254,19 @@ def test_sample_speed_script():
     assert "same tokens: True" in proc.stdout and "| KV cache |" in proc.stdout
 
 
+def test_host_profile_script():
+    """benchmarks/host_profile.py times every hook phase it names, add_reduced included."""
+    script = os.path.join(ROOT, "benchmarks", "host_profile.py")
+    proc = subprocess.run(
+        [sys.executable, script, "--preset", "tiny", "--steps", "2", "--warmup", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {line[:24].strip(): line[24:].split() for line in proc.stdout.splitlines()[2:]}
+    for phase in ("pre_forward", "post_backward", "add_reduced", "optimizer.step"):
+        assert float(rows[phase][0]) > 0 and float(rows[phase][2]) >= 1, proc.stdout
+
+
 def test_hf_parallel_script():
     """benchmarks/hf_parallel.py at its smallest: flatshard's transformers Llama under TP
     trains as FSDP2 + torch TP does, and reads a fraction of the checkpoint FSDP2 reads."""
