@@ -31,6 +31,7 @@ class Traffic:
         self.reduce_scatter = 0
         self.all_reduce = 0
         self.all_to_all = 0  # expert parallelism's token rows (sent), forward and backward
+        self.optimizer = 0  # an optimizer's own exchanges (Muon's matrices to their owners)
         self.all_gather_by_group_size: dict[int, int] = {}  # e.g. hpZ's small groups
 
     def take(self) -> tuple[int, int, int, int]:
@@ -239,6 +240,17 @@ def all_to_all(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], 
     autograd (backward sends the gradients the other way); counts the bytes this rank
     sends both ways."""
     return _AllToAll.apply(rows, out_splits, in_splits, group)
+
+
+def exchange(flat: torch.Tensor, out_splits: list[int], in_splits: list[int], group):
+    """All-to-all of a flat buffer, no autograd (an optimizer moving matrix pieces to their
+    owners): `in_splits[r]` elements to rank r, `out_splits[r]` from it. Counted in
+    `traffic.optimizer` (bytes sent to other ranks)."""
+    to_others = sum(in_splits) - in_splits[dist.get_rank(group)]
+    traffic.optimizer += to_others * flat.element_size()
+    out = flat.new_empty(sum(out_splits))
+    dist.all_to_all_single(out, flat.contiguous(), out_splits, in_splits, group=group)
+    return out
 
 
 class _AllToAll(torch.autograd.Function):

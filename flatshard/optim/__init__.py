@@ -2,6 +2,7 @@
 and `state_dict()` (interchangeable with `torch.optim`'s), a few ops per param group."""
 
 from flatshard.optim.adamw import AdamW
+from flatshard.optim.muon import Muon, muon_param_groups
 from flatshard.optim.sgd import SGD
 
-__all__ = ["SGD", "AdamW"]
+__all__ = ["SGD", "AdamW", "Muon", "muon_param_groups"]

@@ -37,6 +37,8 @@ class FlatStepping:
             with_grad = [p for p in group["params"] if p.grad is not None]
             for param in with_grad:  # states in parameter order, as torch's (a state
                 self.state[param]  # dict lists them in that order on every rank)
+            if self._own_step(group):
+                continue
             if not self._flat_options(group) or getattr(self, "grad_scale", None) is not None:
                 self._torch_step(group, with_grad)
                 continue
@@ -49,6 +51,10 @@ class FlatStepping:
                     plan = self._plans[index] = self._plan(flat, group)
                 self._flat_step(group, plan)
         return loss
+
+    def _own_step(self, group: dict) -> bool:
+        """A subclass's own algorithm for this group (Muon's matrices): True once stepped."""
+        return False
 
     def _plan(self, flat: list, group: dict) -> FlatPlan:
         """Each parameter's state adopted into the flat buffers, the pieces merged into

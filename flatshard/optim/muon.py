@@ -1,0 +1,199 @@
+"""`flatshard.optim.Muon`: torch's Muon for the hidden matrices and AdamW for everything
+else, in one optimizer (as Moonlight and Kimi train), on flatshard's sharded matrices.
+
+Muon orthogonalises each matrix's momentum update whole (Newton-Schulz), which FSDP shards
+by rows. torch's Muon on sharded parameters has every rank gather and orthogonalise every
+matrix. Here each matrix has one owner rank, chosen by its Newton-Schulz cost so every rank
+does the same share (matrix_owners.py); the momentum stays sharded and is updated where it
+lives; each rank sends its rows of the update (bf16, as torch's Newton-Schulz takes it) to
+the owner, which orthogonalises the whole matrix and sends each rank its rows back: one
+all-to-all each way per shard group and step, the matrices' bf16 bytes in all. The ops, their
+order and their dtypes are torch's `Muon` (its `_zeropower_via_newtonschulz` and learning-rate
+adjustment), so results equal `torch.optim.Muon` in one process.
+
+Param groups say which algorithm steps them: `use_muon` (default True: every parameter a
+2-D matrix). `muon_param_groups(model)` puts the 2-D weights in a Muon group and the rest —
+embeddings, the output head, norms, biases — in an AdamW group. The AdamW groups are
+flatshard's flat AdamW (`lr`, `betas`, `eps`, `weight_decay` per group; `adamw_betas` and
+`adamw_eps` are their defaults). State: `momentum_buffer` per Muon parameter (torch's
+Muon's key), AdamW's `step`, `exp_avg`, `exp_avg_sq` per AdamW parameter.
+
+A matrix that is not flatshard's, or is also split by tensor or expert parallelism, or along
+another dim (`Shard(d)`), is stepped by torch's own Muon code.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Replicate
+from torch.optim._muon import (
+    DEFAULT_A,
+    DEFAULT_B,
+    DEFAULT_C,
+    DEFAULT_NS_STEPS,
+    EPS,
+    _adjust_lr,
+    _single_tensor_muon,
+    _zeropower_via_newtonschulz,
+)
+
+from flatshard.dtensor.row_shard import RowShard
+from flatshard.dtensor.sharded_param import local_data
+from flatshard.optim.adamw import AdamW
+from flatshard.optim.matrix_owners import ShardGroup
+
+_MUON_OPTIONS = ("momentum", "nesterov", "ns_coefficients", "ns_steps", "adjust_lr_fn")
+
+
+class Muon(AdamW):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = (DEFAULT_A, DEFAULT_B, DEFAULT_C),
+        eps: float = EPS,
+        ns_steps: int = DEFAULT_NS_STEPS,
+        adjust_lr_fn: str | None = None,
+        *,
+        adamw_betas: tuple[float, float] = (0.9, 0.999),
+        adamw_eps: float = 1e-8,
+    ) -> None:
+        if not 0.0 <= momentum:  # torch's Muon's checks and messages (AdamW checks the rest)
+            raise ValueError(f"momentum should be >= 0 but is: {momentum}")
+        if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
+            raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported")
+        self._muon_defaults = dict(
+            zip(_MUON_OPTIONS, (momentum, nesterov, ns_coefficients, ns_steps, adjust_lr_fn)),
+            muon_eps=eps,
+        )
+        self._owners: dict[tuple, list[ShardGroup]] = {}
+        super().__init__(params, lr=lr, betas=adamw_betas, eps=adamw_eps, weight_decay=weight_decay)
+
+    def add_param_group(self, param_group: dict) -> None:
+        param_group.setdefault("use_muon", True)
+        if param_group["use_muon"]:
+            for name, value in self._muon_defaults.items():
+                param_group.setdefault(name, value)
+            params = param_group["params"]
+            for param in [params] if isinstance(params, torch.Tensor) else params:
+                if param.ndim != 2:
+                    raise ValueError(
+                        f"Muon steps 2-D matrices; a parameter of shape {tuple(param.shape)} is "
+                        "in a Muon group: give it a group with use_muon=False (AdamW), e.g. "
+                        "with flatshard.optim.muon_param_groups(model)"
+                    )
+        super().add_param_group(param_group)
+
+    def _own_step(self, group: dict) -> bool:
+        if not group["use_muon"]:
+            return False
+        params = [p for p in group["params"] if p.grad is not None]
+        momentum, nesterov = group["momentum"], group["nesterov"]
+        spread = [p for p in params if _by_owner(p)]
+        if len(spread) < len(params):
+            rest = [p for p in params if not _by_owner(p)]
+            bufs = [self._momentum(p) for p in rest]
+            _single_tensor_muon(
+                rest, [p.grad for p in rest], bufs, lr=group["lr"],
+                weight_decay=group["weight_decay"], momentum=momentum, nesterov=nesterov,
+                ns_coefficients=group["ns_coefficients"], ns_steps=group["ns_steps"],
+                eps=group["muon_eps"], adjust_lr_fn=group["adjust_lr_fn"], has_complex=False,
+            )  # fmt: skip
+        if not spread:
+            return True
+        updates = []
+        for param in spread:  # torch's momentum step, on this rank's rows
+            grad, buf = local_data(param.grad), local_data(self._momentum(param))
+            buf.lerp_(grad, 1 - momentum)
+            updates.append(grad.lerp(buf, momentum) if nesterov else buf)
+
+        def orthogonalise(matrix):
+            return _zeropower_via_newtonschulz(
+                matrix, group["ns_coefficients"], group["ns_steps"], group["muon_eps"]
+            )
+
+        lr, decay = group["lr"], group["weight_decay"]
+        for shard_group, indices in self._shard_groups(spread, group["ns_steps"]):
+            rows = shard_group.transform([updates[i] for i in indices], orthogonalise)
+            for i, update in zip(indices, rows):
+                param = spread[i]
+                main = local_data(param)
+                main.mul_(1 - lr * decay)
+                main.add_(
+                    update.to(main.device),
+                    alpha=-_adjust_lr(lr, group["adjust_lr_fn"], param.shape),
+                )
+        return True
+
+    def _momentum(self, param) -> torch.Tensor:
+        state = self.state[param]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(
+                param.grad, memory_format=torch.preserve_format
+            )
+        return state["momentum_buffer"]
+
+    def _shard_groups(self, params: list, ns_steps: int) -> list[tuple[ShardGroup, list[int]]]:
+        """The matrices by the shard group that splits their rows, with their owners (kept
+        while the same parameters are stepped)."""
+        key = (tuple(id(p) for p in params), ns_steps)
+        if key not in self._owners:
+            by_group: dict[tuple, list[int]] = {}
+            for index, param in enumerate(params):
+                by_group.setdefault((param.device_mesh, param._local_tensor.mesh_dim), []).append(
+                    index
+                )
+            self._owners[key] = [
+                (
+                    ShardGroup(
+                        mesh, dim, [params[i]._local_tensor.spec for i in indices], ns_steps
+                    ),
+                    indices,
+                )
+                for (mesh, dim), indices in by_group.items()
+            ]
+        return self._owners[key]
+
+
+def _by_owner(param) -> bool:
+    """Whether `param` is a flatshard matrix split only by its rows over one shard group (no
+    tensor or expert parallelism, no `Shard(d)`): its owner can rebuild it from the rows."""
+    local = getattr(param, "_local_tensor", None)
+    if not isinstance(local, RowShard):
+        return False
+    if not isinstance(getattr(param.grad, "_local_tensor", None), RowShard):
+        return False  # a gradient in another layout: torch's code gathers it
+    info = local.spec.info
+    if info.row_dims != 1 or info.shard_dim != 0 or tuple(info.shape) != tuple(info.global_shape):
+        return False
+    return all(
+        isinstance(placement, Replicate)
+        for dim, placement in enumerate(param.placements)
+        if dim != local.mesh_dim
+    )
+
+
+def muon_param_groups(model: nn.Module, adamw_modules: tuple[str, ...] = ("output", "lm_head")):
+    """[Muon group, AdamW group] of `model`'s trainable parameters: the 2-D weights go to
+    Muon, except those of embeddings, of the output head (`get_output_embeddings()` where the
+    model has it) and of modules named in `adamw_modules`; every other parameter (norms,
+    biases, ...) goes to AdamW. Add `lr` etc. to either group as you would to torch's."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    to_adamw = set()
+    for name, module in model.named_modules():
+        if (
+            isinstance(module, nn.Embedding)
+            or module is head
+            or name.split(".")[-1] in adamw_modules
+        ):
+            to_adamw.update(id(p) for p in module.parameters(recurse=False))
+    matrices, others = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            chosen = matrices if param.ndim == 2 and id(param) not in to_adamw else others
+            chosen.append(param)
+    return [{"params": matrices, "use_muon": True}, {"params": others, "use_muon": False}]
