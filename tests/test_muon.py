@@ -1,6 +1,7 @@
 """`flatshard.optim.Muon` (issue 35): Muon on the hidden matrices with an owner rank per
 matrix, AdamW on the rest, against torch's `Muon` + `AdamW` in one process (losses and
-weights), at worlds 2, 3 (uneven rows) and 4 under ZeRO-3 and ZeRO-2; the bytes it sends;
+weights), at worlds 2, 3 (uneven rows) and 4 under ZeRO-3 and ZeRO-2, HSDP and optimizer
+offload; a checkpoint resharded on load; the bytes it sends;
 the owners' balance; which parameters `muon_param_groups` gives Muon."""
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from reference import (
     batches,
     build_model,
     config,
+    full_optimizer_state,
     full_state,
+    hsdp_mesh,
     lm_loss,
     mean_over_ranks,
     rank_slice,
@@ -23,6 +26,7 @@ from reference import (
 )
 from reference import shard as shard_model
 
+import flatshard
 from flatshard import collectives, optim
 from flatshard.optim.matrix_owners import assign_owners, newton_schulz_flops
 
@@ -67,12 +71,16 @@ def _groups(model):
     return optim.muon_param_groups(model)
 
 
-def _sharded(zero_stage: int):
+def _sharded(zero_stage: int, variant: str = ""):
     """Trains with flatshard's Muon; after every step, compares the weights with torch's
     Muon + AdamW stepping a one-process copy of the weights with the same (gathered)
     gradients: the largest relative difference of any step."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = shard_model(build_model(config()), zero_stage=zero_stage)
+    settings = {
+        "hsdp": dict(mesh=hsdp_mesh(2) if variant == "hsdp" else None),  # owners per replica
+        "offload": dict(offload_policy=flatshard.OffloadPolicy(0.5)),  # half on the host
+    }.get(variant, {})
+    model = shard_model(build_model(config()), zero_stage=zero_stage, **settings)
     groups = _groups(model)
     optimizer = _flat_muon(groups)
     copy = {name: tensor.clone() for name, tensor in full_state(model).items()}
@@ -104,10 +112,13 @@ def reference():
     return _reference()
 
 
-@pytest.mark.parametrize("world, zero_stage", [(2, 3), (3, 3), (4, 3), (2, 2)])
-def test_muon_equals_torch_muon_and_adamw_in_one_process(reference, world, zero_stage):
+@pytest.mark.parametrize(
+    "world, zero_stage, variant",
+    [(2, 3, ""), (3, 3, ""), (4, 3, ""), (2, 2, ""), (4, 3, "hsdp"), (2, 3, "offload")],
+)
+def test_muon_equals_torch_muon_and_adamw_in_one_process(reference, world, zero_stage, variant):
     losses, weights = reference
-    results = run_distributed(_sharded, world, zero_stage)
+    results = run_distributed(_sharded, world, zero_stage, variant)
     ours_losses, ours_weights, _, matrix_bytes, same_gradients = results[0]
     # torch's Muon on the gathered gradients gives these weights bit for bit
     assert same_gradients == 0.0
@@ -121,7 +132,8 @@ def test_muon_equals_torch_muon_and_adamw_in_one_process(reference, world, zero_
     # each matrix crosses the wire once each way in bf16 (half its fp32 bytes), less the
     # rows its owner holds: below the matrices' fp32 bytes per step over all ranks
     sent = sum(result[2] for result in results)
-    assert 0.3 * matrix_bytes < sent < matrix_bytes
+    replicas = 2 if variant == "hsdp" else 1  # each replica moves its own
+    assert 0.3 * matrix_bytes * replicas < sent < matrix_bytes * replicas
 
 
 def test_muon_groups_take_hidden_matrices_only():
@@ -147,3 +159,61 @@ def test_owners_balance_newton_schulz_work():
         loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(ranks)]
         mean = sum(loads) / ranks
         assert max(abs(load - mean) for load in loads) <= 0.1 * mean, loads
+
+
+def _checkpointed(directory: str, phase: str):
+    """'save': 2 steps, a checkpoint, 2 more (the uninterrupted run); 'load': the checkpoint
+    loaded at this world size, then the same 2 more steps."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = shard_model(build_model(config()))
+    optimizer = _flat_muon(_groups(model))
+    data = batches(model.config, 4)
+    losses, at_save = [], None
+
+    def step(tokens):
+        loss = lm_loss(model, rank_slice(tokens, rank, world))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(mean_over_ranks(loss.item(), world))
+
+    if phase == "save":
+        for tokens in data[:2]:
+            step(tokens)
+        flatshard.checkpoint.save(directory, model=model, optimizer=optimizer, step=2)
+    else:
+        flatshard.checkpoint.load(directory, model=model, optimizer=optimizer)
+    at_save = full_state(model), full_optimizer_state(model, optimizer)
+    for tokens in data[2:]:
+        step(tokens)
+    return at_save, losses[-2:], full_state(model)
+
+
+def test_a_checkpoint_at_world_4_loads_at_2_and_in_one_process(tmp_path):
+    saved, losses, weights = run_distributed(_checkpointed, 4, str(tmp_path), "save")[0]
+    for world in (2, 1):
+        loaded, more_losses, more_weights = run_distributed(
+            _checkpointed, world, str(tmp_path), "load"
+        )[0]
+        for ours, theirs in zip(loaded, saved):  # weights and every optimizer state
+            assert ours.keys() == theirs.keys()
+            assert all(torch.equal(ours[k], theirs[k]) for k in theirs), world
+        assert any(k.endswith("momentum_buffer") for k in loaded[1])
+        # then on as uninterrupted (to the bf16 Newton-Schulz noise, see above)
+        assert rel_losses(more_losses, losses) <= 1e-4
+        assert rel_diff(more_weights, weights) <= 5e-3
+
+
+def _with_tensor_parallelism():
+    model = build_model(config(ffn_dim=48))  # ffn splits over tp 2
+    model = flatshard.parallelize(model, flatshard.ParallelDims(2, tp=2))
+    try:
+        optim.Muon(optim.muon_param_groups(model))
+    except NotImplementedError as error:
+        return str(error)
+    return None
+
+
+def test_tensor_parallel_matrices_are_refused_in_one_line():
+    message = run_distributed(_with_tensor_parallelism, 2)[0]
+    assert message is not None and "use_muon=False" in message and "\n" not in message

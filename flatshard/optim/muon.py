@@ -18,8 +18,10 @@ flatshard's flat AdamW (`lr`, `betas`, `eps`, `weight_decay` per group; `adamw_b
 `adamw_eps` are their defaults). State: `momentum_buffer` per Muon parameter (torch's
 Muon's key), AdamW's `step`, `exp_avg`, `exp_avg_sq` per AdamW parameter.
 
-A matrix that is not flatshard's, or is also split by tensor or expert parallelism, or along
-another dim (`Shard(d)`), is stepped by torch's own Muon code.
+A matrix that is not flatshard's (a plain tensor) is stepped by torch's own Muon code; one
+split by tensor or expert parallelism, or along another dim (`Shard(d)`), is refused for
+now (put it in an AdamW group). A fused parameter (SwiGLU's `[gate; up]`, QKV) is one
+matrix, as torch's Muon sees it in one process.
 """
 
 from __future__ import annotations
@@ -86,7 +88,29 @@ class Muon(AdamW):
                         "in a Muon group: give it a group with use_muon=False (AdamW), e.g. "
                         "with flatshard.optim.muon_param_groups(model)"
                     )
+                if isinstance(getattr(param, "_local_tensor", None), RowShard) and not (
+                    _rebuilt_from_rows(param)
+                ):
+                    raise NotImplementedError(
+                        f"flatshard.optim.Muon: a matrix of shape {tuple(param.shape)} placed "
+                        f"{tuple(param.placements)} (split by tensor or expert parallelism, or "
+                        "along another dim than its rows) is not supported yet: give it a "
+                        "group with use_muon=False"
+                    )
         super().add_param_group(param_group)
+
+    def __setstate__(self, state: dict) -> None:
+        # AdamW's converts each state's "step"; a Muon state has none, so its groups are
+        # hidden from it (the same group dicts become self.param_groups)
+        muon_groups = [g for g in state["param_groups"] if g.get("use_muon")]
+        params = [g["params"] for g in muon_groups]
+        for group in muon_groups:
+            group["params"] = []
+        try:
+            super().__setstate__(state)
+        finally:
+            for group, kept in zip(muon_groups, params):
+                group["params"] = kept
 
     def _own_step(self, group: dict) -> bool:
         if not group["use_muon"]:
@@ -160,13 +184,19 @@ class Muon(AdamW):
 
 
 def _by_owner(param) -> bool:
+    """Whether `param`'s owner rebuilds it from the rows this step (its gradient too is in
+    flatshard's rows)."""
+    return _rebuilt_from_rows(param) and isinstance(
+        getattr(param.grad, "_local_tensor", None), RowShard
+    )
+
+
+def _rebuilt_from_rows(param) -> bool:
     """Whether `param` is a flatshard matrix split only by its rows over one shard group (no
     tensor or expert parallelism, no `Shard(d)`): its owner can rebuild it from the rows."""
     local = getattr(param, "_local_tensor", None)
     if not isinstance(local, RowShard):
         return False
-    if not isinstance(getattr(param.grad, "_local_tensor", None), RowShard):
-        return False  # a gradient in another layout: torch's code gathers it
     info = local.spec.info
     if info.row_dims != 1 or info.shard_dim != 0 or tuple(info.shape) != tuple(info.global_shape):
         return False
