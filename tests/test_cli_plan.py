@@ -336,6 +336,29 @@ def test_optimizer_state_per_optimizer(capsys):
     assert states["adamw"] == states["torch-adamw"] == 2 * states["sgd"] > 0
 
 
+def test_muon_plan(capsys, tmp_path):
+    """`--optimizer muon`: one fp32 state on the hidden matrices (q, k, v, o, [gate; up],
+    down of every block), AdamW's two on the embeddings, head and norms; the Newton-Schulz
+    work of the owners the optimizer chooses within 10% of the mean at 8 and 16 ranks; the
+    exchange's bytes; TP refused in one line."""
+    d, f, L, kv = 4096, 14336, 32, 8 * 128
+    matrices = L * (2 * d * d + 2 * kv * d + 3 * f * d)
+    for world in (8, 16):
+        result = plan(capsys, "llama3-8b", "--world-size", world, "--optimizer", "muon")
+        adamw = plan(capsys, "llama3-8b", "--world-size", world)
+        muon, n = result["muon"], result["num_params"]
+        assert muon["matrices"] == 6 * L and muon["share"] == pytest.approx(matrices / n)
+        states = adamw["memory"]["optimizer"] * (2 - muon["share"]) / 2
+        assert result["memory"]["optimizer"] == pytest.approx(states, rel=1e-6)
+        assert muon["ns_flops_max"] <= 1.1 * muon["ns_flops_mean"]
+        exchanged = 4 * matrices * (world - 1) // world // world
+        assert muon["exchange_bytes"] == pytest.approx(exchanged, rel=1e-6)
+    assert main(["plan", "llama3-8b", "--world-size", "8", "--optimizer", "muon"]) == 0
+    assert "Newton-Schulz per step" in capsys.readouterr().out
+    assert main(["plan", "llama3-8b", "--world-size", "8", "--tp", "2", "--optimizer", "muon"])
+    assert "--optimizer muon with --tp" in capsys.readouterr().err
+
+
 def test_checkpoint_size_files_and_save_time(capsys):
     """A save writes the fp32 weights and both AdamW states once; HSDP's second replica
     writes nothing, so 16 ranks at dp_shard 8 write 8 files (and the metadata), each an

@@ -385,3 +385,20 @@ def test_flat_and_torch_adamw_train_the_same(tmp_path):
         assert f'optimizer = "{name}"' in (run / "config.toml").read_text()
     assert losses["adamw"] == losses["torch-adamw"]
     assert losses["sgd"][-1] < losses["sgd"][0] and losses["sgd"] != losses["adamw"]
+
+
+@pytest.mark.slow
+def test_muon_trains_and_resumes(tmp_path):
+    """`--optimizer muon` trains; a resume continues from its Muon + AdamW state as the run
+    would have gone on (the same losses); with --tp it is one line."""
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    check_ok(flatshard("train", *TINY, "--steps", 4, "--optimizer", "muon", "--out", whole))
+    check_ok(flatshard("train", *TINY, "--steps", 2, "--optimizer", "muon", "--out", cut))
+    check_ok(flatshard("train", "--resume", cut, "--steps", 4))
+    expected = [r["loss"] for r in metrics(whole)]
+    assert expected[-1] < expected[0]
+    assert [r["loss"] for r in metrics(cut)] == expected
+    error = one_line_error(
+        flatshard("train", *TINY, "--steps", 1, "--optimizer", "muon", "--tp", 2, "--nproc", 2)
+    )
+    assert "muon" in error and "tp" in error

@@ -16,7 +16,7 @@ FP32 = 4
 def checkpoint_figures(num_params: int, setup) -> dict[str, float]:
     replicas = setup.world_size // (setup.dp_shard * setup.tp)
     writers = setup.world_size // max(1, replicas)
-    total = (1 + setup.optimizer_states) * num_params * FP32
+    total = round((1 + setup.optimizer_states) * num_params) * FP32
     per_writer = math.ceil(total / writers)
     return {
         "bytes": total,

@@ -49,6 +49,7 @@ from flatshard.cli.estimate_parallel import (
     tp_communication,
     tp_local,
 )
+from flatshard.cli.muon_plan import muon_figures
 from flatshard.cli.offload_plan import offloaded_share, split_memory
 from flatshard.cli.zoo import FP32, ModelSpec
 from flatshard.layout import plan_unit_layout
@@ -87,15 +88,19 @@ class Setup:
     offload_disk: bool = False  # the offloaded optimizer state in the disk tier's files
     ac: str = "none"  # activation checkpointing: none, full or selective (activations.py)
     write_gbps: float = 1.0  # how fast each rank writes its checkpoint file (GB/s)
+    muon_share: float = 0.0  # muon: the trained elements in its matrices (plan() sets it)
 
     @property
-    def optimizer_states(self) -> int:
-        """fp32 states per trained element."""
+    def optimizer_states(self) -> float:
+        """fp32 states per trained element (Muon: one on its matrices, AdamW's two else)."""
+        if self.optimizer == "muon":
+            return 2 - self.muon_share
         return 1 if self.optimizer == "sgd" else 2
 
     @property
     def optimizer_name(self) -> str:
-        return {"sgd": "SGD", "torch-adamw": "torch AdamW"}.get(self.optimizer, "AdamW")
+        names = {"sgd": "SGD", "torch-adamw": "torch AdamW", "muon": "Muon + AdamW"}
+        return names.get(self.optimizer, "AdamW")
 
     def __post_init__(self):
         for name in (
@@ -174,6 +179,7 @@ class Plan:
     # the device's peak per rank under each activation mode (AC_MODES), to see what fits
     device_peak_by_ac: dict[str, int]
     checkpoint: dict[str, float]  # what a save writes (checkpoint_plan.py)
+    muon: dict | None = None  # --optimizer muon: its matrices, work and bytes (muon_plan.py)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -187,6 +193,9 @@ def plan(spec: ModelSpec, setup: Setup) -> Plan:
         spec = tp_local(spec, setup.tp)
     if setup.ep > 1:
         spec = ep_local(spec, setup.ep, setup.dims.efsdp)
+    muon = muon_figures(spec, setup) if setup.optimizer == "muon" else None
+    if muon is not None:
+        setup = replace(setup, muon_share=muon["share"])
     separate = needs_bucket_per_param(setup.offload)
     units = tuple(
         _unit_figures(unit, unit.shard_ranks or setup.dp_shard, separate) for unit in spec.units
@@ -204,7 +213,9 @@ def plan(spec: ModelSpec, setup: Setup) -> Plan:
     padding = sum(u.padding * u.count for u in units) / used if used else 0.0
     peaks = {mode: figures["device"] for mode, figures in by_ac.items()}
     saved = checkpoint_figures(num_params, setup)
-    return Plan(spec.name, num_params, setup, units, memory, communication, padding, peaks, saved)
+    return Plan(
+        spec.name, num_params, setup, units, memory, communication, padding, peaks, saved, muon
+    )
 
 
 def _unit_figures(unit, dp_shard: int, bucket_per_param: bool = False) -> UnitFigures:
@@ -246,7 +257,7 @@ def _memory(spec: ModelSpec, units: tuple[UnitFigures, ...], setup: Setup) -> di
     total = lambda f: sum(f(u) * u.count for u in units)
     params = total(lambda u: u.shard) * FP32
     grads = total(lambda u: u.shard_trainable) * FP32
-    optimizer = setup.optimizer_states * total(lambda u: u.shard_trainable) * FP32
+    optimizer = round(setup.optimizer_states * total(lambda u: u.shard_trainable)) * FP32
     activations = setup.micro_batch * setup.seq_len * spec.activations(pb).per_token(setup.ac)
     looked_up = [u for u in units if _looked_up(u, setup)]
     # the output gradients a lookup gathers (and their fp32 copy), alive while its backward

@@ -74,9 +74,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("train.micro_batch", 4, "sequences per process per forward pass", check=_positive),
     Option("train.global_batch", 8, "sequences per optimizer step, all processes",
            check=_positive),
-    Option("train.optimizer", "adamw", "adamw or sgd: flatshard.optim's (torch's math, "
-           "stepped over flat shards); torch-adamw: torch.optim.AdamW",
-           choices=("adamw", "sgd", "torch-adamw")),
+    Option("train.optimizer", "adamw", "adamw, sgd or muon: flatshard.optim's (torch's math, "
+           "stepped over flat shards; muon: the hidden matrices, AdamW the rest); "
+           "torch-adamw: torch.optim.AdamW",
+           choices=("adamw", "sgd", "muon", "torch-adamw")),
     Option("train.lr", 3e-3, "peak learning rate", check=_positive),
     Option("train.min_lr", 3e-4, "learning rate at the end of the cosine decay",
            check=_non_negative),

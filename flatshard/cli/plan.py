@@ -12,6 +12,7 @@ from flatshard.cli import config as run_config
 from flatshard.cli import zoo
 from flatshard.cli.errors import ConfigError, warn
 from flatshard.cli.estimate import Plan, Setup, plan
+from flatshard.cli.muon_plan import muon_lines
 from flatshard.errors import MeshError
 from flatshard.mesh import ParallelDims
 
@@ -79,8 +80,10 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--optimizer",
         default=None,
-        choices=("adamw", "sgd", "torch-adamw"),
-        help="its state per trained element: AdamW two fp32 values, SGD one (default adamw)",
+        choices=("adamw", "sgd", "muon", "torch-adamw"),
+        help="its state per trained element: AdamW two fp32 values, SGD one, Muon one on the "
+        "hidden matrices (their Newton-Schulz work per rank and exchange bytes shown; default "
+        "adamw)",
     )
     parser.add_argument(
         "--ac",
@@ -334,4 +337,6 @@ def format_plan(result: Plan) -> str:
         f"files: {k['writers']:,} ranks write {each} each, about {k['save_seconds']:.1f} s at "
         f"{s.write_gbps:g} GB/s per rank (--write-gbps)",
     ]
+    if result.muon is not None:
+        lines += ["", *muon_lines(result.muon)]
     return "\n".join(lines)

@@ -78,7 +78,7 @@ class Trainer:
         self.model = build_run_model(
             config, self.model_config, self.dims, ranks.device, resume_step is None
         )
-        self.optimizer = make_optimizer(train, _parameter_groups(self.model, train.weight_decay))
+        self.optimizer = make_optimizer(train, self.model)
         self.checkpoints = runs.checkpoint_root(run_dir)
         self.step, self.position, self.last_saved = 0, 0, None
         self.resumed_from = self.resumed_step = self.schedule_note = None
@@ -251,22 +251,30 @@ class Trainer:
                           self.run_dir)  # fmt: skip
 
 
-def make_optimizer(train, groups) -> torch.optim.Optimizer:
-    """`train.optimizer`: flatshard.optim's AdamW or SGD (torch's math over flat shards, the
-    same state dict), or torch.optim.AdamW."""
+def make_optimizer(train, model) -> torch.optim.Optimizer:
+    """`train.optimizer`: flatshard.optim's AdamW, SGD or Muon (torch's math over flat
+    shards, the same state dict), or torch.optim.AdamW. Muon takes the hidden matrices with
+    Moonlight's learning-rate match, so train.lr and train.weight_decay serve both parts."""
+    if train.optimizer == "muon":
+        muon, rest = flatshard.optim.muon_param_groups(model)
+        groups = [{**muon, "weight_decay": train.weight_decay}]
+        groups += [{**group, "use_muon": False} for group in _decay_groups(rest["params"], train)]
+        return flatshard.optim.Muon(groups, lr=train.lr, adjust_lr_fn="match_rms_adamw",
+                                    adamw_betas=(train.beta1, train.beta2))  # fmt: skip
+    groups = _decay_groups(model.parameters(), train)
     if train.optimizer == "sgd":
         return flatshard.optim.SGD(groups, lr=train.lr, momentum=train.momentum)
     make = torch.optim.AdamW if train.optimizer == "torch-adamw" else flatshard.optim.AdamW
     return make(groups, lr=train.lr, betas=(train.beta1, train.beta2))
 
 
-def _parameter_groups(model, weight_decay: float) -> list[dict]:
+def _decay_groups(params, train) -> list[dict]:
     """Weight decay on matrices (and embeddings), none on norm weights."""
     decay, no_decay = [], []
-    for param in model.parameters():
+    for param in params:
         (decay if param.ndim >= 2 else no_decay).append(param)
     return [
-        {"params": decay, "weight_decay": weight_decay},
+        {"params": decay, "weight_decay": train.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
 

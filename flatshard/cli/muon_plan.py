@@ -1,0 +1,65 @@
+"""What `flatshard plan --optimizer muon` adds: which matrices `flatshard.optim.Muon` takes
+(the hidden 2-D weights, as `muon_param_groups` chooses them), the owners it would give them
+and the Newton-Schulz work per rank that follows, and the bytes its owner exchange moves."""
+
+from __future__ import annotations
+
+from flatshard.cli.errors import ConfigError
+from flatshard.optim.matrix_owners import assign_owners, newton_schulz_flops
+
+NS_STEPS = 5  # torch's Muon's default
+ADAMW_NAMES = ("embed", "lm_head", "wte", "wpe")  # and a module named `output`
+
+
+def is_hidden_matrix(name: str, shape: tuple[int, ...]) -> bool:
+    parts = name.split(".")
+    head = "output" in parts or any(word in name for word in ADAMW_NAMES)
+    return len(shape) == 2 and not head
+
+
+def muon_figures(spec, setup) -> dict:
+    """matrices, their share of the trained elements, Newton-Schulz flops per rank and
+    step (max and mean over the shard group's ranks), exchange bytes per rank and step."""
+    if setup.tp > 1 or setup.ep > 1:
+        raise ConfigError(
+            "--optimizer muon with --tp or --ep: flatshard.optim.Muon does not take matrices "
+            "split by tensor or expert parallelism yet; plan it without them"
+        )
+    shapes, trained, in_muon = [], 0, 0
+    for unit in spec.units:
+        for param in unit.params:
+            if not param.requires_grad:
+                continue
+            trained += param.numel * unit.count
+            if is_hidden_matrix(param.name, tuple(param.shape)):
+                shapes += [tuple(param.shape)] * unit.count
+                in_muon += param.numel * unit.count
+    ranks = setup.dp_shard
+    costs = [newton_schulz_flops(shape, NS_STEPS) for shape in shapes]
+    owners = assign_owners(costs, ranks)
+    loads = [0] * ranks
+    for cost, owner in zip(costs, owners):
+        loads[owner] += cost
+    # each matrix's rows held away from its owner go there in bf16 and come back: on
+    # average (ranks - 1) / ranks of it, spread over the ranks
+    exchanged = 2 * 2 * in_muon * (ranks - 1) // ranks // ranks if ranks > 1 else 0
+    return {
+        "matrices": len(shapes),
+        "share": in_muon / trained if trained else 0.0,
+        "ns_flops_max": max(loads) if loads else 0,
+        "ns_flops_mean": sum(loads) / ranks,
+        "exchange_bytes": exchanged,
+    }
+
+
+def muon_lines(figures: dict) -> list[str]:
+    mean, most = figures["ns_flops_mean"], figures["ns_flops_max"]
+    above = 100 * (most / mean - 1) if mean else 0.0
+    return [
+        f"  Muon: {figures['matrices']} hidden matrices ({100 * figures['share']:.1f}% of the "
+        "trained elements: one fp32 state; AdamW's two on the rest)",
+        f"    Newton-Schulz per step, per rank: max {most / 1e12:.3f} TFLOP, mean "
+        f"{mean / 1e12:.3f} (+{above:.1f}%)",
+        f"    owner exchange per step, per rank (bf16, both ways) "
+        f"{figures['exchange_bytes'] / 2**30:.3f} GiB",
+    ]
