@@ -192,6 +192,11 @@ AC_OF_MODE = {"acfull3": "full", "acsel3": "selective", "acoff3": "offload"}
 # flatshard's own optimizer (flatshard.optim.AdamW: flat moments per bucket, a few ops per
 # param group) in place of torch.optim.AdamW (run when asked for with --modes)
 FLAT_OPTIMIZER_MODES = ["zero3f", "zero1f"]
+# Muon on the hidden matrices, AdamW on the rest (run when asked for with --modes): FSDP2 with
+# torch's Muon (every rank gathers and orthogonalises every matrix) and torch's AdamW, and
+# flatshard ZeRO-3 with flatshard.optim.Muon (an owner rank per matrix); both with
+# Moonlight's lr match, so LR and WEIGHT_DECAY serve both parts
+MUON_MODES = ["fsdp2-muon", "zero3m"]
 # flatshard's offload modes: (fraction, on the disk tier)
 OFFLOAD_FRACTIONS = {"off50": (0.5, False), "off100": (1.0, False), "offdisk": (1.0, True)}
 MODE_NAMES = {
@@ -219,13 +224,15 @@ MODE_NAMES = {
     "acfull3": "flatshard ZeRO-3 full AC",
     "zero3f": "flatshard ZeRO-3 + flat AdamW",
     "zero1f": "flatshard ZeRO-1 + flat AdamW",
+    "fsdp2-muon": "FSDP2 + torch Muon",
+    "zero3m": "flatshard ZeRO-3 + Muon",
     "acsel3": "flatshard ZeRO-3 selective AC",
     "acoff3": "flatshard ZeRO-3 activation offload",
 }
 FLATSHARD_STAGES = {
     "zero3": 3, "zero2": 2, "zero1": 1, "hsdp3": 3, "hpz3": 3, "tp3": 3, "moe3": 3, "ep3": 3,
     "off50": 3, "off100": 3, "offdisk": 3, "compile3": 3, "acfull3": 3, "acsel3": 3,
-    "acoff3": 3, "zero3f": 3, "zero1f": 1,
+    "acoff3": 3, "zero3f": 3, "zero1f": 1, "zero3m": 3,
 }  # fmt: skip
 HPZ_GROUP = 2
 HSDP_REPLICAS = 2
@@ -315,6 +322,42 @@ def loss_for(cfg: LlamaConfig, distributed: bool):
 
     group = dist.group.WORLD if distributed else None
     return lambda model, tokens: moe_loss(model, tokens, group, cfg.aux_loss_coef)
+
+
+class _TorchMuonAndAdamW:
+    """torch's Muon on the Muon group, torch's AdamW on the other: one optimizer's face."""
+
+    def __init__(self, groups):
+        muon, rest = groups
+        self.parts = [
+            torch.optim.Muon(muon["params"], lr=LR, weight_decay=WEIGHT_DECAY,
+                             adjust_lr_fn="match_rms_adamw"),
+            torch.optim.AdamW(rest["params"], lr=LR, weight_decay=WEIGHT_DECAY),
+        ]  # fmt: skip
+        self.param_groups = [g for part in self.parts for g in part.param_groups]
+        self.state = {p: s for part in self.parts for p, s in part.state.items()}
+
+    def step(self):
+        for part in self.parts:
+            part.step()
+        self.state = {p: s for part in self.parts for p, s in part.state.items()}
+
+    def zero_grad(self):
+        for part in self.parts:
+            part.zero_grad()
+
+
+def make_optimizer(mode: str, model):
+    """A mode's optimizer: torch's AdamW, flatshard's flat AdamW, or Muon + AdamW."""
+    if mode == "zero3m":
+        groups = flatshard.optim.muon_param_groups(model)
+        return flatshard.optim.Muon(
+            groups, lr=LR, weight_decay=WEIGHT_DECAY, adjust_lr_fn="match_rms_adamw"
+        )
+    if mode == "fsdp2-muon":
+        return _TorchMuonAndAdamW(flatshard.optim.muon_param_groups(model))
+    make = flatshard.optim.AdamW if mode in FLAT_OPTIMIZER_MODES else torch.optim.AdamW
+    return make(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
 
 
 def build_model(cfg: LlamaConfig) -> Llama | MoE:

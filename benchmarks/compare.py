@@ -73,6 +73,7 @@ from bench_modes import (
     MODE_NAMES,
     MODES,
     MOE_MODES,
+    MUON_MODES,
     OFFLOAD_MODES,
     PRESETS,
     TP_DEGREE,
@@ -197,7 +198,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="comma-separated subset (default: the Llama modes, or with an MoE preset "
         "single and the MoE modes); also HSDP/hpZ (fsdp2-hsdp, hsdp3, fsdp2-hpz, hpz3), TP "
         "(fsdp2-tp, tp3), optimizer offload (fsdp2-cpuoff, off50, off100, offdisk) and the flat "
-        "AdamW (zero3f, zero1f)",
+        "AdamW (zero3f, zero1f), Muon (fsdp2-muon, zero3m)",
     )
     parser.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "RESULTS.md"))
     parser.add_argument("--append", action="store_true", help="append to --out")
@@ -216,7 +217,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.modes = ",".join(["single", *MOE_MODES] if moe else MODES)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     known = MODES + HSDP_MODES + TP_MODES + MOE_MODES + OFFLOAD_MODES + COMPILE_MODES
-    known += AC_MODES + FLAT_OPTIMIZER_MODES
+    known += AC_MODES + FLAT_OPTIMIZER_MODES + MUON_MODES
     unknown = sorted(set(modes) - set(known))
     if unknown or not modes:
         parser.error(f"unknown modes {unknown}; choose from {known}")

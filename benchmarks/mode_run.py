@@ -16,21 +16,18 @@ import torch
 import torch.distributed as dist
 from bench_modes import (
     DTYPES,
-    FLAT_OPTIMIZER_MODES,
     FLATSHARD_STAGES,
-    LR,
     OFFLOAD_DIRS,
     OFFLOAD_FRACTIONS,
-    WEIGHT_DECAY,
     LlamaConfig,
     build_mode,
     data_slice,
+    make_optimizer,
     remove_offload_dirs,
 )
 from comm_counter import COUNTER, nbytes
 
 from flatshard import comm as flatshard_comm
-from flatshard import optim as flatshard_optim
 from flatshard import registry
 from flatshard.runtime.gather_policy import LOOKUP_PLAN_BYTES, all_gathers_per_step, lookup_payloads
 from flatshard.runtime.offload import offloaded_bytes
@@ -210,8 +207,7 @@ class ModeRun:
             mode, cfg, DTYPES[opts["param_dtype"]]
         )
         self.offload_dirs = OFFLOAD_DIRS[dirs_before:]
-        make = flatshard_optim.AdamW if mode in FLAT_OPTIMIZER_MODES else torch.optim.AdamW
-        self.optimizer = make(self.model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+        self.optimizer = make_optimizer(mode, self.model)
         self.build_s = time.perf_counter() - t_build
         # which part of each global batch this rank trains on (TP: its data-parallel rank's)
         self.data_rank, self.data_world = data_slice(mode)
