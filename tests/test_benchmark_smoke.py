@@ -322,3 +322,15 @@ def test_compare_flat_optimizer_modes(tmp_path):
     )
     for name in ("flatshard ZeRO-3 + flat AdamW", "flatshard ZeRO-1 + flat AdamW"):
         assert float(_row(text, name)["loss Δ vs FSDP2"]) <= 1e-6, text
+
+
+def test_compare_muon_modes(tmp_path):
+    """Muon beside AdamW: FSDP2 + torch's Muon and flatshard ZeRO-3 + flatshard.optim.Muon
+    train alike (the same distance from FSDP2 + AdamW's losses, to bf16 Newton-Schulz
+    noise)."""
+    text = _run_compare(
+        tmp_path, "--modes", "fsdp2,fsdp2-muon,zero3m", "--interleave", "steps", "--rounds", "1"
+    )
+    theirs = float(_row(text, "FSDP2 + torch Muon")["loss Δ vs FSDP2"])
+    ours = _row(text, "flatshard ZeRO-3 + Muon")
+    assert theirs > 0 and abs(float(ours["loss Δ vs FSDP2"]) - theirs) <= 1e-4, text
