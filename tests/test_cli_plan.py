@@ -340,7 +340,7 @@ def test_muon_plan(capsys, tmp_path):
     """`--optimizer muon`: one fp32 state on the hidden matrices (q, k, v, o, [gate; up],
     down of every block), AdamW's two on the embeddings, head and norms; the Newton-Schulz
     work of the owners the optimizer chooses within 10% of the mean at 8 and 16 ranks; the
-    exchange's bytes; TP refused in one line."""
+    exchange's bytes, under TP too."""
     d, f, L, kv = 4096, 14336, 32, 8 * 128
     matrices = L * (2 * d * d + 2 * kv * d + 3 * f * d)
     for world in (8, 16):
@@ -353,10 +353,16 @@ def test_muon_plan(capsys, tmp_path):
         assert muon["ns_flops_max"] <= 1.1 * muon["ns_flops_mean"]
         exchanged = 4 * matrices * (world - 1) // world // world
         assert muon["exchange_bytes"] == pytest.approx(exchanged, rel=1e-6)
+        if world == 8:
+            muon_at_8 = muon
     assert main(["plan", "llama3-8b", "--world-size", "8", "--optimizer", "muon"]) == 0
     assert "Newton-Schulz per step" in capsys.readouterr().out
-    assert main(["plan", "llama3-8b", "--world-size", "8", "--tp", "2", "--optimizer", "muon"])
-    assert "--optimizer muon with --tp" in capsys.readouterr().err
+    # TP 2 at 16 ranks: the same TP-global matrices and work per rank; the owners' rows of
+    # their TP blocks (bf16) and the blocks joined (fp32)
+    tp = plan(capsys, "llama3-8b", "--world-size", 16, "--tp", 2, "--optimizer", "muon")["muon"]
+    assert tp["matrices"] == 6 * L and tp["ns_flops_max"] == muon_at_8["ns_flops_max"]
+    exchanged = 4 * matrices // 2 * 7 // 8 // 8 + 4 * matrices // 2 // 8
+    assert tp["exchange_bytes"] == pytest.approx(exchanged, rel=1e-6)
 
 
 def test_checkpoint_size_files_and_save_time(capsys):

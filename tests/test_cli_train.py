@@ -390,7 +390,8 @@ def test_flat_and_torch_adamw_train_the_same(tmp_path):
 @pytest.mark.slow
 def test_muon_trains_and_resumes(tmp_path):
     """`--optimizer muon` trains; a resume continues from its Muon + AdamW state as the run
-    would have gone on (the same losses); with --tp it is one line."""
+    would have gone on (the same losses); with --tp 2 (2 x 2 processes) it takes the same
+    steps (the TP-global matrices; to bf16 Newton-Schulz noise)."""
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     check_ok(flatshard("train", *TINY, "--steps", 4, "--optimizer", "muon", "--out", whole))
     check_ok(flatshard("train", *TINY, "--steps", 2, "--optimizer", "muon", "--out", cut))
@@ -398,7 +399,8 @@ def test_muon_trains_and_resumes(tmp_path):
     expected = [r["loss"] for r in metrics(whole)]
     assert expected[-1] < expected[0]
     assert [r["loss"] for r in metrics(cut)] == expected
-    error = one_line_error(
-        flatshard("train", *TINY, "--steps", 1, "--optimizer", "muon", "--tp", 2, "--nproc", 2)
-    )
-    assert "muon" in error and "tp" in error
+    tp = tmp_path / "tp"
+    check_ok(flatshard("train", *TINY, "--steps", 4, "--optimizer", "muon", "--tp", 2,
+                       "--nproc", 4, "--out", tp))  # fmt: skip
+    got = [r["loss"] for r in metrics(tp)]
+    assert max(abs(a - b) / b for a, b in zip(got, expected)) <= 1e-3, (got, expected)

@@ -300,11 +300,6 @@ def check(config: RunConfig, world_size: int | None = None) -> None:
     train = config.train
     if train.min_lr > train.lr:
         raise ConfigError(f"train.min_lr ({train.min_lr}) must not exceed train.lr ({train.lr})")
-    if train.optimizer == "muon" and (train.tp > 1 or train.ep > 1):
-        raise ConfigError(
-            f"train.optimizer muon with train.tp {train.tp} / train.ep {train.ep}: Muon does "
-            "not take matrices split by tensor or expert parallelism yet; use adamw"
-        )
     if train.global_batch % train.micro_batch:
         raise ConfigError(
             f"train.global_batch ({train.global_batch}) must be a multiple of train.micro_batch "

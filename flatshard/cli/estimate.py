@@ -189,13 +189,13 @@ def plan(spec: ModelSpec, setup: Setup) -> Plan:
     hidden, num_params = hidden_size(spec), spec.num_params
     if setup.tp > 1 and not hidden:
         raise ConfigError(f"--tp {setup.tp}: {spec.name} has no token embedding to size TP by")
+    muon = muon_figures(spec, setup) if setup.optimizer == "muon" else None
+    if muon is not None:
+        setup = replace(setup, muon_share=muon["share"])
     if setup.tp > 1:
         spec = tp_local(spec, setup.tp)
     if setup.ep > 1:
         spec = ep_local(spec, setup.ep, setup.dims.efsdp)
-    muon = muon_figures(spec, setup) if setup.optimizer == "muon" else None
-    if muon is not None:
-        setup = replace(setup, muon_share=muon["share"])
     separate = needs_bucket_per_param(setup.offload)
     units = tuple(
         _unit_figures(unit, unit.shard_ranks or setup.dp_shard, separate) for unit in spec.units

@@ -4,7 +4,7 @@ and the Newton-Schulz work per rank that follows, and the bytes its owner exchan
 
 from __future__ import annotations
 
-from flatshard.cli.errors import ConfigError
+from flatshard.cli.zoo import FP32
 from flatshard.optim.matrix_owners import assign_owners, newton_schulz_flops
 
 NS_STEPS = 5  # torch's Muon's default
@@ -19,12 +19,9 @@ def is_hidden_matrix(name: str, shape: tuple[int, ...]) -> bool:
 
 def muon_figures(spec, setup) -> dict:
     """matrices, their share of the trained elements, Newton-Schulz flops per rank and
-    step (max and mean over the shard group's ranks), exchange bytes per rank and step."""
-    if setup.tp > 1 or setup.ep > 1:
-        raise ConfigError(
-            "--optimizer muon with --tp or --ep: flatshard.optim.Muon does not take matrices "
-            "split by tensor or expert parallelism yet; plan it without them"
-        )
+    step (max and mean over the shard group's ranks), exchange bytes per rank and step.
+    `spec`: the model before TP splits it (Muon's matrices are the TP-global ones; the
+    owners of a TP group each orthogonalise the whole matrix)."""
     shapes, trained, in_muon = [], 0, 0
     for unit in spec.units:
         for param in unit.params:
@@ -34,21 +31,23 @@ def muon_figures(spec, setup) -> dict:
             if is_hidden_matrix(param.name, tuple(param.shape)):
                 shapes += [tuple(param.shape)] * unit.count
                 in_muon += param.numel * unit.count
-    ranks = setup.dp_shard
+    ranks, tp = setup.dp_shard, setup.tp
     costs = [newton_schulz_flops(shape, NS_STEPS) for shape in shapes]
     owners = assign_owners(costs, ranks)
     loads = [0] * ranks
     for cost, owner in zip(costs, owners):
         loads[owner] += cost
     # each matrix's rows held away from its owner go there in bf16 and come back: on
-    # average (ranks - 1) / ranks of it, spread over the ranks
-    exchanged = 2 * 2 * in_muon * (ranks - 1) // ranks // ranks if ranks > 1 else 0
+    # average (ranks - 1) / ranks of each TP block, spread over the ranks; under TP the
+    # owners join their blocks (fp32) into the whole matrix
+    exchanged = 2 * 2 * in_muon // tp * (ranks - 1) // ranks // ranks
+    joined = FP32 * in_muon * (tp - 1) // tp // ranks
     return {
         "matrices": len(shapes),
         "share": in_muon / trained if trained else 0.0,
         "ns_flops_max": max(loads) if loads else 0,
         "ns_flops_mean": sum(loads) / ranks,
-        "exchange_bytes": exchanged,
+        "exchange_bytes": exchanged + joined,
     }
 
 
@@ -60,6 +59,6 @@ def muon_lines(figures: dict) -> list[str]:
         "trained elements: one fp32 state; AdamW's two on the rest)",
         f"    Newton-Schulz per step, per rank: max {most / 1e12:.3f} TFLOP, mean "
         f"{mean / 1e12:.3f} (+{above:.1f}%)",
-        f"    owner exchange per step, per rank (bf16, both ways) "
+        f"    owner exchange per step, per rank (bf16 both ways; TP: blocks joined) "
         f"{figures['exchange_bytes'] / 2**30:.3f} GiB",
     ]

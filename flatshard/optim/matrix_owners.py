@@ -52,9 +52,11 @@ class ShardGroup:
         bounds = self.specs[index].row_bounds
         return (bounds[rank + 1] - bounds[rank]) * self.specs[index].row_size
 
-    def transform(self, local_rows: list[torch.Tensor], fn) -> list[torch.Tensor]:
-        """`fn(full matrix)` of every matrix, run by its owner; returns this rank's rows of
-        each result (bf16). `local_rows[i]`: this rank's rows of matrix i."""
+    def transform(self, local_rows: list[torch.Tensor], fns: list) -> list[torch.Tensor]:
+        """`fns[i](matrix i)` of every matrix, run by its owner; returns this rank's rows of
+        each result (bf16). `local_rows[i]`: this rank's rows of matrix i. A matrix is what
+        this rank's module holds (under TP, its TP-local block: `fns[i]` may join the TP
+        group's blocks; the owners of a TP group's ranks are the same)."""
         to_owner = [[] for _ in range(self.size)]
         for index, rows in enumerate(local_rows):
             to_owner[self.owners[index]].append(rows.to(self.device, torch.bfloat16).reshape(-1))
@@ -70,7 +72,7 @@ class ShardGroup:
         back = [[] for _ in range(self.size)]
         for i in self.owned:
             bounds = self.specs[i].row_bounds
-            result = fn(torch.cat(pieces[i]).view(self.specs[i].global_shape))
+            result = fns[i](torch.cat(pieces[i]).view(self.specs[i].info.shape))
             for rank in range(self.size):
                 back[rank].append(result[bounds[rank] : bounds[rank + 1]].reshape(-1))
         from_owners = [

@@ -18,17 +18,20 @@ flatshard's flat AdamW (`lr`, `betas`, `eps`, `weight_decay` per group; `adamw_b
 `adamw_eps` are their defaults). State: `momentum_buffer` per Muon parameter (torch's
 Muon's key), AdamW's `step`, `exp_avg`, `exp_avg_sq` per AdamW parameter.
 
-A matrix that is not flatshard's (a plain tensor) is stepped by torch's own Muon code; one
-split by tensor or expert parallelism, or along another dim (`Shard(d)`), is refused for
-now (put it in an AdamW group). A fused parameter (SwiGLU's `[gate; up]`, QKV) is one
-matrix, as torch's Muon sees it in one process.
+Under tensor parallelism a matrix is the TP-global one, as torch's Muon sees the parameter in
+one process: the owners of a TP group (the same dp rank in each) join their TP-local blocks,
+orthogonalise the whole matrix (each of them: Newton-Schulz work x TP) and keep their
+block. A matrix that is not flatshard's (a plain tensor) is stepped by torch's own Muon
+code; an expert's (grouped 3-D weights go to AdamW in `muon_param_groups`) or one split
+along another dim (`Shard(d)`) is refused for now. A fused parameter (SwiGLU's `[gate;
+up]`, QKV) is one matrix, as torch's Muon sees it in one process.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate
 from torch.optim._muon import (
     DEFAULT_A,
     DEFAULT_B,
@@ -40,6 +43,7 @@ from torch.optim._muon import (
     _zeropower_via_newtonschulz,
 )
 
+from flatshard import registry
 from flatshard.dtensor.row_shard import RowShard
 from flatshard.dtensor.sharded_param import local_data
 from flatshard.optim.adamw import AdamW
@@ -93,9 +97,9 @@ class Muon(AdamW):
                 ):
                     raise NotImplementedError(
                         f"flatshard.optim.Muon: a matrix of shape {tuple(param.shape)} placed "
-                        f"{tuple(param.placements)} (split by tensor or expert parallelism, or "
-                        "along another dim than its rows) is not supported yet: give it a "
-                        "group with use_muon=False"
+                        f"{tuple(param.placements)} (an expert's, or split along another dim "
+                        "than its rows) is not supported yet: give it a group with "
+                        "use_muon=False"
                     )
         super().add_param_group(param_group)
 
@@ -142,7 +146,8 @@ class Muon(AdamW):
 
         lr, decay = group["lr"], group["weight_decay"]
         for shard_group, indices in self._shard_groups(spread, group["ns_steps"]):
-            rows = shard_group.transform([updates[i] for i in indices], orthogonalise)
+            fns = [_whole(spread[i], orthogonalise) for i in indices]
+            rows = shard_group.transform([updates[i] for i in indices], fns)
             for i, update in zip(indices, rows):
                 param = spread[i]
                 main = local_data(param)
@@ -192,19 +197,49 @@ def _by_owner(param) -> bool:
 
 
 def _rebuilt_from_rows(param) -> bool:
-    """Whether `param` is a flatshard matrix split only by its rows over one shard group (no
-    tensor or expert parallelism, no `Shard(d)`): its owner can rebuild it from the rows."""
+    """Whether `param` is a flatshard matrix whose owner can rebuild it: split by its rows
+    over one shard group (no `Shard(d)`), replicated over HSDP's replicas, and split over
+    a TP group at most (whose ranks' owners join their blocks); not an expert's."""
     local = getattr(param, "_local_tensor", None)
     if not isinstance(local, RowShard):
         return False
     info = local.spec.info
-    if info.row_dims != 1 or info.shard_dim != 0 or tuple(info.shape) != tuple(info.global_shape):
+    if info.row_dims != 1 or info.shard_dim != 0 or len(info.shape) != 2:
         return False
-    return all(
-        isinstance(placement, Replicate)
-        for dim, placement in enumerate(param.placements)
-        if dim != local.mesh_dim
-    )
+    tp_mesh, _ = _tensor_parallel(param)
+    if tp_mesh is None and tuple(info.shape) != tuple(info.global_shape):
+        return False  # split by something else than TP (experts over EP)
+    others = [p for dim, p in enumerate(param.placements) if dim != local.mesh_dim]
+    return sum(not isinstance(p, Replicate) for p in others) <= (tp_mesh is not None)
+
+
+def _tensor_parallel(param) -> tuple:
+    """(TP mesh, the parameter's placement on it) of a flatshard parameter, or (None, None)."""
+    found = registry.managed_of(param)
+    if found is None or found[1].tp_placement is None or found[0].mesh.tp_mesh is None:
+        return None, None
+    return found[0].mesh.tp_mesh, found[1].tp_placement
+
+
+def _whole(param, orthogonalise):
+    """What the owner runs on the matrix it rebuilt from the rows: `orthogonalise`; under
+    TP, on the TP-global matrix (the TP group's blocks joined, each owner of the group
+    computing it, as torch's Muon sees the parameter in one process), keeping its block."""
+    tp_mesh, placement = _tensor_parallel(param)
+    if tp_mesh is None:
+        return orthogonalise
+    shape, stride = param.shape, param.stride()
+
+    def tp_global(block):
+        # joined in fp32 (exact for bf16 values; gloo gathers no bf16)
+        full = DTensor.from_local(
+            block.float(), tp_mesh, [placement], run_check=False, shape=shape, stride=stride
+        ).full_tensor()
+        result = orthogonalise(full.bfloat16())
+        replicated = DTensor.from_local(result, tp_mesh, [Replicate()], run_check=False)
+        return replicated.redistribute(tp_mesh, [placement]).to_local()
+
+    return tp_global
 
 
 def muon_param_groups(model: nn.Module, adamw_modules: tuple[str, ...] = ("output", "lm_head")):
