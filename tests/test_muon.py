@@ -92,7 +92,13 @@ def _sharded(zero_stage: int, variant: str = ""):
             "hsdp": dict(mesh=hsdp_mesh(2) if variant == "hsdp" else None),  # per replica
             "offload": dict(offload_policy=flatshard.OffloadPolicy(0.5)),  # half on the host
         }.get(variant, {})
-        model = shard_model(build_model(CONFIG), zero_stage=zero_stage, **settings)
+        model = build_model(CONFIG)
+        if variant == "hpz":  # blocks kept over pairs of ranks after forward
+            for layer in model.layers:
+                flatshard.fully_shard(layer, reshard_after_forward=2)
+            flatshard.fully_shard(model, reshard_after_forward=2)
+        else:
+            shard_model(model, zero_stage=zero_stage, **settings)
     groups = _groups(model)
     optimizer = _flat_muon(groups)
     copy = {name: tensor.clone() for name, tensor in full_state(model).items()}
@@ -134,7 +140,9 @@ def reference():
         (3, 3, ""),
         (4, 3, ""),
         (2, 2, ""),
+        (2, 1, ""),
         (4, 3, "hsdp"),
+        (4, 3, "hpz"),
         (2, 3, "offload"),
         (2, 3, "tp2"),
         (4, 3, "tp2"),

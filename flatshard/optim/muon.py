@@ -156,6 +156,10 @@ class Muon(AdamW):
                     update.to(main.device),
                     alpha=-_adjust_lr(lr, group["adjust_lr_fn"], param.shape),
                 )
+        # every rank marks every written piece's flat buffer (an empty piece is no view of
+        # it): a unit kept gathered (ZeRO-1/2) then regathers on all ranks alike
+        bases = [p._local_tensor.version_base for p in spread]
+        torch.autograd.graph.increment_version([b for b in bases if b is not None])
         return True
 
     def _momentum(self, param) -> torch.Tensor:
