@@ -38,16 +38,24 @@ ADAMW = dict(lr=3e-3, weight_decay=0.01, betas=(0.9, 0.95), eps=1e-8)
 
 
 class _MuonAndAdamW:
-    """The reference: torch's Muon on the matrices, torch's AdamW on the rest."""
+    """The reference: torch's Muon on the matrices (on each expert's of grouped 3-D experts:
+    torch's Muon over their slices), torch's AdamW on the rest."""
 
     def __init__(self, groups):
         muon, rest = groups
+        self.grouped = [p for p in muon["params"] if p.ndim == 3]
+        self.experts = [expert for p in self.grouped for expert in p.unbind(0)]
+        matrices = [p for p in muon["params"] if p.ndim == 2] + self.experts
         self.optimizers = [
-            torch.optim.Muon(muon["params"], **MUON),
+            torch.optim.Muon(matrices, **MUON),
             torch.optim.AdamW(rest["params"], **ADAMW),
         ]
 
     def step(self):
+        experts = iter(self.experts)
+        for grouped in self.grouped:  # each expert's slice of the gradient
+            for grad in grouped.grad.unbind(0):
+                next(experts).grad = grad
         for optimizer in self.optimizers:
             optimizer.step()
 
@@ -79,11 +87,12 @@ def _sharded(zero_stage: int, variant: str = ""):
     gradients: the largest relative difference of any step."""
     rank, world = dist.get_rank(), dist.get_world_size()
     loss_fn = lm_loss
-    if variant in ("tp2", "ep2"):  # TP: the TP-global matrices, as one process sees them
+    if variant in ("tp2", "ep2", "finer"):  # TP: the TP-global matrices, as one process
         from test_full_state_paths import _build, _loss
 
-        dims = flatshard.ParallelDims(world, **{variant[:2]: 2})
-        built = build_model(CONFIG) if variant == "tp2" else _build("moe", seed=0)
+        dims = flatshard.ParallelDims(world, **({} if variant == "finer" else {variant[:2]: 2}))
+        kind = {"ep2": "moe", "finer": "moe-2-experts"}.get(variant)  # finer: 2 experts, 4 ranks
+        built = build_model(CONFIG) if variant == "tp2" else _build(kind, seed=0)
         model = flatshard.parallelize(built, dims, zero_stage=zero_stage)
         rank, world = dims.build().dp_rank, dims.dp  # a TP group trains on one slice
         loss_fn = lm_loss if variant == "tp2" else _loss
@@ -123,7 +132,8 @@ def _sharded(zero_stage: int, variant: str = ""):
     sent = collectives.traffic.optimizer / STEPS
     matrix_bytes = sum(p.numel() * 4 for p in groups[0]["params"])  # fp32, global
     tp_matrices = sum(_tensor_parallel(p)[0] is not None for p in groups[0]["params"])
-    return losses, full_state(model), sent, matrix_bytes, same_gradients, tp_matrices
+    experts = sum(p.ndim == 3 for p in groups[0]["params"])  # grouped, a matrix per expert
+    return losses, full_state(model), sent, matrix_bytes, same_gradients, (tp_matrices, experts)
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +141,9 @@ def reference():
     return _reference()
 
 
-# ep2: the MoE's experts (grouped 3-D weights) go to AdamW, its attention and dense
-# matrices to Muon, over the dense mesh's data-parallel ranks
+# ep2: a MoE's grouped experts (3-D) are a Muon matrix per expert, held whole by one rank of
+# their efsdp group (the owner); finer: 2 experts over 4 ranks, each expert's rows split
+# (exchanged per expert); the attention and dense matrices over the dense ranks
 @pytest.mark.parametrize(
     "world, zero_stage, variant",
     [
@@ -147,13 +158,15 @@ def reference():
         (2, 3, "tp2"),
         (4, 3, "tp2"),
         (4, 3, "ep2"),
+        (4, 3, "finer"),
     ],
 )
 def test_muon_equals_torch_muon_and_adamw_in_one_process(reference, world, zero_stage, variant):
     losses, weights = reference
     results = run_distributed(_sharded, world, zero_stage, variant)
-    ours_losses, ours_weights, _, matrix_bytes, same_gradients, tp_matrices = results[0]
-    assert (tp_matrices == 6 * CONFIG.n_layers) == (variant == "tp2")  # q k v o gate_up down
+    ours_losses, ours_weights, _, matrix_bytes, same_gradients, kinds = results[0]
+    assert (kinds[0] == 6 * CONFIG.n_layers) == (variant == "tp2")  # q k v o gate_up down
+    assert (kinds[1] > 0) == (variant in ("ep2", "finer"))
     # torch's Muon on the gathered gradients gives these weights bit for bit
     assert same_gradients == 0.0
     # Against one process: its gradients differ from the sharded run's in the last fp32
@@ -161,14 +174,14 @@ def test_muon_equals_torch_muon_and_adamw_in_one_process(reference, world, zero_
     # (2**-8) of some elements of an update. One process alone, whole batches against two
     # accumulated halves, is as far apart: losses 4.1e-7, weights 1.1e-3 after 5 steps (as
     # world 2 here; world 4: 1.5e-5 and 3.3e-3).
-    if variant != "ep2":  # (the MoE's one-process run is test_flat_optim's business)
+    if variant not in ("ep2", "finer"):  # (a MoE's one-process run: test_flat_optim's)
         assert rel_losses(ours_losses, losses) <= 1e-4
         assert rel_diff(ours_weights, weights) <= 5e-3
     # each matrix crosses the wire once each way in bf16 (half its fp32 bytes), less the
     # rows its owner holds: below the matrices' fp32 bytes per step over all ranks
     sent = sum(result[2] for result in results)
     replicas = 2 if variant == "hsdp" else 1  # each replica moves its own
-    if variant in ("tp2", "ep2"):  # TP: each group moves its blocks over its dp ranks
+    if variant in ("tp2", "ep2", "finer"):  # TP: each group moves its blocks over dp ranks
         assert sent < matrix_bytes
     else:
         assert 0.3 * matrix_bytes * replicas < sent < matrix_bytes * replicas

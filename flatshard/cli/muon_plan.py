@@ -1,5 +1,6 @@
 """What `flatshard plan --optimizer muon` adds: which matrices `flatshard.optim.Muon` takes
-(the hidden 2-D weights, as `muon_param_groups` chooses them), the owners it would give them
+(the hidden 2-D weights and each expert's, as `muon_param_groups` chooses them; experts'
+owners are taken here as balanced as the others'), the owners it would give them
 and the Newton-Schulz work per rank that follows, and the bytes its owner exchange moves."""
 
 from __future__ import annotations
@@ -11,10 +12,15 @@ NS_STEPS = 5  # torch's Muon's default
 ADAMW_NAMES = ("embed", "lm_head", "wte", "wpe")  # and a module named `output`
 
 
-def is_hidden_matrix(name: str, shape: tuple[int, ...]) -> bool:
+def matrices_in(name: str, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    """The Muon matrices of a parameter: a hidden 2-D weight is one, grouped experts
+    `(E, R, C)` are E of `(R, C)`; embeddings, the output head and the rest none."""
     parts = name.split(".")
-    head = "output" in parts or any(word in name for word in ADAMW_NAMES)
-    return len(shape) == 2 and not head
+    if "output" in parts or any(word in name for word in ADAMW_NAMES):
+        return []
+    if len(shape) == 2:
+        return [tuple(shape)]
+    return [tuple(shape[1:])] * shape[0] if len(shape) == 3 else []
 
 
 def muon_figures(spec, setup) -> dict:
@@ -22,15 +28,16 @@ def muon_figures(spec, setup) -> dict:
     step (max and mean over the shard group's ranks), exchange bytes per rank and step.
     `spec`: the model before TP splits it (Muon's matrices are the TP-global ones; the
     owners of a TP group each orthogonalise the whole matrix)."""
-    shapes, trained, in_muon = [], 0, 0
+    shapes, trained, in_muon, in_dense = [], 0, 0, 0
     for unit in spec.units:
         for param in unit.params:
             if not param.requires_grad:
                 continue
             trained += param.numel * unit.count
-            if is_hidden_matrix(param.name, tuple(param.shape)):
-                shapes += [tuple(param.shape)] * unit.count
-                in_muon += param.numel * unit.count
+            found = matrices_in(param.name, tuple(param.shape))
+            shapes += found * unit.count
+            in_muon += param.numel * unit.count if found else 0
+            in_dense += param.numel * unit.count if len(found) == 1 else 0
     ranks, tp = setup.dp_shard, setup.tp
     costs = [newton_schulz_flops(shape, NS_STEPS) for shape in shapes]
     owners = assign_owners(costs, ranks)
@@ -39,9 +46,10 @@ def muon_figures(spec, setup) -> dict:
         loads[owner] += cost
     # each matrix's rows held away from its owner go there in bf16 and come back: on
     # average (ranks - 1) / ranks of each TP block, spread over the ranks; under TP the
-    # owners join their blocks (fp32) into the whole matrix
-    exchanged = 2 * 2 * in_muon // tp * (ranks - 1) // ranks // ranks
-    joined = FP32 * in_muon * (tp - 1) // tp // ranks
+    # owners join their blocks (fp32) into the whole matrix. Experts held whole by a rank
+    # (as many experts as ranks or more) move nothing.
+    exchanged = 2 * 2 * in_dense // tp * (ranks - 1) // ranks // ranks
+    joined = FP32 * in_dense * (tp - 1) // tp // ranks
     return {
         "matrices": len(shapes),
         "share": in_muon / trained if trained else 0.0,

@@ -3,12 +3,15 @@ group, chosen so that every rank does about the same work; the owner gathers the
 from every rank's rows, transforms it whole (Muon's Newton-Schulz orthogonalisation), and
 sends each rank its rows of the result back.
 
-The rows every rank holds come from the layout (`ShardSpec.row_bounds`), so the split sizes
+A matrix is a 2-D parameter, or one expert's `(R, C)` of grouped experts `(E, R, C)`. The
+rows every rank holds come from the layout (`ShardSpec.row_bounds`), so the split sizes
 of both all-to-alls are known on every rank without communication, and each moves every
 matrix once: (N-1)/N of the matrices' bytes (in bf16, Muon's working dtype) each way.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -22,35 +25,89 @@ def newton_schulz_flops(shape: tuple[int, int], steps: int) -> int:
     return steps * (4 * small * small * large + 2 * small**3)
 
 
-def assign_owners(costs: list[int], ranks: int) -> list[int]:
-    """An owner rank per item: the costliest first, each to the least-loaded rank (ties to the
+def assign_owners(costs: list[int], ranks: int, holders: list[int | None] | None = None):
+    """An owner rank per item: an item one rank holds whole stays there (`holders[i]`: no
+    bytes move); the others, costliest first, each to the least-loaded rank (ties to the
     lowest rank; ties in cost by position). The same on every rank: pure arithmetic."""
+    holders = holders or [None] * len(costs)
     loads = [0] * ranks
     owners = [0] * len(costs)
-    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+    for index, holder in enumerate(holders):
+        if holder is not None:
+            owners[index] = holder
+            loads[holder] += costs[index]
+    free = [i for i, holder in enumerate(holders) if holder is None]
+    for index in sorted(free, key=lambda i: (-costs[i], i)):
         owner = min(range(ranks), key=lambda r: (loads[r], r))
         owners[index] = owner
         loads[owner] += costs[index]
     return owners
 
 
+@dataclass(frozen=True)
+class Matrix:
+    """One matrix of a parameter as the ranks of its shard group hold it: its shape (under
+    TP the TP-local block), the rows `[spans[r][0], spans[r][1])` of it rank r holds, and
+    where this rank's rows start among the parameter's local rows of `shape[1]` elements."""
+
+    param: int  # which parameter (its index in the group)
+    shape: tuple[int, int]
+    spans: tuple[tuple[int, int], ...]
+    local_start: int
+    expert: bool = False  # one of grouped experts (they are balanced by the layout)
+
+    def rows(self, rank: int) -> int:
+        return self.spans[rank][1] - self.spans[rank][0]
+
+    def holder(self) -> int | None:
+        """The rank that holds all of it, if one does."""
+        holding = [r for r in range(len(self.spans)) if self.rows(r)]
+        return holding[0] if len(holding) == 1 else None
+
+
+def matrices_of(spec, param: int, me: int) -> list[Matrix]:
+    """The matrices of a flatshard parameter by its spec: a 2-D parameter is one; grouped
+    experts `(E, R, C)` are E matrices `(R, C)`, whose rows are the parameter's dim-1 slices
+    (whole experts per rank, or a finer row's slices of one expert)."""
+    shape = tuple(spec.info.shape)
+    if len(shape) == 2:
+        per_matrix, count, bounds = shape[0], 1, spec.row_bounds
+    else:  # rows over the (E * R) slices: scaled from whole experts where rows are experts
+        per_matrix, count = shape[1], shape[0]
+        scale = per_matrix if spec.info.row_dims == 1 else 1
+        bounds = tuple(b * scale for b in spec.row_bounds)
+    out = []
+    for index in range(count):
+        first, last = index * per_matrix, (index + 1) * per_matrix
+        spans = tuple(
+            (max(first, lo) - first, max(first, min(last, hi)) - first)
+            for lo, hi in zip(bounds, bounds[1:])
+        )
+        spans = tuple((a, max(a, b)) for a, b in spans)
+        local = max(first, bounds[me]) - bounds[me]
+        out.append(Matrix(param, (per_matrix, shape[-1]), spans, local, len(shape) == 3))
+    return out
+
+
 class ShardGroup:
     """The row-sharded matrices of one shard group (a mesh dim of one device mesh) and
     their owners."""
 
-    def __init__(self, mesh, mesh_dim: int, specs: list, ns_steps: int):
+    def __init__(self, mesh, mesh_dim: int, matrices: list[Matrix], costs: list[int]):
         self.group = mesh.get_group(mesh_dim)
         self.size = mesh.size(mesh_dim)
         self.me = mesh.get_local_rank(mesh_dim)
         self.device = comm.group_device(self.group)
-        self.specs = specs
-        costs = [newton_schulz_flops(spec.global_shape, ns_steps) for spec in specs]
-        self.owners = assign_owners(costs, self.size)
+        self.matrices = matrices
+        # an expert held whole by one rank stays there (the layout spreads experts evenly);
+        # other matrices go where the Newton-Schulz work is balanced
+        holders = [m.holder() if m.expert else None for m in matrices]
+        self.owners = assign_owners(costs, self.size, holders)
         self.owned = [i for i, owner in enumerate(self.owners) if owner == self.me]
 
     def _elements(self, index: int, rank: int) -> int:
-        bounds = self.specs[index].row_bounds
-        return (bounds[rank + 1] - bounds[rank]) * self.specs[index].row_size
+        matrix = self.matrices[index]
+        return matrix.rows(rank) * matrix.shape[1]
 
     def transform(self, local_rows: list[torch.Tensor], fns: list) -> list[torch.Tensor]:
         """`fns[i](matrix i)` of every matrix, run by its owner; returns this rank's rows of
@@ -71,22 +128,22 @@ class ShardGroup:
                 offset += count
         back = [[] for _ in range(self.size)]
         for i in self.owned:
-            bounds = self.specs[i].row_bounds
-            result = fns[i](torch.cat(pieces[i]).view(self.specs[i].info.shape))
+            spans = self.matrices[i].spans
+            result = fns[i](torch.cat(pieces[i]).view(self.matrices[i].shape))
             for rank in range(self.size):
-                back[rank].append(result[bounds[rank] : bounds[rank + 1]].reshape(-1))
+                back[rank].append(result[spans[rank][0] : spans[rank][1]].reshape(-1))
         from_owners = [
             sum(self._elements(i, self.me) for i, owner in enumerate(self.owners) if owner == rank)
             for rank in range(self.size)
         ]
         returned = self._exchange(back, from_owners)
 
-        mine, offset = [None] * len(self.specs), 0
+        mine, offset = [None] * len(self.matrices), 0
         for rank in range(self.size):
             for i, owner in enumerate(self.owners):
                 if owner == rank:
                     count = self._elements(i, self.me)
-                    shape = (count // self.specs[i].row_size, self.specs[i].row_size)
+                    shape = (count // self.matrices[i].shape[1], self.matrices[i].shape[1])
                     mine[i] = returned[offset : offset + count].view(shape)
                     offset += count
         return mine

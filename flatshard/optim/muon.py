@@ -47,7 +47,7 @@ from flatshard import registry
 from flatshard.dtensor.row_shard import RowShard
 from flatshard.dtensor.sharded_param import local_data
 from flatshard.optim.adamw import AdamW
-from flatshard.optim.matrix_owners import ShardGroup
+from flatshard.optim.matrix_owners import ShardGroup, matrices_of, newton_schulz_flops
 
 _MUON_OPTIONS = ("momentum", "nesterov", "ns_coefficients", "ns_steps", "adjust_lr_fn")
 
@@ -86,20 +86,20 @@ class Muon(AdamW):
                 param_group.setdefault(name, value)
             params = param_group["params"]
             for param in [params] if isinstance(params, torch.Tensor) else params:
-                if param.ndim != 2:
+                if param.ndim not in (2, 3):
                     raise ValueError(
-                        f"Muon steps 2-D matrices; a parameter of shape {tuple(param.shape)} is "
-                        "in a Muon group: give it a group with use_muon=False (AdamW), e.g. "
-                        "with flatshard.optim.muon_param_groups(model)"
+                        f"Muon steps matrices (2-D, or grouped experts' 3-D, a matrix per "
+                        f"expert); a parameter of shape {tuple(param.shape)} is in a Muon "
+                        "group: give it a group with use_muon=False (AdamW), e.g. with "
+                        "flatshard.optim.muon_param_groups(model)"
                     )
                 if isinstance(getattr(param, "_local_tensor", None), RowShard) and not (
                     _rebuilt_from_rows(param)
                 ):
                     raise NotImplementedError(
                         f"flatshard.optim.Muon: a matrix of shape {tuple(param.shape)} placed "
-                        f"{tuple(param.placements)} (an expert's, or split along another dim "
-                        "than its rows) is not supported yet: give it a group with "
-                        "use_muon=False"
+                        f"{tuple(param.placements)} (split along another dim than its rows) "
+                        "is not supported yet: give it a group with use_muon=False"
                     )
         super().add_param_group(param_group)
 
@@ -120,24 +120,17 @@ class Muon(AdamW):
         if not group["use_muon"]:
             return False
         params = [p for p in group["params"] if p.grad is not None]
-        momentum, nesterov = group["momentum"], group["nesterov"]
         spread = [p for p in params if _by_owner(p)]
         if len(spread) < len(params):
-            rest = [p for p in params if not _by_owner(p)]
-            bufs = [self._momentum(p) for p in rest]
-            _single_tensor_muon(
-                rest, [p.grad for p in rest], bufs, lr=group["lr"],
-                weight_decay=group["weight_decay"], momentum=momentum, nesterov=nesterov,
-                ns_coefficients=group["ns_coefficients"], ns_steps=group["ns_steps"],
-                eps=group["muon_eps"], adjust_lr_fn=group["adjust_lr_fn"], has_complex=False,
-            )  # fmt: skip
+            self._torch_muon([p for p in params if not _by_owner(p)], group)
         if not spread:
             return True
+        momentum = group["momentum"]
         updates = []
         for param in spread:  # torch's momentum step, on this rank's rows
             grad, buf = local_data(param.grad), local_data(self._momentum(param))
             buf.lerp_(grad, 1 - momentum)
-            updates.append(grad.lerp(buf, momentum) if nesterov else buf)
+            updates.append(grad.lerp(buf, momentum) if group["nesterov"] else buf)
 
         def orthogonalise(matrix):
             return _zeropower_via_newtonschulz(
@@ -146,21 +139,37 @@ class Muon(AdamW):
 
         lr, decay = group["lr"], group["weight_decay"]
         for shard_group, indices in self._shard_groups(spread, group["ns_steps"]):
-            fns = [_whole(spread[i], orthogonalise) for i in indices]
-            rows = shard_group.transform([updates[i] for i in indices], fns)
-            for i, update in zip(indices, rows):
-                param = spread[i]
-                main = local_data(param)
+            matrices, me = shard_group.matrices, shard_group.me
+            fns = [_whole(spread[indices[m.param]], orthogonalise) for m in matrices]
+            ins = [_rows(updates[indices[m.param]], m, me) for m in matrices]
+            for matrix, update in zip(matrices, shard_group.transform(ins, fns)):
+                param = spread[indices[matrix.param]]
+                main = _rows(local_data(param), matrix, me)
                 main.mul_(1 - lr * decay)
+                shape = param.shape if param.ndim == 2 else matrix.shape  # TP-global, expert
                 main.add_(
-                    update.to(main.device),
-                    alpha=-_adjust_lr(lr, group["adjust_lr_fn"], param.shape),
+                    update.to(main.device), alpha=-_adjust_lr(lr, group["adjust_lr_fn"], shape)
                 )
         # every rank marks every written piece's flat buffer (an empty piece is no view of
         # it): a unit kept gathered (ZeRO-1/2) then regathers on all ranks alike
         bases = [p._local_tensor.version_base for p in spread]
         torch.autograd.graph.increment_version([b for b in bases if b is not None])
         return True
+
+    def _torch_muon(self, params: list, group: dict) -> None:
+        """torch's Muon step of `params` (not flatshard's), a grouped 3-D one per expert."""
+        lists = ([], [], [])
+        for param in params:
+            buf = self._momentum(param)
+            split = param.ndim == 3
+            for target, tensor in zip(lists, (param, param.grad, buf)):
+                target.extend(tensor.unbind(0) if split else [tensor])
+        _single_tensor_muon(
+            *lists, lr=group["lr"], weight_decay=group["weight_decay"],
+            momentum=group["momentum"], nesterov=group["nesterov"],
+            ns_coefficients=group["ns_coefficients"], ns_steps=group["ns_steps"],
+            eps=group["muon_eps"], adjust_lr_fn=group["adjust_lr_fn"], has_complex=False,
+        )  # fmt: skip
 
     def _momentum(self, param) -> torch.Tensor:
         state = self.state[param]
@@ -174,22 +183,29 @@ class Muon(AdamW):
         """The matrices by the shard group that splits their rows, with their owners (kept
         while the same parameters are stepped)."""
         key = (tuple(id(p) for p in params), ns_steps)
-        if key not in self._owners:
-            by_group: dict[tuple, list[int]] = {}
-            for index, param in enumerate(params):
-                by_group.setdefault((param.device_mesh, param._local_tensor.mesh_dim), []).append(
-                    index
-                )
-            self._owners[key] = [
-                (
-                    ShardGroup(
-                        mesh, dim, [params[i]._local_tensor.spec for i in indices], ns_steps
-                    ),
-                    indices,
-                )
-                for (mesh, dim), indices in by_group.items()
-            ]
+        if key in self._owners:
+            return self._owners[key]
+        by_group: dict[tuple, list[int]] = {}
+        for index, param in enumerate(params):
+            by_group.setdefault((param.device_mesh, param._local_tensor.mesh_dim), [])
+            by_group[(param.device_mesh, param._local_tensor.mesh_dim)].append(index)
+        self._owners[key] = []
+        for (mesh, dim), indices in by_group.items():
+            me, matrices, costs = mesh.get_local_rank(dim), [], []
+            for position, index in enumerate(indices):
+                param = params[index]
+                for matrix in matrices_of(param._local_tensor.spec, position, me):
+                    shape = param.shape if param.ndim == 2 else matrix.shape
+                    matrices.append(matrix)
+                    costs.append(newton_schulz_flops(tuple(shape), ns_steps))
+            self._owners[key].append((ShardGroup(mesh, dim, matrices, costs), indices))
         return self._owners[key]
+
+
+def _rows(local: torch.Tensor, matrix, me: int) -> torch.Tensor:
+    """This rank's rows of `matrix` in a parameter's local piece (a view of it)."""
+    start = matrix.local_start
+    return local.view(-1, matrix.shape[1])[start : start + matrix.rows(me)]
 
 
 def _by_owner(param) -> bool:
@@ -201,20 +217,27 @@ def _by_owner(param) -> bool:
 
 
 def _rebuilt_from_rows(param) -> bool:
-    """Whether `param` is a flatshard matrix whose owner can rebuild it: split by its rows
-    over one shard group (no `Shard(d)`), replicated over HSDP's replicas, and split over
-    a TP group at most (whose ranks' owners join their blocks); not an expert's."""
+    """Whether `param` holds flatshard matrices whose owners can rebuild them: a 2-D
+    parameter, or grouped experts (a matrix per expert), split by rows over one shard group
+    (no `Shard(d)`), replicated over HSDP's replicas, and split over a TP group (whose
+    ranks' owners join their blocks) or, experts, over an EP group at most."""
     local = getattr(param, "_local_tensor", None)
     if not isinstance(local, RowShard):
         return False
     info = local.spec.info
-    if info.row_dims != 1 or info.shard_dim != 0 or len(info.shape) != 2:
+    if info.shard_dim != 0 or len(info.shape) not in (2, 3):
         return False
+    if len(info.shape) == 2 and info.row_dims != 1:
+        return False
+    found = registry.managed_of(param)
+    experts = found is not None and found[0].mesh.expert_parallel
     tp_mesh, _ = _tensor_parallel(param)
-    if tp_mesh is None and tuple(info.shape) != tuple(info.global_shape):
-        return False  # split by something else than TP (experts over EP)
+    if len(info.shape) == 3 and tp_mesh is not None:
+        return False
+    if tp_mesh is None and not experts and tuple(info.shape) != tuple(info.global_shape):
+        return False
     others = [p for dim, p in enumerate(param.placements) if dim != local.mesh_dim]
-    return sum(not isinstance(p, Replicate) for p in others) <= (tp_mesh is not None)
+    return sum(not isinstance(p, Replicate) for p in others) <= (tp_mesh is not None or experts)
 
 
 def _tensor_parallel(param) -> tuple:
@@ -247,10 +270,11 @@ def _whole(param, orthogonalise):
 
 
 def muon_param_groups(model: nn.Module, adamw_modules: tuple[str, ...] = ("output", "lm_head")):
-    """[Muon group, AdamW group] of `model`'s trainable parameters: the 2-D weights go to
-    Muon, except those of embeddings, of the output head (`get_output_embeddings()` where the
-    model has it) and of modules named in `adamw_modules`; every other parameter (norms,
-    biases, ...) goes to AdamW. Add `lr` etc. to either group as you would to torch's."""
+    """[Muon group, AdamW group] of `model`'s trainable parameters: the 2-D weights and
+    grouped experts' 3-D ones (a matrix per expert) go to Muon, except those of embeddings,
+    of the output head (`get_output_embeddings()` where the model has it) and of modules
+    named in `adamw_modules`; every other parameter (norms, biases, ...) goes to AdamW. Add
+    `lr` etc. to either group as you would to torch's."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     to_adamw = set()
     for name, module in model.named_modules():
@@ -263,6 +287,6 @@ def muon_param_groups(model: nn.Module, adamw_modules: tuple[str, ...] = ("outpu
     matrices, others = [], []
     for param in model.parameters():
         if param.requires_grad:
-            chosen = matrices if param.ndim == 2 and id(param) not in to_adamw else others
+            chosen = matrices if param.ndim in (2, 3) and id(param) not in to_adamw else others
             chosen.append(param)
     return [{"params": matrices, "use_muon": True}, {"params": others, "use_muon": False}]
