@@ -37,6 +37,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [p for p in (_ROOT, os.path.dirname(os.path.abspath(__file__))) if p not in sys.path]
 
 from comm_counter import CommCounter  # noqa: E402
+from compare import free_port  # noqa: E402
 
 import flatshard  # noqa: E402
 from flatshard import hf  # noqa: E402
@@ -145,8 +146,7 @@ def main() -> None:
     path = tempfile.mkdtemp(prefix="hf-parallel-")
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
     out = mp.get_context("spawn").SimpleQueue()
-    port = 29500 + os.getpid() % 1000
-    mp.spawn(worker, (args.world, port, args, path, out), nprocs=args.world)
+    mp.spawn(worker, (args.world, free_port(), args, path, out), nprocs=args.world)
     result = out.get()
     params = sum(
         p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters()
