@@ -120,9 +120,10 @@ class Muon(AdamW):
         if not group["use_muon"]:
             return False
         params = [p for p in group["params"] if p.grad is not None]
-        spread = [p for p in params if _by_owner(p)]
+        by_owner = [_by_owner(p) for p in params]
+        spread = [p for p, owned in zip(params, by_owner) if owned]
         if len(spread) < len(params):
-            self._torch_muon([p for p in params if not _by_owner(p)], group)
+            self._torch_muon([p for p, owned in zip(params, by_owner) if not owned], group)
         if not spread:
             return True
         momentum = group["momentum"]
@@ -140,7 +141,8 @@ class Muon(AdamW):
         lr, decay = group["lr"], group["weight_decay"]
         for shard_group, indices in self._shard_groups(spread, group["ns_steps"]):
             matrices, me = shard_group.matrices, shard_group.me
-            fns = [_whole(spread[indices[m.param]], orthogonalise) for m in matrices]
+            whole = [_whole(spread[index], orthogonalise) for index in indices]  # per param
+            fns = [whole[m.param] for m in matrices]
             ins = [_rows(updates[indices[m.param]], m, me) for m in matrices]
             for matrix, update in zip(matrices, shard_group.transform(ins, fns)):
                 param = spread[indices[matrix.param]]
