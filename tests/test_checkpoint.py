@@ -281,15 +281,16 @@ def _full_disk_on_rank_1(path):
     """Rank 1's writer hits ENOSPC while saving step 2, synchronously and asynchronously."""
     model = flatshard.fully_shard(Small())
     checkpoint.save(path, model=model, step=1)
-    original = dcp.FileSystemWriter.write_data
+    from flatshard.checkpoint import rank_file
 
-    def full_disk(self, plan, planner):
-        where = os.path.join(str(getattr(self, "path", path)), "__1_0.distcp")
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), where)
+    original = rank_file._write_wave
+
+    def full_disk(file, *args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), file.name)
 
     outcomes = []
     if dist.get_rank() == 1:
-        dcp.FileSystemWriter.write_data = full_disk
+        rank_file._write_wave = full_disk
     try:
         for async_save in (False, True):
             try:
@@ -300,7 +301,7 @@ def _full_disk_on_rank_1(path):
                 outcomes.append(str(error))
             outcomes.append(sorted(os.listdir(path)))
     finally:
-        dcp.FileSystemWriter.write_data = original
+        rank_file._write_wave = original
     checkpoint.save(path, model=model, step=2)  # with space again: nothing left in the way
     outcomes.append(sorted(os.listdir(path)))
     return outcomes

@@ -11,11 +11,10 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from flatshard import agreement, comm
-from flatshard.checkpoint import commit, manifest
+from flatshard.checkpoint import commit, manifest, writing
 from flatshard.checkpoint.state import (
     app_state,
     barrier,
@@ -111,33 +110,28 @@ def save(
             if copied is not None:
                 copied.synchronize()  # the staged host copies have landed
             failure = None  # (kind, text) of what went wrong on this rank, and the error
+            mine = None
             try:
-                writer = dcp.FileSystemWriter(partial, sync_files=True)
-                dcp.save(state, storage_writer=writer, process_group=group)
-            except (Exception, CheckpointException) as error:  # DCP raises on every rank
+                writing.write_files(partial, state, group, rank, world)
+                torch.save(rng, os.path.join(partial, "rng", f"rank{rank}.pt"))
+                mine = {
+                    name: manifest.checksum(os.path.join(partial, name))
+                    for name in manifest.files_of_rank(partial, rank)
+                }
+            except (Exception, CheckpointException) as error:  # DCP's raises on every rank
                 failure = (_describe_failure(error, rank, directory), error)
-            if failure is None:
-                mine = None
-                try:
-                    torch.save(rng, os.path.join(partial, "rng", f"rank{rank}.pt"))
-                    mine = {
-                        name: manifest.checksum(os.path.join(partial, name))
-                        for name in manifest.files_of_rank(partial, rank)
-                    }
-                except Exception as error:
-                    failure = (_describe_failure(error, rank, directory), error)
-                everyone = gather_to_rank0((mine, failure and failure[0]), group)
-                if rank == 0:
-                    failed = [described for _, described in everyone if described is not None]
-                    if failed:
-                        failure = (failed[0], failure and failure[1])
-                    else:
-                        try:
-                            _write_manifest_and_commit(
-                                directory, step, world, everyone, config, keep_last
-                            )
-                        except Exception as error:
-                            failure = (_describe_failure(error, rank, directory), error)
+            everyone = gather_to_rank0((mine, failure and failure[0]), group)
+            if rank == 0:
+                failed = [described for _, described in everyone if described is not None]
+                if failed:
+                    failure = (failed[0], failure and failure[1])
+                else:
+                    try:
+                        _write_manifest_and_commit(
+                            directory, step, world, everyone, config, keep_last
+                        )
+                    except Exception as error:
+                        failure = (_describe_failure(error, rank, directory), error)
             _agree_on_failure(failure, group, directory, step)  # also the barrier
             result["path"] = os.path.join(directory, commit.step_dir_name(step))
         except BaseException as error:  # surfaced by SaveHandle.wait()

@@ -1,0 +1,190 @@
+"""Every rank's share of a checkpoint, computed alone on each rank from the layout.
+
+DCP plans a save by gathering every rank's plan to rank 0 and scattering it back: its cost
+grows with the world size (hours at thousands of ranks). flatshard already knows where
+every row of every tensor lives on every rank (`ShardSpec.row_bounds`), so each rank
+derives the whole plan itself: which rank writes which chunk (the lowest rank holding it),
+in which order, and how many bytes each takes in its file. Rank 0 turns it into DCP's
+`.metadata`, which plain DCP and PyTorch FSDP2 read as if DCP had written it.
+
+A tensor whose chunks on other ranks cannot be derived here (a flatshard piece that is also
+split by tensor or expert parallelism) makes `plan` return None: the save then takes
+DCP's own planning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import io
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+from flatshard.agreement import fingerprint
+from flatshard.dtensor.row_shard import RowShard
+
+
+@dataclass(frozen=True)
+class PlannedItem:
+    """One chunk (or one non-tensor value) of the checkpoint and the rank that writes it."""
+
+    item: WriteItem
+    rank: int
+    length: int  # bytes in the writer's file (torch.save of the chunk); 0 for values
+
+
+@dataclass
+class GlobalPlan:
+    items: list[PlannedItem]  # in file order, rank by rank
+    world: int
+
+    def of_rank(self, rank: int) -> list[PlannedItem]:
+        return [p for p in self.items if p.rank == rank]
+
+    def fingerprint(self) -> int:
+        """The same on every rank that planned the same checkpoint."""
+        return fingerprint(
+            [
+                (p.rank, p.item.index.fqn, tuple(p.item.index.offset or ()), p.length)
+                + _tensor_key(p.item)
+                for p in self.items
+            ]
+        )
+
+    def state_dict_metadata(self) -> dict:
+        metadata: dict = {}
+        for planned in self.items:
+            item = planned.item
+            if item.type == WriteItemType.BYTE_IO:
+                metadata[item.index.fqn] = BytesStorageMetadata()
+                continue
+            data = item.tensor_data
+            entry = metadata.setdefault(
+                item.index.fqn, TensorStorageMetadata(data.properties, data.size, [])
+            )
+            entry.chunks.append(data.chunk)
+        return metadata
+
+
+def file_name(rank: int) -> str:
+    """The one file each rank writes (DCP's naming, so tools that list them still work)."""
+    return f"__{rank}_0.distcp"
+
+
+def plan(flat_state: dict, world: int) -> GlobalPlan | None:
+    """The whole checkpoint's plan from `flat_state` (DCP's flattened state dict: dotted
+    names to DTensors, tensors and values); None when a tensor's chunks on other ranks are
+    not known here."""
+    per_rank: list[list[PlannedItem]] = [[] for _ in range(world)]
+    values = []
+    for fqn, value in flat_state.items():
+        if isinstance(value, DTensor):
+            chunks = dtensor_chunks(value)
+            if chunks is None:
+                return None
+            properties = TensorProperties.create_from_tensor(_local(value))
+            for offsets, sizes, rank in chunks:
+                if rank >= world:
+                    return None
+                per_rank[rank].append(_planned(fqn, offsets, sizes, value, properties, rank))
+        elif isinstance(value, torch.Tensor):
+            properties = TensorProperties.create_from_tensor(value)
+            shape = tuple(value.shape)
+            per_rank[0].append(_planned(fqn, (0,) * len(shape), shape, value, properties, 0))
+        else:
+            values.append(PlannedItem(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO), 0, 0))
+    per_rank[0].extend(values)  # after rank 0's tensors: nobody else needs their lengths
+    return GlobalPlan([p for items in per_rank for p in items], world)
+
+
+def dtensor_chunks(value: DTensor) -> list[tuple[tuple, tuple, int]] | None:
+    """(offsets, sizes, writer rank) of every distinct chunk of `value` across its mesh; a
+    chunk held by several ranks (HSDP replicas, Replicate) is written by the lowest."""
+    mesh, placements = value.device_mesh, value.placements
+    ranks = mesh.mesh
+    local = value._local_tensor
+    if isinstance(local, RowShard):
+        split = local.mesh_dim
+        if any(type(p) is not Replicate for d, p in enumerate(placements) if d != split):
+            return None  # also split by TP/EP: those ranks' pieces are not in this spec
+        lowest = ranks.movedim(split, -1).reshape(-1, ranks.shape[split]).min(0).values.tolist()
+        return [
+            (box.offset, box.shape, lowest[index])
+            for index in range(ranks.shape[split])
+            for box in row_shard_boxes(local.spec, index)
+        ]
+    if any(type(p) not in (Shard, Replicate) for p in placements):
+        return None
+    chunks: dict[tuple, tuple] = {}
+    for rank in sorted(ranks.flatten().tolist()):
+        coordinate = (ranks == rank).nonzero()[0].tolist()
+        sizes, offsets = _compute_local_shape_and_global_offset(
+            value.shape, ranks.shape, coordinate, placements
+        )
+        chunks.setdefault((tuple(offsets), tuple(sizes)), rank)
+    return [(offsets, sizes, rank) for (offsets, sizes), rank in chunks.items()]
+
+
+def row_shard_boxes(spec, index: int) -> list:
+    """The global boxes that the rank at `index` of the splitting mesh dim holds."""
+    return [box for _, box in dataclasses.replace(spec, rank=index).pieces]
+
+
+def _planned(fqn, offsets, sizes, value, properties, rank) -> PlannedItem:
+    offsets, sizes = torch.Size(offsets), torch.Size(sizes)
+    item = WriteItem(
+        index=MetadataIndex(fqn, offsets),
+        type=WriteItemType.SHARD if isinstance(value, DTensor) else WriteItemType.TENSOR,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets, sizes),
+            properties=properties,
+            size=value.shape,  # global: a DTensor's, or a whole tensor's
+        ),
+    )
+    return PlannedItem(item, rank, serialized_size(tuple(sizes), properties.dtype))
+
+
+def _local(value: DTensor) -> torch.Tensor:
+    local = value._local_tensor
+    return local.data_ if isinstance(local, RowShard) else local
+
+
+def _tensor_key(item: WriteItem) -> tuple:
+    data = item.tensor_data
+    if data is None:
+        return ()
+    return (tuple(data.chunk.sizes), tuple(data.size), str(data.properties.dtype))
+
+
+@functools.lru_cache(maxsize=4096)
+def serialized_size(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes that `torch.save` of a compact tensor of `shape` takes (what DCP's reader
+    `torch.load`s): measured once per shape with an untouched buffer, so no rank needs
+    another rank's write results to place its chunks."""
+    counter = _ByteCounter()
+    torch.save(torch.empty(shape, dtype=dtype), counter)
+    return counter.count
+
+
+class _ByteCounter(io.RawIOBase):
+    def __init__(self):
+        self.count = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        size = memoryview(data).nbytes
+        self.count += size
+        return size
