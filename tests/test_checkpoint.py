@@ -18,7 +18,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from distributed import run_distributed, spawn_fresh
-from reference import adamw, batches, build_model, config, full_state, lm_loss, rank_slice, shard
+from reference import (
+    adamw,
+    batches,
+    build_model,
+    config,
+    full_optimizer_state,
+    full_state,
+    lm_loss,
+    rank_slice,
+    shard,
+)
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import flatshard
@@ -158,30 +168,50 @@ def test_interop_with_fsdp2(tmp_path, writer, reader, save_world, load_world):
 
 
 # --- async save ----------------------------------------------------------------------------
-def _async_save(path):
+def _async_save(path, staging_bytes):
+    from flatshard.checkpoint import rank_file
+
+    if staging_bytes < checkpoint.DEFAULT_STAGING_BYTES:  # slow writes: the next optimizer
+        write_wave = rank_file._write_wave  # step comes before the last wave is copied
+
+        def slow(*args):
+            time.sleep(0.2)
+            return write_wave(*args)
+
+        rank_file._write_wave = slow
     cfg = config()
     model = shard(build_model(cfg))
     optimizer = adamw(model.parameters())
     data = batches(cfg, 8)
-    results = []
+    results, peaks = [], []
     for step in (2, 4):  # the second save refills the first one's staging buffers
         _run_steps(model, optimizer, data, step - 2, step)
-        at_call = full_state(model)
-        handle = checkpoint.save(path, model=model, optimizer=optimizer, step=step, async_save=True)
+        at_call = {**full_state(model), **full_optimizer_state(model, optimizer)}
+        handle = checkpoint.save(
+            path, model=model, optimizer=optimizer, step=step, async_save=True,
+            staging_bytes=staging_bytes,
+        )  # fmt: skip
         _run_steps(model, optimizer, data, step, step + 1)  # training goes on during the write
         handle.wait()
+        peaks.append(handle.peak_staging_bytes)
         fresh = shard(build_model(cfg, seed=9))
-        checkpoint.load(path, model=fresh, step=step)
-        saved = full_state(fresh)
-        changed = not all(torch.equal(at_call[k], full_state(model)[k]) for k in at_call)
+        fresh_optimizer = adamw(fresh.parameters())
+        checkpoint.load(path, model=fresh, optimizer=fresh_optimizer, step=step)
+        saved = {**full_state(fresh), **full_optimizer_state(fresh, fresh_optimizer)}
+        changed = not all(torch.equal(at_call[k], full_state(model)[k]) for k in full_state(model))
         results.append((all(torch.equal(saved[k], at_call[k]) for k in at_call), changed))
-    return results, handle.blocking_seconds
+    return results, handle.blocking_seconds, peaks
 
 
-def test_async_save_captures_state_at_call(tmp_path):
-    for results, blocking in run_distributed(_async_save, 2, str(tmp_path)):
+@pytest.mark.parametrize("staging_bytes", [None, 64 << 10])
+def test_async_save_captures_state_at_call(tmp_path, staging_bytes):
+    """With the whole state in one wave, and in waves of 32 KiB (about 4 of them) that the
+    next optimizer step waits for."""
+    bound = staging_bytes or checkpoint.DEFAULT_STAGING_BYTES
+    for results, blocking, peaks in run_distributed(_async_save, 2, str(tmp_path), bound):
         assert results == [(True, True), (True, True)]
-        print(f"async save blocking time: {blocking * 1000:.1f} ms")
+        assert all(0 < peak <= bound for peak in peaks), peaks
+        print(f"async save blocking time: {blocking * 1000:.1f} ms; staged at most {peaks}")
 
 
 # --- collectives per save do not grow with the model ---------------------------------------

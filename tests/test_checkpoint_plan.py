@@ -63,7 +63,8 @@ def _ours_against_dcp(root: str, layout: str):
     if rank == 0:
         os.makedirs(ours)
     dist.barrier()
-    how = writing.write_files(ours, state, group, rank, world, staging_bytes=4096)
+    prepared = writing.prepare(state, group, world)
+    writing.write_files(ours, prepared, group, rank, staging_bytes=4096)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(theirs), process_group=group)
     dist.barrier()
     same = _chunks(dcp.FileSystemReader(ours).read_metadata()) == _chunks(
@@ -79,7 +80,7 @@ def _ours_against_dcp(root: str, layout: str):
     dcp.load(loaded, storage_reader=dcp.FileSystemReader(ours), process_group=group)
     flat, _ = flatten_state_dict(loaded)
     equal = all(torch.equal(_plain(flat[k]), _plain(v)) for k, v in originals.items())
-    return how["planned_locally"], same, equal, loaded["extra"]["position"]
+    return prepared.planned is not None, same, equal, loaded["extra"]["position"]
 
 
 def _plain(value):

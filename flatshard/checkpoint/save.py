@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from flatshard import agreement, comm
 from flatshard.checkpoint import commit, manifest, writing
+from flatshard.checkpoint.rank_file import DEFAULT_STAGING_BYTES
 from flatshard.checkpoint.state import (
     app_state,
     barrier,
@@ -24,6 +25,7 @@ from flatshard.checkpoint.state import (
     rng_state,
     stage,
 )
+from flatshard.checkpoint.step_guard import StepGuard
 from flatshard.errors import CheckpointError
 
 
@@ -31,10 +33,28 @@ class SaveHandle:
     """Returned by `save`. `wait()` returns the committed directory (re-raising any error of
     an asynchronous write); `blocking_seconds` is how long `save` held up the caller."""
 
-    def __init__(self, blocking_seconds: float, thread: threading.Thread | None, result: dict):
+    def __init__(
+        self,
+        blocking_seconds: float,
+        thread: threading.Thread | None,
+        result: dict,
+        guard: StepGuard | None = None,
+    ):
         self.blocking_seconds = blocking_seconds
         self._thread = thread
         self._result = result
+        self._guard = guard
+
+    @property
+    def peak_staging_bytes(self) -> int | None:
+        """The most bytes of host copies this rank held at once (None: DCP wrote it)."""
+        return self._result.get("peak_staging_bytes")
+
+    def wait_staged(self) -> None:
+        """Until the state is copied: from then on it may change (the next optimizer step
+        waits for this by itself)."""
+        if self._guard is not None:
+            self._guard.wait()
 
     def done(self) -> bool:
         return self._thread is None or not self._thread.is_alive()
@@ -59,13 +79,19 @@ def save(
     optimizer=None,
     async_save: bool = False,
     keep_last: int | None = None,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
     **extra,
 ) -> SaveHandle:
     """Save a checkpoint of `step` under `directory` (call on every rank).
 
     extra: more state to keep, by name: `Stateful` objects (their state_dict() is saved and
         load_state_dict() restores them) or plain values (a data position, a config...).
-    async_save: copy the state now and write it in the background; training may go on.
+    async_save: write in the background; training goes on. Values and unsharded tensors
+        are copied now; the sharded weights and optimizer state are copied in waves while
+        forward and backward run, and the next optimizer step waits for the last wave.
+    staging_bytes: the most host memory that copies for the write hold at once (each wave
+        half of it, the write of one overlapping the copy of the next; a larger tensor
+        piece is a wave of its own).
     keep_last: after committing, delete all but the newest `keep_last` checkpoints.
 
     A failed write (a full disk: "no space left on device while saving step N") raises one
@@ -95,11 +121,15 @@ def save(
 
     started = time.perf_counter()
     state = app_state(model, optimizer, extra)
-    copied = None
-    if async_save:
+    prepared = writing.prepare(state, group, world)
+    copied = guard = None
+    if async_save and prepared.planned is None:  # DCP writes it: one whole host copy now
         global _staged
-        state = _staged = stage(state, _staged)
+        prepared.state = _staged = stage(state, _staged)
         copied = comm.host_copies_done()
+    elif async_save:
+        prepared.copy_small_values()
+        guard = StepGuard()
     enter_device = comm.thread_device_setter()
     rng = rng_state()  # taken now; written with the rest
     config = manifest.model_config(model)
@@ -112,7 +142,15 @@ def save(
             failure = None  # (kind, text) of what went wrong on this rank, and the error
             mine = None
             try:
-                writing.write_files(partial, state, group, rank, world)
+                result["peak_staging_bytes"] = writing.write_files(
+                    partial,
+                    prepared,
+                    group,
+                    rank,
+                    staging_bytes=staging_bytes,
+                    copy_always=async_save,
+                    staged=guard and guard.release,
+                )
                 torch.save(rng, os.path.join(partial, "rng", f"rank{rank}.pt"))
                 mine = {
                     name: manifest.checksum(os.path.join(partial, name))
@@ -136,6 +174,9 @@ def save(
             result["path"] = os.path.join(directory, commit.step_dir_name(step))
         except BaseException as error:  # surfaced by SaveHandle.wait()
             result["error"] = error
+        finally:
+            if guard is not None:
+                guard.release()
 
     result: dict = {}
     if not async_save:
@@ -146,7 +187,7 @@ def save(
     thread = threading.Thread(target=write_and_commit, args=(result,), daemon=True)
     thread.start()
     global _in_flight
-    _in_flight = SaveHandle(time.perf_counter() - started, thread, result)
+    _in_flight = SaveHandle(time.perf_counter() - started, thread, result, guard)
     return _in_flight
 
 

@@ -5,9 +5,11 @@ cannot all derive the plan (a tensor split by TP or EP as well), DCP plans and w
 
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import uuid
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -15,40 +17,71 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.tensor import DTensor
 
+from flatshard import comm
 from flatshard.checkpoint import commit, global_plan, rank_file
 
 
-def write_files(
-    directory: str,
-    state: dict,
-    group,
-    rank: int,
-    world: int,
-    *,
-    staging_bytes: int = rank_file.DEFAULT_STAGING_BYTES,
-    copy_always: bool = False,
-    staged=None,
-) -> dict:
-    """Write this rank's part of `state` into `directory` (every rank calls it); returns
-    {"planned_locally": ..., "peak_staging_bytes": ...}. `copy_always` / `staged`: see
-    `rank_file.write`."""
+@dataclass
+class Prepared:
+    """What `prepare` found: the flattened state and, when every rank derived the same
+    one, the plan (None: DCP plans the save)."""
+
+    state: dict
+    flat: dict
+    mappings: dict
+    planned: global_plan.GlobalPlan | None
+
+    def copy_small_values(self) -> None:
+        """Host copies of everything but the sharded tensors, taken now (an asynchronous
+        save stages those in waves later; buffers and values may change before that)."""
+        for fqn, value in self.flat.items():
+            if isinstance(value, DTensor):
+                continue
+            if isinstance(value, torch.Tensor):
+                self.flat[fqn] = comm.to_host_now(value)
+            else:
+                self.flat[fqn] = copy.deepcopy(value)
+
+
+def prepare(state: dict, group, world: int) -> Prepared:
+    """Plan the save of `state` (every rank calls it: one small all-reduce)."""
     flat, mappings = flatten_state_dict(state)
     try:
         planned = global_plan.plan(flat, world)
     except Exception:  # noqa: BLE001 - a state it cannot plan: DCP plans it (and reports)
         planned = None
     if not _everyone_planned_alike(planned, group):
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(directory, sync_files=True),
-                 process_group=group)  # fmt: skip
+        planned = None
+    return Prepared(state, flat, mappings, planned)
+
+
+def write_files(
+    directory: str,
+    prepared: Prepared,
+    group,
+    rank: int,
+    *,
+    staging_bytes: int = rank_file.DEFAULT_STAGING_BYTES,
+    copy_always: bool = False,
+    staged=None,
+) -> int | None:
+    """Write this rank's part into `directory` (every rank calls it); returns the most bytes
+    of host copies alive at once (None when DCP wrote it). `copy_always` / `staged`: see
+    `rank_file.write`."""
+    planned = prepared.planned
+    if planned is None:
+        writer = dcp.FileSystemWriter(directory, sync_files=True)
+        dcp.save(prepared.state, storage_writer=writer, process_group=group)
         if staged is not None:
             staged()
-        return {"planned_locally": False, "peak_staging_bytes": None}
+        return None
     where, peak = rank_file.write(
         directory,
         rank,
         planned.of_rank(rank),
-        flat,
+        prepared.flat,
         staging_bytes=staging_bytes,
         copy_always=copy_always,
         staged=staged,
@@ -58,13 +91,13 @@ def write_files(
         storage.update(where)
         metadata = Metadata(
             planned.state_dict_metadata(),
-            planner_data=mappings,
+            planner_data=prepared.mappings,
             storage_data=storage,
             storage_meta=StorageMeta(checkpoint_id=directory, save_id=str(uuid.uuid4())),
             version=CURRENT_DCP_VERSION,
         )
         commit.write_durably(os.path.join(directory, ".metadata"), pickle.dumps(metadata))
-    return {"planned_locally": True, "peak_staging_bytes": peak}
+    return peak
 
 
 def _storage_of_other_ranks(planned: global_plan.GlobalPlan) -> dict:
