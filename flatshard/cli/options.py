@@ -117,6 +117,8 @@ OPTIONS: tuple[Option, ...] = (
            check=_non_negative),
     Option("checkpoint.keep_last", 3, "checkpoints kept (0: all)", check=_non_negative),
     Option("checkpoint.async_save", False, "write periodic checkpoints in the background"),
+    Option("checkpoint.staging_mib", 256, "host memory for copies while writing a checkpoint "
+           "(waves of half of it)", check=_positive),
     Option("checkpoint.at_end", True, "save when training ends"),
     # run
     Option("run.out_dir", "runs/{time}", "run directory ({time}: the start time)"),

@@ -220,6 +220,7 @@ class Trainer:
             step=self.step,
             async_save=async_save,
             keep_last=self.config.checkpoint.keep_last or None,
+            staging_bytes=self.config.checkpoint.staging_mib << 20,
             data_position=self.position,
             run_config=self.config.to_json(),
             tokenizer=self.data.tokenizer,
