@@ -1,12 +1,14 @@
 """Checkpoint save/load time: flatshard against PyTorch FSDP2 + DCP, in one run.
 
-    python benchmarks/checkpoint_bench.py [--world 2] [--preset 35m|tiny] [--repeats 3]
-        [--out benchmarks/RESULTS-checkpoint.md]
+    python benchmarks/checkpoint_bench.py [--world 2] [--preset 120m|35m|tiny] [--repeats 3]
+        [--staging-mib 64] [--out benchmarks/RESULTS-checkpoint.md]
 
 Same model (Llama preset, fp32 AdamW state after one step), same world size, same disk.
 Modes are interleaved in every repeat so machine drift hits them alike. Reported: median
-save and load seconds and their ratio to FSDP2's, and the blocking time of flatshard's
-asynchronous save against its synchronous save.
+save and load seconds, GB/s (bytes of the checkpoint over seconds) and their ratio to
+FSDP2's and to plain DCP's on the same flatshard model, the blocking time of flatshard's
+asynchronous save, and the extra host memory (resident set) that save took against its
+staging bound.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from datetime import datetime, timezone
 
@@ -30,10 +33,12 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import flatshard  # noqa: E402
+from benchmarks.compare import free_port  # noqa: E402
 from flatshard import checkpoint  # noqa: E402
 from flatshard.models import Llama, LlamaConfig  # noqa: E402
 
 PRESETS = {
+    "120m": dict(vocab_size=32000, dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048),
     "35m": dict(vocab_size=12000, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1376),
     "tiny": dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48),
 }
@@ -55,6 +60,14 @@ def build(framework: str, cfg: LlamaConfig):
     optimizer.step()
     optimizer.zero_grad()
     return model, optimizer
+
+
+def directory_bytes(path: str) -> int:
+    return sum(
+        os.path.getsize(os.path.join(root, name))
+        for root, _, names in os.walk(path)
+        for name in names
+    )
 
 
 def timed(fn) -> float:
@@ -79,21 +92,53 @@ def dcp_load(model, optimizer, path):
     )
 
 
-def one_repeat(base: str, fsdp2, ours) -> dict[str, float]:
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakResident:
+    """The most resident memory above the start, sampled every millisecond."""
+
+    def __enter__(self):
+        self.start = self.peak = resident_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, resident_bytes())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.extra = self.peak - self.start
+
+
+def one_repeat(base: str, fsdp2, ours, staging: int) -> dict[str, float]:
     """Every mode once, in the same order each repeat."""
     model, optimizer = ours
     result = {
         "FSDP2 + DCP save": timed(lambda: dcp_save(*fsdp2, base + "-fsdp2")),
         "flatshard save": timed(
-            lambda: checkpoint.save(base + "-ours", model=model, optimizer=optimizer, step=1)
+            lambda: checkpoint.save(
+                base + "-ours", model=model, optimizer=optimizer, step=1, staging_bytes=staging
+            )
         ),
         "flatshard + plain DCP save": timed(lambda: dcp_save(*ours, base + "-plain")),
     }
-    handle = checkpoint.save(
-        base + "-async", model=model, optimizer=optimizer, step=1, async_save=True
-    )
+    with PeakResident() as memory:
+        handle = checkpoint.save(
+            base + "-async", model=model, optimizer=optimizer, step=1, async_save=True,
+            staging_bytes=staging,
+        )  # fmt: skip
+        handle.wait()
     result["flatshard async save (blocking)"] = handle.blocking_seconds
-    handle.wait()
+    result["async extra resident bytes"] = memory.extra
+    result["async staged bytes"] = handle.peak_staging_bytes
+    result["checkpoint bytes"] = directory_bytes(base + "-plain")
     result["FSDP2 + DCP load"] = timed(lambda: dcp_load(*fsdp2, base + "-fsdp2"))
     result["flatshard load"] = timed(
         lambda: checkpoint.load(base + "-ours", model=model, optimizer=optimizer)
@@ -115,7 +160,7 @@ def worker(rank: int, world: int, port: int, args, queue):
     times: dict[str, list[float]] = {}
     for repeat in range(args.repeats):
         base = os.path.join(args.dir, f"r{repeat}")
-        for name, seconds in one_repeat(base, fsdp2, ours).items():
+        for name, seconds in one_repeat(base, fsdp2, ours, args.staging_mib << 20).items():
             times.setdefault(name, []).append(seconds)
         dist.barrier()
         if rank == 0:
@@ -134,11 +179,12 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="35m")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--staging-mib", type=int, default=64)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     args.dir = tempfile.mkdtemp(prefix="flatshard-ckpt-bench-")
     queue = mp.get_context("spawn").SimpleQueue()
-    port = 29000 + os.getpid() % 1000
+    port = free_port()
     mp.spawn(worker, args=(args.world, port, args, queue), nprocs=args.world)
     medians = queue.get()
     shutil.rmtree(args.dir, ignore_errors=True)
@@ -150,26 +196,31 @@ def main() -> None:
 
 
 def render(args, medians: dict[str, float]) -> str:
-    def ratio(name, reference):
-        return f"{medians[name] / medians[reference]:.2f}"
+    size = medians["checkpoint bytes"]
 
-    rows = [
-        ("FSDP2 + DCP save", "1.00"),
-        ("flatshard save", ratio("flatshard save", "FSDP2 + DCP save")),
-        ("flatshard + plain DCP save", ratio("flatshard + plain DCP save", "FSDP2 + DCP save")),
-        ("FSDP2 + DCP load", "1.00"),
-        ("flatshard load", ratio("flatshard load", "FSDP2 + DCP load")),
-        (
-            "flatshard load, verify=False",
-            ratio("flatshard load, verify=False", "FSDP2 + DCP load"),
-        ),
-        ("flatshard + plain DCP load", ratio("flatshard + plain DCP load", "FSDP2 + DCP load")),
+    def row(name, fsdp2, plain):
+        seconds = medians[name]
+        return (
+            f"| {name} | {seconds:.3f} | {size / seconds / 1e9:.2f} | "
+            f"{medians[fsdp2] / seconds:.2f} | {medians[plain] / seconds:.2f} |"
+        )
+
+    saves = ("FSDP2 + DCP save", "flatshard + plain DCP save")
+    loads = ("FSDP2 + DCP load", "flatshard + plain DCP load")
+    names = [
+        ("FSDP2 + DCP save", *saves),
+        ("flatshard + plain DCP save", *saves),
+        ("flatshard save", *saves),
+        ("FSDP2 + DCP load", *loads),
+        ("flatshard + plain DCP load", *loads),
+        ("flatshard load", *loads),
+        ("flatshard load, verify=False", *loads),
     ]
     lines = [
         "# Checkpoint benchmark",
         "",
         f"- command: `python benchmarks/checkpoint_bench.py --world {args.world} "
-        f"--preset {args.preset} --repeats {args.repeats}`",
+        f"--preset {args.preset} --repeats {args.repeats} --staging-mib {args.staging_mib}`",
         f"- date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; machine: "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
         f"torch {torch.__version__}",
@@ -178,19 +229,27 @@ def render(args, medians: dict[str, float]) -> str:
         "- `flatshard save/load` include the atomic commit (fsync, rename, `latest`), CRC-32 of "
         "every file (computed on save, verified on load unless `verify=False`) and per-rank "
         "RNG state; `plain DCP` is `dcp.save/load` on the same model",
-        "- async save: the first one allocates its host staging buffers, later ones refill "
-        "them (the median is over repeats, i.e. mostly refills)",
+        "- saves and loads of flatshard plan from the layout (no plan gather); its copies "
+        "for the write go in waves within the staging bound; the async save copies the "
+        "sharded state in waves after the call (the next optimizer step would wait for them)",
         "",
-        "| operation | median s | × FSDP2 + DCP |",
-        "|---|---|---|",
+        f"- checkpoint: {size / 1e6:.0f} MB (model + AdamW state); GB/s = that over the "
+        "median seconds; speed-ups are time ratios (> 1: faster)",
+        "",
+        "| operation | median s | GB/s | speed-up vs FSDP2 + DCP | vs plain DCP, same model |",
+        "|---|---|---|---|---|",
     ]
-    lines += [f"| {name} | {medians[name]:.3f} | {r} |" for name, r in rows]
+    lines += [row(*names_of) for names_of in names]
     blocking = medians["flatshard async save (blocking)"]
+    staging = args.staging_mib << 20
     lines += [
         "",
         f"Async save blocks for {blocking:.3f} s = "
         f"{100 * blocking / medians['flatshard save']:.1f}% of a synchronous flatshard save "
-        f"({medians['flatshard save']:.3f} s).",
+        f"({medians['flatshard save']:.3f} s). During it rank 0's resident memory grew by "
+        f"{medians['async extra resident bytes'] / 2**20:.1f} MiB at most (its copies: "
+        f"{medians['async staged bytes'] / 2**20:.1f} MiB) against a staging bound of "
+        f"{staging / 2**20:.0f} MiB ({medians['async extra resident bytes'] / staging:.2f}x).",
         "",
     ]
     return "\n".join(lines)

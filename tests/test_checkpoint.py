@@ -315,8 +315,8 @@ def _full_disk_on_rank_1(path):
 
     original = rank_file._write_wave
 
-    def full_disk(file, *args):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), file.name)
+    def full_disk(file, name, *args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(path, name))
 
     outcomes = []
     if dist.get_rank() == 1:

@@ -118,12 +118,7 @@ def dtensor_chunks(value: DTensor) -> list[tuple[tuple, tuple, int]] | None:
         split = local.mesh_dim
         if any(type(p) is not Replicate for d, p in enumerate(placements) if d != split):
             return None  # also split by TP/EP: those ranks' pieces are not in this spec
-        lowest = ranks.movedim(split, -1).reshape(-1, ranks.shape[split]).min(0).values.tolist()
-        return [
-            (box.offset, box.shape, lowest[index])
-            for index in range(ranks.shape[split])
-            for box in row_shard_boxes(local.spec, index)
-        ]
+        return row_shard_chunks(local.spec, ranks, split)
     if any(type(p) not in (Shard, Replicate) for p in placements):
         return None
     chunks: dict[tuple, tuple] = {}
@@ -136,23 +131,36 @@ def dtensor_chunks(value: DTensor) -> list[tuple[tuple, tuple, int]] | None:
     return [(offsets, sizes, rank) for (offsets, sizes), rank in chunks.items()]
 
 
-def row_shard_boxes(spec, index: int) -> list:
-    """The global boxes that the rank at `index` of the splitting mesh dim holds."""
-    return [box for _, box in dataclasses.replace(spec, rank=index).pieces]
+def row_shard_chunks(spec, ranks: torch.Tensor, split: int) -> list[tuple[tuple, tuple, int]]:
+    """Every rank's chunks of a tensor whose rows `spec`'s layout splits over dim `split` of
+    the mesh `ranks` (its other dims: replicas), each with the lowest rank that holds it."""
+    lowest = ranks.movedim(split, -1).reshape(-1, ranks.shape[split]).min(0).values.tolist()
+    return [
+        (box.offset, box.shape, lowest[index])
+        for index in range(ranks.shape[split])
+        for _, box in dataclasses.replace(spec, rank=index).pieces
+    ]
 
 
-def _planned(fqn, offsets, sizes, value, properties, rank) -> PlannedItem:
+def chunk_item(fqn, offsets, sizes, global_size, properties, rank, sharded=True) -> PlannedItem:
+    """The planned write of one chunk of tensor `fqn`."""
     offsets, sizes = torch.Size(offsets), torch.Size(sizes)
     item = WriteItem(
         index=MetadataIndex(fqn, offsets),
-        type=WriteItemType.SHARD if isinstance(value, DTensor) else WriteItemType.TENSOR,
+        type=WriteItemType.SHARD if sharded else WriteItemType.TENSOR,
         tensor_data=TensorWriteData(
             chunk=ChunkStorageMetadata(offsets, sizes),
             properties=properties,
-            size=value.shape,  # global: a DTensor's, or a whole tensor's
+            size=torch.Size(global_size),
         ),
     )
     return PlannedItem(item, rank, serialized_size(tuple(sizes), properties.dtype))
+
+
+def _planned(fqn, offsets, sizes, value, properties, rank) -> PlannedItem:
+    return chunk_item(
+        fqn, offsets, sizes, value.shape, properties, rank, isinstance(value, DTensor)
+    )
 
 
 def _local(value: DTensor) -> torch.Tensor:

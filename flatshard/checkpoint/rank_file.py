@@ -1,16 +1,23 @@
 """One rank's checkpoint file, written in waves of bounded host memory.
 
-The chunks a rank writes (its share of the global plan, in plan order) are copied to host
-memory a wave at a time; a wave holds at most half of `staging_bytes`, and the file write
-of one wave overlaps the copy of the next, so at most `staging_bytes` of copies are alive
-(a single chunk larger than a wave is a wave of its own). Each chunk is a `torch.save`
-record, as DCP writes it, at the offset the plan gave it.
+The chunks a rank writes (its share of the global plan, in plan order) are written as
+`torch.save` records, as DCP writes them, at the offsets the plan gave them. A chunk in
+host memory is written straight from there (a view of exactly its bytes: torch.save
+writes a tensor's whole storage, which for a shard is the whole flat buffer). Chunks on a
+device, and those of an asynchronous save (whose originals change at the next optimizer
+step), are copied to host memory a wave at a time: a wave holds at most half of
+`staging_bytes` and the file write of one wave overlaps the copy of the next, so at most
+`staging_bytes` of copies are alive. An asynchronous save writes a host chunk larger than
+a wave straight from its original instead, before it lets the optimizer step; a device
+chunk larger than a wave is a wave of its own. The file's CRC-32 is computed as it is
+written (no second read for the manifest).
 """
 
 from __future__ import annotations
 
 import io
 import os
+import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -34,34 +41,40 @@ def write(
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     copy_always: bool = False,
     staged: Callable[[], None] | None = None,
-) -> tuple[dict, int]:
+) -> tuple[dict, int, dict]:
     """Write `mine` to this rank's file in `directory`; returns ({index: where it is}, the
-    most bytes of host copies alive at once).
+    most bytes of host copies alive at once, {file name: its size and CRC-32}).
 
-    copy_always: copy host tensors too (an asynchronous save, whose originals may change
-        once `staged` has been called); otherwise a compact host tensor is written as is.
-    staged: called once every chunk has been copied (the originals may change from then).
+    copy_always: the originals change once `staged` has been called (an asynchronous save):
+        copy host chunks too, or write them before calling it.
+    staged: called once nothing more is read from the originals.
     """
     name = file_name(rank)
+    limit = max(1, staging_bytes // 2)
     where: dict = {}
     peak = 0
-    with open(os.path.join(directory, name), "wb") as file, ThreadPoolExecutor(1) as writer:
-        pending = None
-        for wave in _waves(mine, max(1, staging_bytes // 2)):
-            copies = [_host_copy(planned, flat_state, copy_always) for planned in wave]
+    with open(os.path.join(directory, name), "wb") as raw, ThreadPoolExecutor(1) as writer:
+        file = _ChecksummedFile(raw)
+        pending = reads_originals = None
+        for wave in _waves(mine, limit):
+            copies = [_host_value(planned, flat_state, copy_always, limit) for planned in wave]
             ready = comm.host_copies_done()
             alive = sum(copied for _, _, copied in copies)
             if pending is not None:
                 alive += pending.result()  # at most two waves alive: this one and the last
             peak = max(peak, alive)
             pending = writer.submit(_write_wave, file, name, copies, ready, where)
+            if any(copied == 0 for planned, _, copied in copies if planned.length):
+                reads_originals = pending
         if staged is not None:
+            if copy_always and reads_originals is not None:
+                reads_originals.result()
             staged()
         if pending is not None:
             pending.result()
-        file.flush()
-        os.fsync(file.fileno())
-    return where, peak
+        raw.flush()
+        os.fsync(raw.fileno())
+    return where, peak, {name: {"size": file.size, "crc32": file.crc}}
 
 
 def _waves(items: list[PlannedItem], limit: int) -> list[list[PlannedItem]]:
@@ -77,7 +90,7 @@ def _waves(items: list[PlannedItem], limit: int) -> list[list[PlannedItem]]:
     return waves
 
 
-def _host_copy(planned: PlannedItem, flat_state: dict, copy_always: bool) -> tuple:
+def _host_value(planned: PlannedItem, flat_state: dict, copy_always: bool, limit: int) -> tuple:
     """(planned, what to write, bytes copied for it)."""
     value = find_state_dict_object(flat_state, planned.item.index)
     if planned.item.type == WriteItemType.BYTE_IO:
@@ -85,20 +98,41 @@ def _host_copy(planned: PlannedItem, flat_state: dict, copy_always: bool) -> tup
         torch.save(value, buffer)  # as DCP serialises a value
         return planned, buffer, buffer.getbuffer().nbytes
     tensor = value.detach()
-    if _compact_on_host(tensor) and not copy_always:
-        return planned, tensor, 0
-    # its own storage: torch.save writes a tensor's whole storage, not just a view's
+    nbytes = tensor.numel() * tensor.element_size()
+    on_host = tensor.device.type == "cpu" and tensor.is_contiguous()
+    if on_host and (not copy_always or nbytes > limit):
+        return planned, _exactly_its_bytes(tensor), 0
     copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.device.type == "cuda")
-    return planned, comm.to_host(tensor, into=copy), tensor.numel() * tensor.element_size()
+    return planned, comm.to_host(tensor, into=copy), nbytes
 
 
-def _compact_on_host(tensor: torch.Tensor) -> bool:
-    return (
-        tensor.device.type == "cpu"
-        and type(tensor) is torch.Tensor
-        and tensor.is_contiguous()
-        and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
-    )
+def _exactly_its_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` (contiguous, on the host) over a storage of just its own bytes, no copy."""
+    if tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
+        return tensor.as_subclass(torch.Tensor)
+    as_bytes = tensor.reshape(-1).view(torch.uint8)  # numpy has no bfloat16
+    return torch.from_numpy(as_bytes.numpy()).view(tensor.dtype).view(tensor.shape)
+
+
+class _ChecksummedFile:
+    """A binary file that keeps the CRC-32 and size of what is written to it."""
+
+    def __init__(self, raw):
+        self._raw = raw
+        self.crc = 0
+        self.size = 0
+
+    def write(self, data) -> int:
+        self.crc = zlib.crc32(data, self.crc)
+        written = self._raw.write(data)
+        self.size += written
+        return written
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def flush(self) -> None:
+        self._raw.flush()
 
 
 def _write_wave(file, name: str, copies: list, ready, where: dict) -> int:

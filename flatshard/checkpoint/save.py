@@ -142,7 +142,7 @@ def save(
             failure = None  # (kind, text) of what went wrong on this rank, and the error
             mine = None
             try:
-                result["peak_staging_bytes"] = writing.write_files(
+                written = writing.write_files(
                     partial,
                     prepared,
                     group,
@@ -151,9 +151,10 @@ def save(
                     copy_always=async_save,
                     staged=guard and guard.release,
                 )
+                result["peak_staging_bytes"], mine = written or (None, {})
                 torch.save(rng, os.path.join(partial, "rng", f"rank{rank}.pt"))
-                mine = {
-                    name: manifest.checksum(os.path.join(partial, name))
+                mine = {  # CRCs of what the layout-planned writer wrote: taken as it wrote
+                    name: mine.get(name) or manifest.checksum(os.path.join(partial, name))
                     for name in manifest.files_of_rank(partial, rank)
                 }
             except (Exception, CheckpointException) as error:  # DCP's raises on every rank

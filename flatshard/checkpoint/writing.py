@@ -66,10 +66,10 @@ def write_files(
     staging_bytes: int = rank_file.DEFAULT_STAGING_BYTES,
     copy_always: bool = False,
     staged=None,
-) -> int | None:
+) -> tuple[int, dict] | None:
     """Write this rank's part into `directory` (every rank calls it); returns the most bytes
-    of host copies alive at once (None when DCP wrote it). `copy_always` / `staged`: see
-    `rank_file.write`."""
+    of host copies alive at once and {file name: size and CRC-32} (None when DCP wrote it).
+    `copy_always` / `staged`: see `rank_file.write`."""
     planned = prepared.planned
     if planned is None:
         writer = dcp.FileSystemWriter(directory, sync_files=True)
@@ -77,7 +77,7 @@ def write_files(
         if staged is not None:
             staged()
         return None
-    where, peak = rank_file.write(
+    where, peak, checksums = rank_file.write(
         directory,
         rank,
         planned.of_rank(rank),
@@ -97,7 +97,7 @@ def write_files(
             version=CURRENT_DCP_VERSION,
         )
         commit.write_durably(os.path.join(directory, ".metadata"), pickle.dumps(metadata))
-    return peak
+    return peak, checksums
 
 
 def _storage_of_other_ranks(planned: global_plan.GlobalPlan) -> dict:
