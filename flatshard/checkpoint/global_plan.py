@@ -88,9 +88,10 @@ def plan(flat_state: dict, world: int) -> GlobalPlan | None:
     not known here."""
     per_rank: list[list[PlannedItem]] = [[] for _ in range(world)]
     values = []
+    lowest: dict = {}  # per (mesh, dim): the same for every tensor on that mesh
     for fqn, value in flat_state.items():
         if isinstance(value, DTensor):
-            chunks = dtensor_chunks(value)
+            chunks = dtensor_chunks(value, lowest)
             if chunks is None:
                 return None
             properties = TensorProperties.create_from_tensor(_local(value))
@@ -108,9 +109,10 @@ def plan(flat_state: dict, world: int) -> GlobalPlan | None:
     return GlobalPlan([p for items in per_rank for p in items], world)
 
 
-def dtensor_chunks(value: DTensor) -> list[tuple[tuple, tuple, int]] | None:
+def dtensor_chunks(value: DTensor, lowest: dict) -> list[tuple[tuple, tuple, int]] | None:
     """(offsets, sizes, writer rank) of every distinct chunk of `value` across its mesh; a
-    chunk held by several ranks (HSDP replicas, Replicate) is written by the lowest."""
+    chunk held by several ranks (HSDP replicas, Replicate) is written by the lowest.
+    `lowest`: a cache of `lowest_ranks` by (mesh, dim)."""
     mesh, placements = value.device_mesh, value.placements
     ranks = mesh.mesh
     local = value._local_tensor
@@ -118,7 +120,10 @@ def dtensor_chunks(value: DTensor) -> list[tuple[tuple, tuple, int]] | None:
         split = local.mesh_dim
         if any(type(p) is not Replicate for d, p in enumerate(placements) if d != split):
             return None  # also split by TP/EP: those ranks' pieces are not in this spec
-        return row_shard_chunks(local.spec, ranks, split)
+        key = (id(mesh), split)
+        if key not in lowest:
+            lowest[key] = lowest_ranks(ranks, split)
+        return row_shard_chunks(local.spec, lowest[key])
     if any(type(p) not in (Shard, Replicate) for p in placements):
         return None
     chunks: dict[tuple, tuple] = {}
@@ -131,13 +136,18 @@ def dtensor_chunks(value: DTensor) -> list[tuple[tuple, tuple, int]] | None:
     return [(offsets, sizes, rank) for (offsets, sizes), rank in chunks.items()]
 
 
-def row_shard_chunks(spec, ranks: torch.Tensor, split: int) -> list[tuple[tuple, tuple, int]]:
-    """Every rank's chunks of a tensor whose rows `spec`'s layout splits over dim `split` of
-    the mesh `ranks` (its other dims: replicas), each with the lowest rank that holds it."""
-    lowest = ranks.movedim(split, -1).reshape(-1, ranks.shape[split]).min(0).values.tolist()
+def lowest_ranks(ranks: torch.Tensor, split: int) -> list[int]:
+    """For each index along dim `split` of the mesh `ranks`, the lowest rank there (its
+    other dims are replicas of the same rows)."""
+    return ranks.movedim(split, -1).reshape(-1, ranks.shape[split]).min(0).values.tolist()
+
+
+def row_shard_chunks(spec, lowest: list[int]) -> list[tuple[tuple, tuple, int]]:
+    """Every rank's chunks of a tensor whose rows `spec`'s layout splits, each with the
+    lowest rank that holds it (`lowest_ranks`)."""
     return [
         (box.offset, box.shape, lowest[index])
-        for index in range(ranks.shape[split])
+        for index in range(len(lowest))
         for _, box in dataclasses.replace(spec, rank=index).pieces
     ]
 

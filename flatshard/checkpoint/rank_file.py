@@ -7,10 +7,12 @@ writes a tensor's whole storage, which for a shard is the whole flat buffer). Ch
 device, and those of an asynchronous save (whose originals change at the next optimizer
 step), are copied to host memory a wave at a time: a wave holds at most half of
 `staging_bytes` and the file write of one wave overlaps the copy of the next, so at most
-`staging_bytes` of copies are alive. An asynchronous save writes a host chunk larger than
-a wave straight from its original instead, before it lets the optimizer step; a device
-chunk larger than a wave is a wave of its own. The file's CRC-32 is computed as it is
-written (no second read for the manifest).
+`staging_bytes` of copies are alive. The copies go into two reused buffers of a wave each
+(pinned on CUDA: allocated once per size, not per save), so the bound is what the process
+holds, not what a memory allocator keeps. An asynchronous save writes a host chunk larger
+than a wave straight from its original instead, before it lets the optimizer step; a
+device chunk larger than a wave is copied into a buffer of its own. The file's CRC-32 is
+computed as it is written (no second read for the manifest).
 """
 
 from __future__ import annotations
@@ -56,8 +58,12 @@ def write(
     with open(os.path.join(directory, name), "wb") as raw, ThreadPoolExecutor(1) as writer:
         file = _ChecksummedFile(raw)
         pending = reads_originals = None
-        for wave in _waves(mine, limit):
-            copies = [_host_value(planned, flat_state, copy_always, limit) for planned in wave]
+        buffers = _staging_buffers(limit, _any_copied(mine, flat_state, copy_always, limit))
+        for number, wave in enumerate(_waves(mine, limit)):
+            buffer = _Carver(buffers[number % 2]) if buffers else None
+            copies = [
+                _host_value(planned, flat_state, copy_always, limit, buffer) for planned in wave
+            ]
             ready = comm.host_copies_done()
             alive = sum(copied for _, _, copied in copies)
             if pending is not None:
@@ -90,20 +96,73 @@ def _waves(items: list[PlannedItem], limit: int) -> list[list[PlannedItem]]:
     return waves
 
 
-def _host_value(planned: PlannedItem, flat_state: dict, copy_always: bool, limit: int) -> tuple:
+def _host_value(planned, flat_state: dict, copy_always: bool, limit: int, buffer) -> tuple:
     """(planned, what to write, bytes copied for it)."""
     value = find_state_dict_object(flat_state, planned.item.index)
     if planned.item.type == WriteItemType.BYTE_IO:
-        buffer = io.BytesIO()
-        torch.save(value, buffer)  # as DCP serialises a value
-        return planned, buffer, buffer.getbuffer().nbytes
+        serialised = io.BytesIO()
+        torch.save(value, serialised)  # as DCP serialises a value
+        return planned, serialised, serialised.getbuffer().nbytes
     tensor = value.detach()
     nbytes = tensor.numel() * tensor.element_size()
-    on_host = tensor.device.type == "cpu" and tensor.is_contiguous()
-    if on_host and (not copy_always or nbytes > limit):
+    if not _needs_copy(tensor, copy_always, limit):
         return planned, _exactly_its_bytes(tensor), 0
-    copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.device.type == "cuda")
+    if nbytes <= limit and buffer is not None:
+        copy = buffer.take(tensor)
+    else:
+        pinned = tensor.device.type == "cuda"
+        copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
     return planned, comm.to_host(tensor, into=copy), nbytes
+
+
+def _needs_copy(tensor: torch.Tensor, copy_always: bool, limit: int) -> bool:
+    on_host = tensor.device.type == "cpu" and tensor.is_contiguous()
+    nbytes = tensor.numel() * tensor.element_size()
+    return not (on_host and (not copy_always or nbytes > limit))
+
+
+def _any_copied(mine, flat_state: dict, copy_always: bool, limit: int) -> bool:
+    for planned in mine:
+        if planned.item.type == WriteItemType.BYTE_IO:
+            continue
+        tensor = find_state_dict_object(flat_state, planned.item.index)
+        if _needs_copy(tensor, copy_always, limit):
+            return True
+    return False
+
+
+_buffers: dict = {}  # (bytes, pinned): the two wave buffers, kept for the next save
+
+
+def _staging_buffers(limit: int, needed: bool) -> tuple | None:
+    if not needed:
+        return None
+    pinned = torch.cuda.is_available() and torch.cuda.is_initialized()
+    key = (limit, pinned)
+    if key not in _buffers:
+        _buffers.clear()  # another bound: free the old pair first
+        _buffers[key] = tuple(
+            torch.empty(limit, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)
+        )
+    return _buffers[key]
+
+
+class _Carver:
+    """Hands out consecutive, aligned pieces of one wave buffer as tensors."""
+
+    ALIGN = 64
+
+    def __init__(self, buffer: torch.Tensor):
+        self._buffer = buffer
+        self._used = 0
+
+    def take(self, like: torch.Tensor) -> torch.Tensor:
+        nbytes = like.numel() * like.element_size()
+        start = -(-self._used // self.ALIGN) * self.ALIGN
+        if start + nbytes > self._buffer.numel():
+            return torch.empty(like.shape, dtype=like.dtype, pin_memory=self._buffer.is_pinned())
+        self._used = start + nbytes
+        return self._buffer[start : start + nbytes].view(like.dtype).view(like.shape)
 
 
 def _exactly_its_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -143,7 +202,7 @@ def _write_wave(file, name: str, copies: list, ready, where: dict) -> int:
         if isinstance(value, io.BytesIO):
             file.write(value.getbuffer())
         else:
-            torch.save(value, file)
+            torch.save(_exactly_its_bytes(value), file)
         length = file.tell() - offset
         if planned.item.type != WriteItemType.BYTE_IO and length != planned.length:
             raise RuntimeError(
