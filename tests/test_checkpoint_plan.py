@@ -158,3 +158,23 @@ def test_collectives_per_save_and_load_are_constant_in_the_world_size(tmp_path):
     assert counts[2]["load"] == counts[4]["load"] <= 1, counts
     # what rank 0 receives is a checksum per file, not every rank's plan as DCP's gather
     assert moved[4]["save"] * 5 < moved[4]["dcp save"], moved
+
+
+# --- the plan of a run's saves is derived once ----------------------------------------------
+def _planned_twice():
+    from flatshard.checkpoint import global_plan
+
+    model, optimizer = _trained("zero3")
+    flat, _ = flatten_state_dict(app_state(model, optimizer, {"position": 1}))
+    first = global_plan.plan(flat, dist.get_world_size())
+    with torch.no_grad():  # new values: the same structure
+        next(model.parameters()).add_(1.0)
+    again, _ = flatten_state_dict(app_state(model, optimizer, {"position": 2}))
+    reused = global_plan.plan(again, dist.get_world_size()) is first
+    other = shard(build_model(config(n_layers=3)))
+    other_flat, _ = flatten_state_dict(app_state(other, adamw(other.parameters()), {}))
+    return reused, global_plan.plan(other_flat, dist.get_world_size()) is not first
+
+
+def test_a_runs_later_saves_reuse_the_plan():
+    assert run_distributed(_planned_twice, 2) == [(True, True)] * 2

@@ -52,6 +52,7 @@ class GlobalPlan:
     def of_rank(self, rank: int) -> list[PlannedItem]:
         return [p for p in self.items if p.rank == rank]
 
+    @functools.cached_property
     def fingerprint(self) -> int:
         """The same on every rank that planned the same checkpoint."""
         return fingerprint(
@@ -82,10 +83,34 @@ def file_name(rank: int) -> str:
     return f"__{rank}_0.distcp"
 
 
+_last: dict = {}  # the structure of the last planned state, and its plan
+
+
 def plan(flat_state: dict, world: int) -> GlobalPlan | None:
     """The whole checkpoint's plan from `flat_state` (DCP's flattened state dict: dotted
     names to DTensors, tensors and values); None when a tensor's chunks on other ranks are
-    not known here."""
+    not known here. The plan of the last state is kept: a later save of the same structure
+    (every save of a run, but the first) only compares it."""
+    key = (world, [_structure(fqn, value) for fqn, value in flat_state.items()])
+    if _last.get("key") != key:
+        _last.update(key=key, plan=_derive(flat_state, world))
+    return _last["plan"]
+
+
+def _structure(fqn: str, value) -> tuple:
+    """What a tensor's chunks and their metadata depend on (its spec is shared by every
+    state of a parameter, so comparing it is mostly an identity check)."""
+    if isinstance(value, DTensor):
+        local = value._local_tensor
+        where = local.spec if isinstance(local, RowShard) else tuple(local.shape)
+        return (fqn, id(value.device_mesh), tuple(value.placements), tuple(value.shape), where,
+                TensorProperties.create_from_tensor(_local(value)))  # fmt: skip
+    if isinstance(value, torch.Tensor):
+        return (fqn, tuple(value.shape), TensorProperties.create_from_tensor(value))
+    return (fqn,)
+
+
+def _derive(flat_state: dict, world: int) -> GlobalPlan | None:
     per_rank: list[list[PlannedItem]] = [[] for _ in range(world)]
     values = []
     lowest: dict = {}  # per (mesh, dim): the same for every tensor on that mesh

@@ -117,7 +117,7 @@ def _everyone_planned_alike(planned, group) -> bool:
     if planned is None:
         mine = torch.tensor([0, 0, 1], dtype=torch.int64)
     else:
-        fingerprint = planned.fingerprint() >> 2  # room to negate
+        fingerprint = planned.fingerprint >> 2  # room to negate
         mine = torch.tensor([fingerprint, -fingerprint, 0], dtype=torch.int64)
     if group is None:
         return planned is not None
