@@ -117,18 +117,26 @@ class PeakResident:
         self.extra = self.peak - self.start
 
 
-def one_repeat(base: str, fsdp2, ours, staging: int) -> dict[str, float]:
-    """Every mode once, in the same order each repeat."""
+def one_repeat(base: str, fsdp2, ours, staging: int, turn: int) -> dict[str, float]:
+    """Every mode once; the saves (and the loads) start with another one each repeat, so no
+    mode always follows the same one (a previous write still flushing to disk)."""
     model, optimizer = ours
-    result = {
-        "FSDP2 + DCP save": timed(lambda: dcp_save(*fsdp2, base + "-fsdp2")),
-        "flatshard save": timed(
-            lambda: checkpoint.save(
-                base + "-ours", model=model, optimizer=optimizer, step=1, staging_bytes=staging
-            )
+    saves = {
+        "FSDP2 + DCP save": lambda: dcp_save(*fsdp2, base + "-fsdp2"),
+        "flatshard save": lambda: checkpoint.save(
+            base + "-ours", model=model, optimizer=optimizer, step=1, staging_bytes=staging
         ),
-        "flatshard + plain DCP save": timed(lambda: dcp_save(*ours, base + "-plain")),
+        "flatshard + plain DCP save": lambda: dcp_save(*ours, base + "-plain"),
     }
+    loads = {
+        "FSDP2 + DCP load": lambda: dcp_load(*fsdp2, base + "-fsdp2"),
+        "flatshard load": lambda: checkpoint.load(base + "-ours", model=model, optimizer=optimizer),
+        "flatshard load, verify=False": lambda: checkpoint.load(
+            base + "-ours", model=model, optimizer=optimizer, verify=False
+        ),
+        "flatshard + plain DCP load": lambda: dcp_load(*ours, base + "-plain"),
+    }
+    result = {name: timed(saves[name]) for name in rotated(saves, turn)}
     with PeakResident() as memory:
         handle = checkpoint.save(
             base + "-async", model=model, optimizer=optimizer, step=1, async_save=True,
@@ -139,15 +147,14 @@ def one_repeat(base: str, fsdp2, ours, staging: int) -> dict[str, float]:
     result["async extra resident bytes"] = memory.extra
     result["async staged bytes"] = handle.peak_staging_bytes
     result["checkpoint bytes"] = directory_bytes(base + "-plain")
-    result["FSDP2 + DCP load"] = timed(lambda: dcp_load(*fsdp2, base + "-fsdp2"))
-    result["flatshard load"] = timed(
-        lambda: checkpoint.load(base + "-ours", model=model, optimizer=optimizer)
-    )
-    result["flatshard load, verify=False"] = timed(
-        lambda: checkpoint.load(base + "-ours", model=model, optimizer=optimizer, verify=False)
-    )
-    result["flatshard + plain DCP load"] = timed(lambda: dcp_load(*ours, base + "-plain"))
+    result.update({name: timed(loads[name]) for name in rotated(loads, turn)})
     return result
+
+
+def rotated(modes: dict, turn: int) -> list[str]:
+    names = list(modes)
+    turn %= len(names)
+    return names[turn:] + names[:turn]
 
 
 def worker(rank: int, world: int, port: int, args, queue):
@@ -160,7 +167,7 @@ def worker(rank: int, world: int, port: int, args, queue):
     times: dict[str, list[float]] = {}
     for repeat in range(args.repeats):
         base = os.path.join(args.dir, f"r{repeat}")
-        for name, seconds in one_repeat(base, fsdp2, ours, args.staging_mib << 20).items():
+        for name, seconds in one_repeat(base, fsdp2, ours, args.staging_mib << 20, repeat).items():
             times.setdefault(name, []).append(seconds)
         dist.barrier()
         if rank == 0:
@@ -240,7 +247,8 @@ def render(args, medians: dict[str, float]) -> str:
         "sharded state in waves after the call (the next optimizer step would wait for them)",
         "",
         f"- checkpoint: {size / 1e6:.0f} MB (model + AdamW state); GB/s = that over the "
-        "median seconds; speed-ups are time ratios (> 1: faster)",
+        "median seconds; speed-ups are time ratios (> 1: faster); the order of the saves "
+        "(and of the loads) rotates by repeat",
         "",
         "| operation | median s | GB/s | speed-up vs FSDP2 + DCP | vs plain DCP, same model |",
         "|---|---|---|---|---|",
