@@ -63,7 +63,7 @@ def _ours_against_dcp(root: str, layout: str):
     if rank == 0:
         os.makedirs(ours)
     dist.barrier()
-    prepared = writing.prepare(state, group, world)
+    prepared = writing.prepare(state, group, rank, world)
     writing.write_files(ours, prepared, group, rank, staging_bytes=4096)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(theirs), process_group=group)
     dist.barrier()

@@ -52,6 +52,13 @@ class GlobalPlan:
     def of_rank(self, rank: int) -> list[PlannedItem]:
         return [p for p in self.items if p.rank == rank]
 
+    def only(self, rank: int) -> GlobalPlan:
+        """The plan as `rank` keeps it when it does not write the metadata: its own items
+        and the whole plan's fingerprint (at a thousand ranks the rest is ~100 MB)."""
+        kept = GlobalPlan(self.of_rank(rank), self.world)
+        kept.__dict__["fingerprint"] = self.fingerprint
+        return kept
+
     @functools.cached_property
     def fingerprint(self) -> int:
         """The same on every rank that planned the same checkpoint."""
@@ -86,14 +93,18 @@ def file_name(rank: int) -> str:
 _last: dict = {}  # the structure of the last planned state, and its plan
 
 
-def plan(flat_state: dict, world: int) -> GlobalPlan | None:
+def plan(flat_state: dict, world: int, keep_rank: int | None = None) -> GlobalPlan | None:
     """The whole checkpoint's plan from `flat_state` (DCP's flattened state dict: dotted
     names to DTensors, tensors and values); None when a tensor's chunks on other ranks are
-    not known here. The plan of the last state is kept: a later save of the same structure
-    (every save of a run, but the first) only compares it."""
-    key = (world, [_structure(fqn, value) for fqn, value in flat_state.items()])
+    not known here. `keep_rank`: keep only that rank's items (and the fingerprint). The
+    plan of the last state is kept: a later save of the same structure (every save of a
+    run, but the first) only compares it."""
+    key = (world, keep_rank, [_structure(fqn, value) for fqn, value in flat_state.items()])
     if _last.get("key") != key:
-        _last.update(key=key, plan=_derive(flat_state, world))
+        derived = _derive(flat_state, world)
+        if derived is not None and keep_rank is not None:
+            derived = derived.only(keep_rank)
+        _last.update(key=key, plan=derived)
     return _last["plan"]
 
 

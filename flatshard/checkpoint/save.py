@@ -121,7 +121,7 @@ def save(
 
     started = time.perf_counter()
     state = app_state(model, optimizer, extra)
-    prepared = writing.prepare(state, group, world)
+    prepared = writing.prepare(state, group, rank, world)
     copied = guard = None
     if async_save and prepared.planned is None:  # DCP writes it: one whole host copy now
         global _staged

@@ -45,11 +45,11 @@ class Prepared:
                 self.flat[fqn] = copy.deepcopy(value)
 
 
-def prepare(state: dict, group, world: int) -> Prepared:
+def prepare(state: dict, group, rank: int, world: int) -> Prepared:
     """Plan the save of `state` (every rank calls it: one small all-reduce)."""
     flat, mappings = flatten_state_dict(state)
-    try:
-        planned = global_plan.plan(flat, world)
+    try:  # rank 0 writes the metadata: it keeps the whole plan
+        planned = global_plan.plan(flat, world, keep_rank=None if rank == 0 else rank)
     except Exception:  # noqa: BLE001 - a state it cannot plan: DCP plans it (and reports)
         planned = None
     if not _everyone_planned_alike(planned, group):
