@@ -43,7 +43,16 @@ def _torchrun(tmp_path, case):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "PYTHONPATH": REPO_ROOT, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    # the agent stops the other workers once it sees one fail: polling every 2 s (not 0.1 s)
+    # leaves rank 0 the time to report on a loaded machine
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--monitor-interval",
+        "2",
+    ]
     run = subprocess.run(
         [*command, "--nproc_per_node", "2", str(script), case],
         env=env, capture_output=True, text=True, timeout=300,
