@@ -149,15 +149,16 @@ def _count(root: str):
 
 def test_collectives_per_save_and_load_are_constant_in_the_world_size(tmp_path):
     counts, moved = {}, {}
-    for world in (1, 2, 4):
+    for world in (1, 2, 4, 8):
         counts[world], moved[world] = run_distributed(_count, world, str(tmp_path / f"{world}"))[0]
     print(counts, moved)
     # a save: the step check, the directory, the plan's fingerprint, the files' checksums to
     # rank 0, the commit; a load: the integrity check's agreement
-    assert counts[2]["save"] == counts[4]["save"] <= 5, counts
-    assert counts[2]["load"] == counts[4]["load"] <= 1, counts
+    assert counts[2]["save"] == counts[4]["save"] == counts[8]["save"] <= 5, counts
+    assert counts[2]["load"] == counts[4]["load"] == counts[8]["load"] <= 1, counts
     # what rank 0 receives is a checksum per file, not every rank's plan as DCP's gather
-    assert moved[4]["save"] * 5 < moved[4]["dcp save"], moved
+    assert max(moved[w]["save"] for w in moved) < 200, moved  # rank 0's own (CRCs vary)
+    assert moved[8]["save"] * 10 < moved[8]["dcp save"], moved
 
 
 # --- the plan of a run's saves is derived once ----------------------------------------------
