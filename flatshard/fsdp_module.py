@@ -117,12 +117,14 @@ class FlatShardModule(FSDPModule, nn.Module):
         """`hook(reduced)` runs on each of this unit's reduced gradient shards (in the
         reduce dtype, before they are added to the parameters' gradients): the
         reduce-scatter's output, or under HSDP the all-reduce's over the replicas, as in
-        FSDP2 (torchft sums over its own replicas here). Not recursive. `stream` is
-        accepted without HSDP; the hook runs on the current stream."""
-        unit = registry.unit_of(self)
-        if stream is not None and unit.mesh.replicate_group is not None:
+        FSDP2 (torchft sums over its own replicas here). Not recursive, but a root's
+        first-use groups (the parameters FSDP2's root group holds) take it too. `stream`
+        is accepted without HSDP; the hook runs on the current stream."""
+        units = self._own_units()
+        if stream is not None and units[0].mesh.replicate_group is not None:
             raise ValueError("stream cannot be set when using native HSDP")
-        unit.grads.all_reduce_hook = hook
+        for unit in units:
+            unit.grads.all_reduce_hook = hook
 
     def set_custom_all_gather(self, comm) -> None:
         raise NotImplementedError(_NOT_YET.format(what="set_custom_all_gather"))

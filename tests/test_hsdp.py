@@ -141,3 +141,35 @@ def test_hsdp_checkpoint_written_once_and_loads_anywhere(tmp_path):
         assert all(torch.equal(optim[k], saved[1][k]) for k in optim), (world, replicas)
     weights, _ = run_distributed(_load, 4, flat, 2)[0]  # a 1-D checkpoint into HSDP
     assert rel_diff(weights, run_distributed(_load, 1, flat, 0)[0][0]) == 0.0
+
+
+# --- a hook in place of the replica all-reduce (torchft's fault-tolerant HSDP) --------------
+def _replicas_by_hook(by_hook: bool):
+    """fully_shard over each replica's shard ranks only; `set_all_reduce_hook` averages the
+    reduced shards over the replicas itself (against native HSDP 2 x 2)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = config()
+    mesh = hsdp_mesh(2)
+    if not by_hook:
+        model = shard(build_model(cfg), 3, mesh=mesh)
+    else:
+        model = shard(build_model(cfg), 3, mesh=mesh["dp_shard"])
+        replicas = mesh.get_group("dp_replicate")
+
+        def average_over_replicas(reduced: torch.Tensor) -> None:
+            dist.all_reduce(reduced, group=replicas)
+            reduced.div_(dist.get_world_size(replicas))
+
+        for unit in (*model.layers, model):
+            unit.set_all_reduce_hook(average_over_replicas)
+    losses = train(model, batches(cfg, STEPS), rank=rank, world=world)
+    return losses, full_state(model)
+
+
+def test_all_reduce_hook_in_place_of_the_replica_all_reduce_trains_like_hsdp():
+    native = run_distributed(_replicas_by_hook, 4, False)
+    hooked = run_distributed(_replicas_by_hook, 4, True)
+    for (losses, weights), (reference_losses, reference_weights) in zip(hooked, native):
+        assert rel_losses(losses, reference_losses) <= TOLERANCE
+        assert rel_diff(weights, reference_weights) <= TOLERANCE
+    assert rel_diff(hooked[0][1], hooked[2][1]) == 0.0  # the replicas stay equal
