@@ -12,7 +12,7 @@ from torch.distributed.fsdp import FSDPModule, UnshardHandle
 
 from flatshard import registry
 from flatshard.errors import WrappingError
-from flatshard.runtime import hooks, shard_placement
+from flatshard.runtime import custom_comms, hooks, shard_placement
 from flatshard.runtime.sharded_lookup import embedding_forward
 from flatshard.runtime.states import ShardedState
 from flatshard.runtime.unit import Unit
@@ -127,10 +127,20 @@ class FlatShardModule(FSDPModule, nn.Module):
             unit.grads.all_reduce_hook = hook
 
     def set_custom_all_gather(self, comm) -> None:
-        raise NotImplementedError(_NOT_YET.format(what="set_custom_all_gather"))
+        """FSDP2's: this module's all-gathers run `comm` (an `AllGather`: it allocates the
+        gathered buffer and gathers into it; flatshard copies it out at wait(), as FSDP2
+        does). Not recursive; a root's first-use groups take it too."""
+        for unit in self._own_units():
+            for bucket in unit.buckets:
+                bucket.gather_hook = custom_comms.all_gather_hook(comm)
 
     def set_custom_reduce_scatter(self, comm) -> None:
-        raise NotImplementedError(_NOT_YET.format(what="set_custom_reduce_scatter"))
+        """FSDP2's: this module's gradient reduce-scatters run `comm` (a `ReduceScatter`:
+        it allocates its input and output; the gradient is copied in and the reduced shard
+        out, as FSDP2 does). Not recursive; a root's first-use groups take it too."""
+        for unit in self._own_units():
+            for bucket in unit.buckets:
+                bucket.scatter_hook = custom_comms.reduce_scatter_hook(comm)
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse=True):
         """Accepted: flatshard always reduce-scatters a unit's whole buckets (a parameter a
@@ -216,12 +226,6 @@ class FlatShardModule(FSDPModule, nn.Module):
                 ordered = {name: hidden.get((module, name), params.get(name)) for name in order}
                 params.clear()
                 params.update(ordered)
-
-
-_NOT_YET = (
-    "{what}: flatshard gathers and reduces a unit's flat buckets with its own collectives; "
-    "custom collectives are not supported yet"
-)
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

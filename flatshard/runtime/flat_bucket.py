@@ -20,6 +20,9 @@ class FlatBucket:
     # function (bucket, output, shard, group, pieces) -> work replaces them, e.g. to move
     # quantized or tensor-subclass bytes and fill `output` (the compute dtype) at wait().
     gather_hook = None
+    # Its reduce-scatter's: a function (bucket, output, flat, average, group) -> work that
+    # leaves this rank's summed (averaged) shard of `flat` in `output` at wait().
+    scatter_hook = None
 
     def __init__(
         self,
@@ -220,5 +223,8 @@ class FlatBucket:
             post_scale = None
             # Low-precision sums can overflow: scale before reducing.
             flat.mul_(1.0 / divide_factor)  # consumed by this reduce: scale in place
-        work = comm.for_group(self.group).reduce_scatter(output, flat, average, pool)
+        if self.scatter_hook is not None:
+            work = self.scatter_hook(self, output, flat, average, self.group)
+        else:
+            work = comm.for_group(self.group).reduce_scatter(output, flat, average, pool)
         return work, output, flat, post_scale
