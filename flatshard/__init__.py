@@ -33,12 +33,13 @@ from flatshard.materialize import materialize
 from flatshard.mesh import Meshes, ParallelDims
 from flatshard.parallelize import parallelize
 from flatshard.plan import ParallelPlan, register_plan
-from flatshard.policy import MixedPrecisionPolicy, OffloadPolicy
+from flatshard.policy import CommPolicy, MixedPrecisionPolicy, OffloadPolicy
 from flatshard.registry import unit_of as state
 from flatshard.registry import units_below as units
 from flatshard.state_offload import offload_states, reload_states
 
 __all__ = [
+    "CommPolicy",
     "CPUOffloadPolicy",
     "DataParallelMeshDims",
     "FSDPModule",

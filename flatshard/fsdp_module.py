@@ -12,7 +12,9 @@ from torch.distributed.fsdp import FSDPModule, UnshardHandle
 
 from flatshard import registry
 from flatshard.errors import WrappingError
+from flatshard.policy import CommPolicy
 from flatshard.runtime import custom_comms, hooks, shard_placement
+from flatshard.runtime.quantized_gather import QuantizedWeightGather
 from flatshard.runtime.sharded_lookup import embedding_forward
 from flatshard.runtime.states import ShardedState
 from flatshard.runtime.unit import Unit
@@ -125,6 +127,16 @@ class FlatShardModule(FSDPModule, nn.Module):
             raise ValueError("stream cannot be set when using native HSDP")
         for unit in units:
             unit.grads.all_reduce_hook = hook
+
+    def set_comm_policy(self, policy: CommPolicy, *, recurse: bool = True) -> None:
+        """Gather this module's weights as `policy` says (`CommPolicy(quantize_weights=
+        "int8")`: ZeRO++'s qwZ); `CommPolicy()` restores the compute dtype."""
+        gather = None
+        if policy.quantize_weights is not None:
+            gather = QuantizedWeightGather(policy.quantize_weights, policy.block_size)
+        for unit in self._units(recurse):
+            for bucket in unit.buckets:
+                bucket.gather_hook = gather
 
     def set_custom_all_gather(self, comm) -> None:
         """FSDP2's: this module's all-gathers run `comm` (an `AllGather`: it allocates the

@@ -1,4 +1,4 @@
-"""User-facing policies: mixed precision, optimizer offload and ZeRO stage."""
+"""User-facing policies: mixed precision, collectives, optimizer offload and ZeRO stage."""
 
 from __future__ import annotations
 
@@ -52,6 +52,30 @@ def as_mixed_precision(policy) -> MixedPrecisionPolicy:
         raise WrappingError(
             f"mp_policy must be a flatshard.MixedPrecisionPolicy, got {type(policy).__name__}"
         ) from error
+
+
+@dataclass(frozen=True)
+class CommPolicy:
+    """How a module's collectives move their bytes (opt-in; `module.set_comm_policy`).
+
+    quantize_weights: None (the compute dtype), "int8" or "fp8" (e4m3): the all-gathered
+        weights in 8 bits with one fp32 scale per `block_size` elements (ZeRO++'s qwZ);
+        only the gathered copy is rounded, the main weights and the step are not.
+    """
+
+    quantize_weights: str | None = None
+    block_size: int = 256
+
+    def __post_init__(self):
+        if self.quantize_weights not in (None, "int8", "fp8"):
+            raise WrappingError(
+                f"CommPolicy.quantize_weights must be None, 'int8' or 'fp8', got "
+                f"{self.quantize_weights!r}"
+            )
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise WrappingError(
+                f"CommPolicy.block_size must be a positive int, got {self.block_size!r}"
+            )
 
 
 @dataclass(frozen=True)
