@@ -64,7 +64,7 @@ class CommPolicy:
     """
 
     quantize_weights: str | None = None
-    block_size: int = 256
+    block_size: int = 256  # runtime/quantized_gather.BLOCK
 
     def __post_init__(self):
         if self.quantize_weights not in (None, "int8", "fp8"):

@@ -178,17 +178,22 @@ def test_plan_matches_measured_peaks_per_activation_checkpointing_mode(tmp_path)
     assert measured["full"] < measured["selective"] < measured["none"]
 
 
-@pytest.mark.parametrize("stage, precision", [(1, "bf16"), (2, "fp32")])
-def test_bytes_per_step_with_accumulation_match_the_plan(tmp_path, stage, precision):
+@pytest.mark.parametrize(
+    "stage, precision, quantize", [(1, "bf16", "none"), (2, "fp32", "none"), (3, "bf16", "int8")]
+)
+def test_bytes_per_step_with_accumulation_match_the_plan(tmp_path, stage, precision, quantize):
+    """Also with the weights gathered in int8 (qwZ): the plan counts the quantized bytes."""
     sizes = ["--set", "model.preset=tiny", "--set", "data.seq_len=32",
              "--set", "train.micro_batch=2", "--set", "train.global_batch=8",
-             "--set", f"train.zero_stage={stage}",
+             "--set", f"train.zero_stage={stage}", "--set", f"train.quantize_weights={quantize}",
              "--set", f"train.precision={precision}"]  # fmt: skip
     run = tmp_path / "run"
     check_ok(flatshard("train", *sizes, "--steps", 2, "--out", run, "--set", "run.sample_tokens=0"))
     plan = json.loads(check_ok(flatshard("plan", *sizes, "--json")).stdout)
     assert plan["setup"]["grad_accum"] == 2
-    for record in metrics(run):
+    # ZeRO-3's first step gathers the last block once more (the forward order is learnt
+    # then); the plan is the steady state
+    for record in metrics(run)[1 if stage == 3 else 0 :]:
         assert record["all_gather_bytes"] == plan["communication"]["all_gather"]
         assert record["reduce_scatter_bytes"] == plan["communication"]["reduce_scatter"]
 

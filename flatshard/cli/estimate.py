@@ -63,6 +63,7 @@ from flatshard.runtime.gather_policy import (
     reduce_scatters_per_step,
     stays_gathered,
 )
+from flatshard.runtime.quantized_gather import BLOCK, packed_bytes
 
 # More ranks than any machine runs (2^20); larger world sizes are typos (and each rank's
 # row of padding would make the figures meaningless).
@@ -89,6 +90,7 @@ class Setup:
     ac: str = "none"  # activation checkpointing: none, full or selective (activations.py)
     write_gbps: float = 1.0  # how fast each rank writes its checkpoint file (GB/s)
     muon_share: float = 0.0  # muon: the trained elements in its matrices (plan() sets it)
+    quantize_weights: str = "none"  # int8 / fp8: weights all-gathered in 8 bits (qwZ)
 
     @property
     def optimizer_states(self) -> float:
@@ -161,6 +163,7 @@ class UnitFigures:
     trainable: bool
     empty_ranks: int = 0  # ranks whose shards hold none of its parameters (only padding)
     inner: bool = False  # runs inside the previous unit's forward (EP experts)
+    quantized: int = 0  # bytes of one all-gather of it in 8 bits (every rank's blocks, scales)
 
     @property
     def padding(self) -> int:
@@ -235,6 +238,7 @@ def _unit_figures(unit, dp_shard: int, bucket_per_param: bool = False) -> UnitFi
         trainable=bool(trainable),
         empty_ranks=layout.empty_rank_count() if layout.used_size else 0,
         inner=unit.inner,
+        quantized=sum(dp_shard * packed_bytes(b.shard_size, BLOCK) for b in layout.buckets),
     )
 
 
@@ -337,8 +341,10 @@ def _communication(units: tuple[UnitFigures, ...], setup: Setup) -> dict[str, in
     root_parts = [u.is_root for u in order]
     in_model = sum(u.count for u in units)
     stays = [stays_gathered(i, root_parts, in_model) for i in range(len(order))]
-    all_gather = pb * sum(
-        u.padded * all_gathers_per_step(setup.zero_stage, kept, accumulation)
+    quantized = setup.quantize_weights != "none"
+    all_gather = sum(
+        (u.quantized if quantized else pb * u.padded)
+        * all_gathers_per_step(setup.zero_stage, kept, accumulation)
         for u, kept in zip(order, stays)
     )
     # hpZ: the backward gathers of the units that resharded after forward, inside groups

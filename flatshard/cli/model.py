@@ -97,8 +97,12 @@ def build_run_model(
         activations=activation_options(train.ac, train.compile),
     )
     if config.model.hf:
-        return build_hf(config.model.hf, load=load, **sharding)
-    return build_sharded(model_config, seed=train.seed, **sharding)
+        model = build_hf(config.model.hf, load=load, **sharding)
+    else:
+        model = build_sharded(model_config, seed=train.seed, **sharding)
+    if train.quantize_weights != "none":
+        model.set_comm_policy(flatshard.CommPolicy(quantize_weights=train.quantize_weights))
+    return model
 
 
 def build_sharded(

@@ -105,6 +105,9 @@ OPTIONS: tuple[Option, ...] = (
            "files in this directory (the disk tier; alone it offloads everything)"),
     Option("train.precision", "fp32", "compute dtype; weights and optimizer stay fp32",
            choices=("fp32", "bf16")),
+    Option("train.quantize_weights", "none", "all-gather the weights in 8 bits with a scale "
+           "per 256 (ZeRO++'s qwZ); the fp32 weights and the step stay exact",
+           choices=("none", "int8", "fp8")),
     Option("train.ac", "none", "activation memory per block: full or selective (per-op) "
            "activation checkpointing, or offload (saved activations on the host)",
            choices=("none", "full", "selective", "offload")),

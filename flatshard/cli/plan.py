@@ -113,6 +113,12 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument("--reduce-dtype", default=None, choices=("fp32", "bf16"))
     parser.add_argument(
+        "--quantize-weights",
+        default=None,
+        choices=("none", "int8", "fp8"),
+        help="weights all-gathered in 8 bits with a scale per 256 (qwZ)",
+    )
+    parser.add_argument(
         "--micro-batch", type=int, default=None, metavar="N", help="sequences per rank"
     )
     parser.add_argument(
@@ -185,6 +191,7 @@ def _model_and_defaults(args):
         world_size=8, dp_shard=None, zero_stage=3, param_dtype="bf16", reduce_dtype="fp32",
         micro_batch=1, seq_len=4096, grad_accum=1, backend="nccl", hpz_group=0, tp=1, ep=1,
         offload=0.0, offload_disk=False, ac="none", optimizer="adamw", write_gbps=1.0,
+        quantize_weights="none",
     )  # fmt: skip
     if args.model is not None:
         return zoo.resolve(args.model), defaults
@@ -205,6 +212,7 @@ def _model_and_defaults(args):
         optimizer=train.optimizer,
         hpz_group=train.hpz_group,
         param_dtype=train.precision,
+        quantize_weights=train.quantize_weights,
         micro_batch=train.micro_batch,
         seq_len=config.data.seq_len,
         grad_accum=max(1, train.global_batch // (train.micro_batch * world // train.tp)),
@@ -315,7 +323,8 @@ def format_plan(result: Plan) -> str:
         "",
         f"  padding: {100 * result.padding_fraction:.4f}% of parameter elements",
         "  communication per step, per rank (collective payload)",
-        f"    all-gather                      {_gib(c['all_gather'])}",
+        f"    all-gather                      {_gib(c['all_gather'])}"
+        + (f"  (weights in {s.quantize_weights})" if s.quantize_weights != "none" else ""),
     ]
     if c["all_gather_in_hpz_groups"]:
         in_groups = _gib(c["all_gather_in_hpz_groups"])

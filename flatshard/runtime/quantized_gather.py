@@ -15,6 +15,7 @@ import torch
 from flatshard import comm
 
 FORMATS = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
+BLOCK = 256  # elements a scale covers, by default
 
 
 def pack(shard: torch.Tensor, dtype: torch.dtype, largest: float, block: int) -> torch.Tensor:
