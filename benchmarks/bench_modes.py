@@ -197,6 +197,9 @@ FLAT_OPTIMIZER_MODES = ["zero3f", "zero1f"]
 # flatshard ZeRO-3 with flatshard.optim.Muon (an owner rank per matrix); both with
 # Moonlight's lr match, so LR and WEIGHT_DECAY serve both parts
 MUON_MODES = ["fsdp2-muon", "zero3m"]
+# flatshard ZeRO-3 with the weights all-gathered in int8 / fp8 (CommPolicy, ZeRO++'s qwZ)
+# (run when asked for with --modes, beside zero3)
+QUANTIZED_MODES = {"zero3q8": "int8", "zero3qf8": "fp8"}
 # flatshard's offload modes: (fraction, on the disk tier)
 OFFLOAD_FRACTIONS = {"off50": (0.5, False), "off100": (1.0, False), "offdisk": (1.0, True)}
 MODE_NAMES = {
@@ -226,13 +229,15 @@ MODE_NAMES = {
     "zero1f": "flatshard ZeRO-1 + flat AdamW",
     "fsdp2-muon": "FSDP2 + torch Muon",
     "zero3m": "flatshard ZeRO-3 + Muon",
+    "zero3q8": "flatshard ZeRO-3, int8 weight gathers",
+    "zero3qf8": "flatshard ZeRO-3, fp8 weight gathers",
     "acsel3": "flatshard ZeRO-3 selective AC",
     "acoff3": "flatshard ZeRO-3 activation offload",
 }
 FLATSHARD_STAGES = {
     "zero3": 3, "zero2": 2, "zero1": 1, "hsdp3": 3, "hpz3": 3, "tp3": 3, "moe3": 3, "ep3": 3,
     "off50": 3, "off100": 3, "offdisk": 3, "compile3": 3, "acfull3": 3, "acsel3": 3,
-    "acoff3": 3, "zero3f": 3, "zero1f": 1, "zero3m": 3,
+    "acoff3": 3, "zero3f": 3, "zero1f": 1, "zero3m": 3, "zero3q8": 3, "zero3qf8": 3,
 }  # fmt: skip
 HPZ_GROUP = 2
 HSDP_REPLICAS = 2
@@ -487,4 +492,6 @@ def build_mode(mode: str, cfg: LlamaConfig, param_dtype: torch.dtype):
             activation_checkpointing=AC_OF_MODE.get(mode),
             **extra,
         )
+        if mode in QUANTIZED_MODES:
+            model.set_comm_policy(flatshard.CommPolicy(quantize_weights=QUANTIZED_MODES[mode]))
     return model, (lambda tokens: loss(model, tokens)), (lambda value: value.backward())

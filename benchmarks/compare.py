@@ -76,6 +76,7 @@ from bench_modes import (
     MUON_MODES,
     OFFLOAD_MODES,
     PRESETS,
+    QUANTIZED_MODES,
     TP_DEGREE,
     TP_MODES,
     is_moe,
@@ -217,7 +218,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.modes = ",".join(["single", *MOE_MODES] if moe else MODES)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     known = MODES + HSDP_MODES + TP_MODES + MOE_MODES + OFFLOAD_MODES + COMPILE_MODES
-    known += AC_MODES + FLAT_OPTIMIZER_MODES + MUON_MODES
+    known += AC_MODES + FLAT_OPTIMIZER_MODES + MUON_MODES + list(QUANTIZED_MODES)
     unknown = sorted(set(modes) - set(known))
     if unknown or not modes:
         parser.error(f"unknown modes {unknown}; choose from {known}")

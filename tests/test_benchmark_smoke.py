@@ -334,3 +334,19 @@ def test_compare_muon_modes(tmp_path):
     theirs = float(_row(text, "FSDP2 + torch Muon")["loss Δ vs FSDP2"])
     ours = _row(text, "flatshard ZeRO-3 + Muon")
     assert theirs > 0 and abs(float(ours["loss Δ vs FSDP2"]) - theirs) <= 1e-4, text
+
+
+def test_compare_quantized_gather_modes(tmp_path):
+    """ZeRO-3 with int8 and fp8 weight gathers beside plain ZeRO-3: rows in the report,
+    losses near FSDP2's (only the gathered weights are rounded)."""
+    text = _run_compare(
+        tmp_path,
+        "--modes",
+        "fsdp2,zero3,zero3q8,zero3qf8",
+        "--interleave",
+        "steps",
+        "--rounds",
+        "1",
+    )
+    for name in ("flatshard ZeRO-3, int8 weight gathers", "flatshard ZeRO-3, fp8 weight gathers"):
+        assert 0 < float(_row(text, name)["loss Δ vs FSDP2"]) <= 1e-2, text
