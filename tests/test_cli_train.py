@@ -235,7 +235,8 @@ def test_hsdp_run_bytes_match_the_plan(tmp_path):
 
 def test_hpz_run_bytes_match_the_plan(tmp_path):
     """`--hpz-group 2` on 4 processes: every gathered byte, those inside the pairs included,
-    is what `flatshard plan` predicts, and the run trains as plain ZeRO-3 does."""
+    is what `flatshard plan` predicts (also with int8 weight gathers), and the run trains as
+    plain ZeRO-3 does."""
     sizes = ["--set", "model.preset=tiny", "--set", "data.seq_len=32",
              "--set", "train.micro_batch=2", "--set", "train.global_batch=8",
              "--set", "run.nproc=4"]  # fmt: skip
@@ -250,6 +251,12 @@ def test_hpz_run_bytes_match_the_plan(tmp_path):
     for record, baseline in zip(metrics(hpz)[1:], metrics(plain)[1:]):
         assert record["all_gather_bytes"] == plan["communication"]["all_gather"]
         assert abs(record["loss"] - baseline["loss"]) <= 1e-6 * baseline["loss"]
+    # with the weights gathered in int8, inside the pairs too
+    quantized = ["--set", "train.hpz_group=2", "--set", "train.quantize_weights=int8"]
+    check_ok(flatshard("train", *sizes, *common, "--out", tmp_path / "q", *quantized))
+    plan = json.loads(check_ok(flatshard("plan", *sizes, *quantized, "--json")).stdout)
+    for record in metrics(tmp_path / "q")[1:]:
+        assert record["all_gather_bytes"] == plan["communication"]["all_gather"]
 
 
 def test_tensor_parallel_run_trains_like_data_parallel_and_resumes_without_tp(tmp_path):

@@ -164,6 +164,7 @@ class UnitFigures:
     empty_ranks: int = 0  # ranks whose shards hold none of its parameters (only padding)
     inner: bool = False  # runs inside the previous unit's forward (EP experts)
     quantized: int = 0  # bytes of one all-gather of it in 8 bits (every rank's blocks, scales)
+    quantized_in_hpz_group: int = 0  # the same for hpZ's backward gather inside a group
 
     @property
     def padding(self) -> int:
@@ -201,7 +202,8 @@ def plan(spec: ModelSpec, setup: Setup) -> Plan:
         spec = ep_local(spec, setup.ep, setup.dims.efsdp)
     separate = needs_bucket_per_param(setup.offload)
     units = tuple(
-        _unit_figures(unit, unit.shard_ranks or setup.dp_shard, separate) for unit in spec.units
+        _unit_figures(unit, unit.shard_ranks or setup.dp_shard, separate, setup.hpz_group)
+        for unit in spec.units
     )
     share = offloaded_share(spec.units, setup.dp_shard, setup.offload)
     by_ac = {
@@ -221,7 +223,7 @@ def plan(spec: ModelSpec, setup: Setup) -> Plan:
     )
 
 
-def _unit_figures(unit, dp_shard: int, bucket_per_param: bool = False) -> UnitFigures:
+def _unit_figures(unit, dp_shard: int, bucket_per_param: bool = False, hpz: int = 0) -> UnitFigures:
     layout = plan_unit_layout(unit.params, dp_shard, bucket_per_param)
     trainable = [b for b in layout.buckets if b.requires_grad]
     return UnitFigures(
@@ -239,6 +241,9 @@ def _unit_figures(unit, dp_shard: int, bucket_per_param: bool = False) -> UnitFi
         empty_ranks=layout.empty_rank_count() if layout.used_size else 0,
         inner=unit.inner,
         quantized=sum(dp_shard * packed_bytes(b.shard_size, BLOCK) for b in layout.buckets),
+        quantized_in_hpz_group=sum(
+            hpz * packed_bytes(b.padded_size // hpz, BLOCK) for b in layout.buckets if hpz
+        ),
     )
 
 
@@ -349,7 +354,13 @@ def _communication(units: tuple[UnitFigures, ...], setup: Setup) -> dict[str, in
     )
     # hpZ: the backward gathers of the units that resharded after forward, inside groups
     hpz = setup.hpz_group if setup.zero_stage == 3 else 0
-    in_groups = pb * accumulation * sum(u.padded for u, kept in zip(order, stays) if not kept)
+    regathered = [u for u, kept in zip(order, stays) if not kept]
+    if quantized:  # hpZ's backward gathers pack the group's pieces, not the shards
+        in_groups = accumulation * sum(u.quantized_in_hpz_group for u in regathered)
+        all_gather -= accumulation * sum(u.quantized for u in regathered) if hpz else 0
+        all_gather += in_groups if hpz else 0
+    else:
+        in_groups = pb * accumulation * sum(u.padded for u in regathered)
     in_groups = in_groups if hpz else 0
     reductions = reduce_scatters_per_step(setup.zero_stage, accumulation)
     reduce_scatter = reductions * sum(u.padded_trainable * u.count for u in gathered_units) * rb
