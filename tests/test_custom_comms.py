@@ -16,7 +16,9 @@ import flatshard
 STEPS = 4
 
 
-class CountingAllGather(AllGather):
+class _Counting:
+    """Counts calls and buffers handed out."""
+
     def __init__(self):
         self.calls = self.allocations = 0
 
@@ -24,20 +26,15 @@ class CountingAllGather(AllGather):
         self.allocations += 1
         return torch.empty(*size, dtype=dtype, device=device)
 
+
+class CountingAllGather(_Counting, AllGather):
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         self.calls += 1
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
 
 
-class CountingReduceScatter(ReduceScatter):
+class CountingReduceScatter(_Counting, ReduceScatter):
     """Sums with gloo's reduce-scatter (AVG divided here: the op arrives as FSDP2 gives it)."""
-
-    def __init__(self):
-        self.calls = self.allocations = 0
-
-    def allocate(self, size, *, dtype, device):
-        self.allocations += 1
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         self.calls += 1

@@ -33,6 +33,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 
 from flatshard.agreement import fingerprint
 from flatshard.dtensor.row_shard import RowShard
+from flatshard.dtensor.sharded_param import local_data
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ def _structure(fqn: str, value) -> tuple:
         local = value._local_tensor
         where = local.spec if isinstance(local, RowShard) else tuple(local.shape)
         return (fqn, id(value.device_mesh), tuple(value.placements), tuple(value.shape), where,
-                TensorProperties.create_from_tensor(_local(value)))  # fmt: skip
+                TensorProperties.create_from_tensor(local_data(value)))  # fmt: skip
     if isinstance(value, torch.Tensor):
         return (fqn, tuple(value.shape), TensorProperties.create_from_tensor(value))
     return (fqn,)
@@ -130,7 +131,7 @@ def _derive(flat_state: dict, world: int) -> GlobalPlan | None:
             chunks = dtensor_chunks(value, lowest)
             if chunks is None:
                 return None
-            properties = TensorProperties.create_from_tensor(_local(value))
+            properties = TensorProperties.create_from_tensor(local_data(value))
             for offsets, sizes, rank in chunks:
                 if rank >= world:
                     return None
@@ -207,11 +208,6 @@ def _planned(fqn, offsets, sizes, value, properties, rank) -> PlannedItem:
     return chunk_item(
         fqn, offsets, sizes, value.shape, properties, rank, isinstance(value, DTensor)
     )
-
-
-def _local(value: DTensor) -> torch.Tensor:
-    local = value._local_tensor
-    return local.data_ if isinstance(local, RowShard) else local
 
 
 def _tensor_key(item: WriteItem) -> tuple:

@@ -58,9 +58,8 @@ def write(
     with open(os.path.join(directory, name), "wb") as raw, ThreadPoolExecutor(1) as writer:
         file = _ChecksummedFile(raw)
         pending = reads_originals = None
-        buffers = _staging_buffers(limit, _any_copied(mine, flat_state, copy_always, limit))
         for number, wave in enumerate(_waves(mine, limit)):
-            buffer = _Carver(buffers[number % 2]) if buffers else None
+            buffer = _Carver(limit, number % 2)
             copies = [
                 _host_value(planned, flat_state, copy_always, limit, buffer) for planned in wave
             ]
@@ -107,7 +106,7 @@ def _host_value(planned, flat_state: dict, copy_always: bool, limit: int, buffer
     nbytes = tensor.numel() * tensor.element_size()
     if not _needs_copy(tensor, copy_always, limit):
         return planned, _exactly_its_bytes(tensor), 0
-    if nbytes <= limit and buffer is not None:
+    if nbytes <= limit:
         copy = buffer.take(tensor)
     else:
         pinned = tensor.device.type == "cuda"
@@ -121,22 +120,11 @@ def _needs_copy(tensor: torch.Tensor, copy_always: bool, limit: int) -> bool:
     return not (on_host and (not copy_always or nbytes > limit))
 
 
-def _any_copied(mine, flat_state: dict, copy_always: bool, limit: int) -> bool:
-    for planned in mine:
-        if planned.item.type == WriteItemType.BYTE_IO:
-            continue
-        tensor = find_state_dict_object(flat_state, planned.item.index)
-        if _needs_copy(tensor, copy_always, limit):
-            return True
-    return False
-
-
 _buffers: dict = {}  # (bytes, pinned): the two wave buffers, kept for the next save
 
 
-def _staging_buffers(limit: int, needed: bool) -> tuple | None:
-    if not needed:
-        return None
+def _staging_buffers(limit: int) -> tuple:
+    """The two wave buffers, allocated by the first save that copies anything."""
     pinned = torch.cuda.is_available() and torch.cuda.is_initialized()
     key = (limit, pinned)
     if key not in _buffers:
@@ -148,15 +136,18 @@ def _staging_buffers(limit: int, needed: bool) -> tuple | None:
 
 
 class _Carver:
-    """Hands out consecutive, aligned pieces of one wave buffer as tensors."""
+    """Hands out consecutive, aligned pieces of wave buffer `which` as tensors."""
 
     ALIGN = 64
 
-    def __init__(self, buffer: torch.Tensor):
-        self._buffer = buffer
+    def __init__(self, limit: int, which: int):
+        self._limit, self._which = limit, which
+        self._buffer = None
         self._used = 0
 
     def take(self, like: torch.Tensor) -> torch.Tensor:
+        if self._buffer is None:
+            self._buffer = _staging_buffers(self._limit)[self._which]
         nbytes = like.numel() * like.element_size()
         start = -(-self._used // self.ALIGN) * self.ALIGN
         if start + nbytes > self._buffer.numel():
