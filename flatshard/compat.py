@@ -7,10 +7,15 @@ version string), in one place.
   call, so anything that wraps `torch.distributed`'s functions (a byte counter, a test)
   still sees the call.
 - FSDP2's `DataParallelMeshDims` (torch 2.13): defined here alike where torch lacks it.
+- The tensor types torch's optimizers and `clip_grad_norm_` step with foreach (or fused)
+  kernels: an exact-type list in `torch.optim.optimizer` and one in
+  `torch.utils._foreach_utils` (DTensor adds itself to both). A subclass not listed silently
+  gets the per-tensor loop: on a GPU, AdamW's step took 5x as long.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -24,6 +29,16 @@ def all_gather_single(output, input, group=None, async_op=False):
 def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return scatter(output, input, op=op, group=group, async_op=async_op)
+
+
+def allow_foreach(tensor_type: type) -> None:
+    """Let torch's optimizers and gradient clipping take `tensor_type` (a DTensor subclass)
+    in their foreach and fused kernels, as they take DTensor."""
+    for name in ("torch.optim.optimizer", "torch.utils._foreach_utils"):
+        module = importlib.import_module(name)  # (torch.optim hides its `optimizer` attribute)
+        listed = getattr(module, "_foreach_supported_types", None)
+        if listed is not None and tensor_type not in listed:
+            listed.append(tensor_type)
 
 
 @dataclass

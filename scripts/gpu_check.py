@@ -8,13 +8,15 @@ it with a reference run in the same process: the CPU run, no offload, eager, FSD
 section that fails is reported (its exception) and the others still run. Writes
 `gpu_check.json` (every figure) and `gpu_check.txt` (a summary) to --out.
 
-Sections: env; cpu_parity (ZeRO-3 fp32 on the GPU equals the CPU run); bf16; offload
+Sections: env; cpu_parity (ZeRO-3 fp32 on the GPU equals the CPU run); bf16; quantized
+(qwZ int8/fp8 weight gathers: losses against fp32 gathers); offload
 (f = 0.5 and 1, pinned copies: losses equal no offload, step times); state_offload
 (offload_states / reload_states: device memory left, bitwise training, GB/s); compile (blocks
 compiled: losses, graph breaks, step times); activation_memory (peak device memory per
 --ac mode against `flatshard plan`, and how much of what activation offload moves it
 saves); fsdp2_1b (a ~1B Llama in bf16: flatshard vs FSDP2 step time and MFU, side by side);
-activation_offload_1b (activation offload where compute is large against the bytes moved).
+activation_offload_1b (activation offload where compute is large against the bytes moved);
+checkpoint (sync and async saves from the device, a load that trains on bitwise).
 The sections that compare runs bitwise run with deterministic kernels.
 """
 
@@ -190,6 +192,22 @@ def bf16(check: Check) -> dict:
     full = check.train(check.sharded("35m"), "35m")
     rel = _max_rel(low["losses"], full["losses"])
     return {**low, "fp32_step_s": full["step_s"], "max_rel_vs_fp32": rel, "ok": rel <= 2e-2}
+
+
+def quantized(check: Check) -> dict:
+    """qwZ: the weights gathered in int8 and fp8 (the pack/unpack kernels on the device):
+    losses against full-precision gathers, step times."""
+    import flatshard
+
+    full = check.train(check.sharded("35m"), "35m")
+    out = {"fp32_step_s": full["step_s"], "fp32_losses": full["losses"]}
+    for fmt in ("int8", "fp8"):
+        model = check.sharded("35m")
+        model.set_comm_policy(flatshard.CommPolicy(quantize_weights=fmt))
+        run = check.train(model, "35m")
+        out[fmt] = {**run, "max_rel_vs_fp32": _max_rel(run["losses"], full["losses"])}
+    out["ok"] = all(out[fmt]["max_rel_vs_fp32"] <= 2e-2 for fmt in ("int8", "fp8"))
+    return out
 
 
 def offload(check: Check) -> dict:
@@ -415,7 +433,39 @@ def _profile_step(check: Check, model, size: str, rows: int = 12) -> list | None
     found = [{"name": e.key[:80], "device_ms": device_us(e) / 1e3, "count": e.count,
               "cpu_ms": e.cpu_time_total / 1e3} for e in top]  # fmt: skip
     step_cpu = max((e.cpu_time_total for e in events), default=0)
-    return found + [{"name": "largest cpu total", "cpu_ms": step_cpu / 1e3}]
+    found.append({"name": "largest cpu total", "cpu_ms": step_cpu / 1e3})
+    return found + [{"name": "copy/compute overlap", **_copy_overlap(prof.events())}]
+
+
+def _copy_overlap(events) -> dict:
+    """Device milliseconds of host<->device copies, of kernels, and of copies that ran while
+    a kernel ran (how much of activation offload the compute hides)."""
+
+    def merged(spans):
+        out = []
+        for start, end in sorted(spans):
+            if out and start <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], end)
+            else:
+                out.append([start, end])
+        return out
+
+    copies, kernels = [], []
+    for event in events:
+        if str(getattr(event, "device_type", "")).split(".")[-1] != "CUDA":
+            continue
+        span = (event.time_range.start, event.time_range.end)
+        is_copy = "Memcpy HtoD" in event.name or "Memcpy DtoH" in event.name
+        (copies if is_copy else kernels).append(span)
+    copies, kernels = merged(copies), merged(kernels)
+    hidden = sum(max(0, min(c[1], k[1]) - max(c[0], k[0])) for c in copies for k in kernels)
+    total = sum(end - start for start, end in copies)
+    return {
+        "copy_ms": total / 1e3,
+        "kernel_ms": sum(end - start for start, end in kernels) / 1e3,
+        "copy_hidden_ms": hidden / 1e3,
+        "copy_hidden_fraction": hidden / max(1, total),
+    }
 
 
 def activation_offload_1b(check: Check) -> dict:
@@ -431,6 +481,8 @@ def activation_offload_1b(check: Check) -> dict:
         check.reset_peak()
         run = check.train(model, "1b", steps=WARMUP + 2)
         out[mode] = {"step_s": run["step_s"], "losses": run["losses"], "peak_bytes": check.peak()}
+        if mode == "offload":
+            out[mode]["profile"] = _profile_step(check, model, "1b")
         del model
     out["step_ratio"] = out["offload"]["step_s"] / out["none"]["step_s"]
     out["equal_losses"] = out["offload"]["losses"] == out["none"]["losses"]
@@ -439,7 +491,8 @@ def activation_offload_1b(check: Check) -> dict:
 
 
 def fsdp2_1b(check: Check) -> dict:
-    """A ~1B Llama in bf16 at world 1: flatshard and FSDP2 step times, taken alternately."""
+    """A ~1B Llama in bf16 at world 1: flatshard (torch's AdamW and flatshard's flat AdamW) and
+    FSDP2 step times, taken in rotation, and each one's phases timed alone."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import flatshard
@@ -455,13 +508,15 @@ def fsdp2_1b(check: Check) -> dict:
     for block in theirs.layers:
         fully_shard(block, mp_policy=peer_policy)
     fully_shard(theirs, mp_policy=peer_policy)
-    runs = {"flatshard": ours, "fsdp2": theirs}
+    flat = check.sharded("1b", mp_policy=policy)
+    runs = {"flatshard": ours, "fsdp2": theirs, "flatshard_flat_adamw": flat}
     times = {name: [] for name in runs}
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in runs.items()}
+    optimizers["flatshard_flat_adamw"] = flatshard.optim.AdamW(flat.parameters(), lr=1e-4)
     cfg, batch, seq = check.sizes["1b"]
-    for index, tokens in enumerate(check.data("1b", STEPS + 2 * WARMUP)):
+    for index, tokens in enumerate(check.data("1b", 2 * STEPS + 3 * WARMUP)):
         tokens = tokens.to(check.device)
-        for name in runs if index % 2 == 0 else list(runs)[::-1]:
+        for name in list(runs)[index % len(runs) :] + list(runs)[: index % len(runs)]:
             check.sync()
             start = time.perf_counter()
             logits = runs[name](tokens[:, :-1])
@@ -470,9 +525,11 @@ def fsdp2_1b(check: Check) -> dict:
             optimizers[name].zero_grad()
             check.sync()
             times[name].append(time.perf_counter() - start)
-    step = {name: statistics.median(t[2 * WARMUP :]) for name, t in times.items()}
+    step = {name: statistics.median(t[3 * WARMUP :]) for name, t in times.items()}
     params = sum(p.numel() for p in ours.parameters())
-    out = {"params": params, "step_s": step, "ratio": step["flatshard"] / step["fsdp2"]}
+    out = {"params": params, "step_s": step, "ratio": step["flatshard"] / step["fsdp2"],
+           "ratio_flat_adamw": step["flatshard_flat_adamw"] / step["fsdp2"]}  # fmt: skip
+    out["phases_ms"] = {name: _phases(check, runs[name], optimizers[name]) for name in runs}
     if check.cuda:
         name = torch.cuda.get_device_name()
         peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
@@ -483,12 +540,100 @@ def fsdp2_1b(check: Check) -> dict:
     return out
 
 
+def _phases(check: Check, model, optimizer, steps: int = 3) -> dict:
+    """Median milliseconds of forward, backward and optimizer step, each timed alone (the
+    device synchronized between them), and the host time of each before it waits."""
+    tokens = check.data("1b", 1)[0].to(check.device)
+    timed = {key: [] for key in ("forward", "backward", "optimizer", "forward_host")}
+    for _ in range(steps):
+        check.sync()
+        start = time.perf_counter()
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        timed["forward_host"].append(time.perf_counter() - start)
+        check.sync()
+        timed["forward"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        loss.backward()
+        check.sync()
+        timed["backward"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad()
+        check.sync()
+        timed["optimizer"].append(time.perf_counter() - start)
+    return {key: 1e3 * statistics.median(values) for key, values in timed.items()}
+
+
+def checkpoint(check: Check) -> dict:
+    """Checkpoints from the device: a synchronous and an asynchronous save (the layout-planned
+    writer staging through pinned waves), GB/s and host staging held; a load into a fresh
+    model and optimizer trains on bitwise like the saved one."""
+    import shutil
+    import tempfile
+
+    from flatshard import checkpoint as ckpt
+
+    def build():
+        model = check.sharded("35m")
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(model, optimizer, tokens) -> float:
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.item()
+
+    batches = [tokens.to(check.device) for tokens in check.data("35m", 3)]
+    saved, saved_optimizer = build()
+    step(saved, saved_optimizer, batches[0])
+    tensors = [p.to_local() for p in saved.parameters()] + [
+        value.to_local() if hasattr(value, "to_local") else value
+        for state in saved_optimizer.state.values()
+        for value in state.values()
+        if torch.is_tensor(value)
+    ]
+    state_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    directory = tempfile.mkdtemp(prefix="gpu-check-ckpt-")
+    out = {"state_bytes": state_bytes}
+    try:
+        for index, async_save in enumerate((False, True)):
+            check.sync()
+            start = time.perf_counter()
+            handle = ckpt.save(directory, model=saved, optimizer=saved_optimizer,
+                               step=index + 1, async_save=async_save)  # fmt: skip
+            blocking = time.perf_counter() - start
+            handle.wait()
+            total = time.perf_counter() - start
+            out["async" if async_save else "sync"] = {
+                "blocking_s": blocking, "total_s": total, "gb_per_s": state_bytes / total / 1e9,
+                "peak_staging_bytes": handle.peak_staging_bytes}  # fmt: skip
+        loaded, loaded_optimizer = build()
+        step(loaded, loaded_optimizer, batches[2])  # state to overwrite, unlike the saved
+        start = time.perf_counter()
+        ckpt.load(directory, model=loaded, optimizer=loaded_optimizer)
+        out["load_s"] = time.perf_counter() - start
+        out["losses_after"] = [step(m, o, batches[1]) for m, o in
+                               ((saved, saved_optimizer), (loaded, loaded_optimizer))]  # fmt: skip
+        weights = [[p.to_local() for p in m.parameters()] for m in (saved, loaded)]
+        out["equal_weights_after"] = all(torch.equal(a, b) for a, b in zip(*weights))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    losses = out["losses_after"]
+    out["ok"] = losses[0] == losses[1] and out["equal_weights_after"]
+    return out
+
+
 SECTIONS = {
     "env": env,
     "cpu_parity": cpu_parity,
     "bf16": bf16,
+    "quantized": quantized,
     "offload": offload,
     "state_offload": state_offload,
+    "checkpoint": checkpoint,
     "compile": compile_blocks,
     "activation_memory": activation_memory,
     "fsdp2_1b": fsdp2_1b,
@@ -496,7 +641,7 @@ SECTIONS = {
 }
 # the sections that compare runs bitwise get repeatable kernels
 # (not activation_memory: the math attention they need saves the whole attention matrix)
-DETERMINISTIC = ("cpu_parity", "offload", "state_offload", "activation_offload_1b")
+DETERMINISTIC = ("cpu_parity", "offload", "state_offload", "checkpoint", "activation_offload_1b")
 
 
 def _write(report: dict, out: str) -> None:

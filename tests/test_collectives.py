@@ -38,6 +38,10 @@ COUNTED = [
     "isend",
     "irecv",
 ]
+_NEW_NAMES = {
+    "all_gather_into_tensor": "all_gather_single",
+    "reduce_scatter_tensor": "reduce_scatter_single",
+}
 
 
 class CollectiveCounter:
@@ -48,9 +52,15 @@ class CollectiveCounter:
         self._originals = {}
 
     def __enter__(self):
-        for name in COUNTED:
-            original = getattr(dist, name)
-            self._originals[name] = original
+        for attribute in COUNTED:
+            if not hasattr(dist, attribute):
+                continue
+            original = getattr(dist, attribute)
+            self._originals[attribute] = original
+            # before torch 2.13 only the older names exist (flatshard calls them): counted
+            # under the new, so the expected counts hold on every torch
+            new = _NEW_NAMES.get(attribute, attribute)
+            name = attribute if hasattr(dist, new) else new
 
             def counted(*args, _name=name, _original=original, **kwargs):
                 key = (self.phase, _name)
@@ -62,7 +72,7 @@ class CollectiveCounter:
                     self.bytes[key] += args[0].numel() * args[0].element_size()
                 return _original(*args, **kwargs)
 
-            setattr(dist, name, counted)
+            setattr(dist, attribute, counted)
         return self
 
     def __exit__(self, *exc):

@@ -9,6 +9,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from flatshard import registry
+from flatshard.compat import allow_foreach
 from flatshard.dtensor.row_shard import RowShard
 from flatshard.errors import UnevenShardError
 from flatshard.layout import ShardSpec, describe_param, whole_param_spec
@@ -79,6 +80,10 @@ class RowShardedParameter(DTensor):
             target = managed.sharded
         with torch.no_grad():
             target.to_local().copy_(rows_in_layout(value, spec))
+
+
+# torch's optimizers pick foreach/fused kernels by exact type; unlisted, AdamW loops per tensor
+allow_foreach(RowShardedParameter)
 
 
 def shard_spec(param: DTensor) -> ShardSpec:
