@@ -42,7 +42,8 @@ first. Each rank runs torch with one thread.
         --modes fsdp2,fsdp2-cpuoff,zero3,off50,off100,offdisk
 
 It writes a markdown section (machine, torch version, date, exact command, table, notes)
-to --out and prints it. The modes and model are in bench_modes.py, the counting of
+to --out (default benchmarks/RESULTS-runs.md, not committed; copy sections into RESULTS.md
+by hand) and prints it. The modes and model are in bench_modes.py, the counting of
 collectives in comm_counter.py, the table and notes in bench_report.py.
 """
 
@@ -201,7 +202,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "(fsdp2-tp, tp3), optimizer offload (fsdp2-cpuoff, off50, off100, offdisk) and the flat "
         "AdamW (zero3f, zero1f), Muon (fsdp2-muon, zero3m)",
     )
-    parser.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "RESULTS.md"))
+    # not RESULTS.md: that file is curated (sections copied in by hand); a run writing
+    # to it by default once replaced every earlier section
+    parser.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "RESULTS-runs.md"))
     parser.add_argument("--append", action="store_true", help="append to --out")
     parser.add_argument("--note", help="a line to add to the report (e.g. machine sharing)")
     parser.add_argument(
