@@ -35,7 +35,7 @@ if _ROOT not in sys.path:
 
 from compare import exit_worker, free_port  # noqa: E402
 
-from flatshard import comm  # noqa: E402
+from flatshard import comm, compat  # noqa: E402
 
 
 def _cpu_seconds() -> float:
@@ -55,7 +55,7 @@ def _worker(rank: int, world: int, port: int, elements: int, repeats: int) -> No
     out_full = torch.empty(shard_elements * world)
 
     def gloo_reduce_scatter():
-        dist.reduce_scatter_single(out_shard, flat)
+        compat.reduce_scatter_single(out_shard, flat)
 
     def all_reduce_then_copy():
         dist.all_reduce(flat)
@@ -65,7 +65,7 @@ def _worker(rank: int, world: int, port: int, elements: int, repeats: int) -> No
         comm.reduce_scatter(out_shard, flat, None, average=False).wait()
 
     def gloo_all_gather():
-        dist.all_gather_single(out_full, shard)
+        compat.all_gather_single(out_full, shard)
 
     def flatshard_all_gather():
         comm.all_gather(out_full, shard, None).wait()

@@ -16,7 +16,8 @@ compiled: losses, graph breaks, step times); activation_memory (peak device memo
 --ac mode against `flatshard plan`, and how much of what activation offload moves it
 saves); fsdp2_1b (a ~1B Llama in bf16: flatshard vs FSDP2 step time and MFU, side by side);
 activation_offload_1b (activation offload where compute is large against the bytes moved);
-checkpoint (sync and async saves from the device, a load that trains on bitwise).
+checkpoint (sync and async saves from the device, a load that trains on bitwise); ac_1b
+(step time and peak per activation checkpointing mode at 1b).
 The sections that compare runs bitwise run with deterministic kernels.
 """
 
@@ -490,6 +491,26 @@ def activation_offload_1b(check: Check) -> dict:
     return out
 
 
+def ac_1b(check: Check) -> dict:
+    """Step time and peak per activation checkpointing mode where matrix products dominate
+    (the 1b Llama in bf16, fused attention): selective should fall between none and full."""
+    import flatshard
+
+    policy = flatshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    out = {}
+    for mode in ("none", "full", "selective"):
+        ac = None if mode == "none" else mode
+        model = check.sharded("1b", mp_policy=policy, activation_checkpointing=ac)
+        check.reset_peak()
+        run = check.train(model, "1b", steps=WARMUP + 3)
+        out[mode] = {"step_s": run["step_s"], "peak_bytes": check.peak()}
+        del model
+    steps = [out[mode]["step_s"] for mode in ("none", "selective", "full")]
+    out["selective_between"] = steps[0] <= steps[1] <= steps[2]
+    out["ok"] = True  # a measurement: what it shows is in the report
+    return out
+
+
 def fsdp2_1b(check: Check) -> dict:
     """A ~1B Llama in bf16 at world 1: flatshard (torch's AdamW and flatshard's flat AdamW) and
     FSDP2 step times, taken in rotation, and each one's phases timed alone."""
@@ -638,6 +659,7 @@ SECTIONS = {
     "activation_memory": activation_memory,
     "fsdp2_1b": fsdp2_1b,
     "activation_offload_1b": activation_offload_1b,
+    "ac_1b": ac_1b,
 }
 # the sections that compare runs bitwise get repeatable kernels
 # (not activation_memory: the math attention they need saves the whole attention matrix)

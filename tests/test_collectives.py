@@ -19,7 +19,7 @@ import torch.distributed as dist
 from distributed import run_distributed
 from reference import adamw, batches, build_model, config, lm_loss, rank_slice, shard
 
-from flatshard import registry
+from flatshard import compat, registry
 
 COUNTED = [
     "all_gather_single",
@@ -234,7 +234,7 @@ def _reduce_scatter_errors(dtype):
         comm.reduce_scatter(ours, contribution(rank), None, average=average).wait()
         gloo = torch.empty(37, dtype=dtype)
         op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
-        dist.reduce_scatter_single(gloo, contribution(rank), op=op)
+        compat.reduce_scatter_single(gloo, contribution(rank), op=op)  # (torch < 2.13 too)
         scale = exact.abs().max().item()
         errors.append(
             (
