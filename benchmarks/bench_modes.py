@@ -194,9 +194,10 @@ AC_OF_MODE = {"acfull3": "full", "acsel3": "selective", "acoff3": "offload"}
 FLAT_OPTIMIZER_MODES = ["zero3f", "zero1f"]
 # Muon on the hidden matrices, AdamW on the rest (run when asked for with --modes): FSDP2 with
 # torch's Muon (every rank gathers and orthogonalises every matrix) and torch's AdamW, and
-# flatshard ZeRO-3 with flatshard.optim.Muon (an owner rank per matrix); both with
-# Moonlight's lr match, so LR and WEIGHT_DECAY serve both parts
-MUON_MODES = ["fsdp2-muon", "zero3m"]
+# flatshard ZeRO-3 with flatshard.optim.Muon (an owner rank per matrix), and flatshard ZeRO-3
+# with torch's Muon (as on FSDP2: every rank every matrix); all with Moonlight's lr match, so
+# LR and WEIGHT_DECAY serve both parts
+MUON_MODES = ["fsdp2-muon", "zero3m", "zero3tm"]
 # flatshard ZeRO-3 with the weights all-gathered in int8 / fp8 (CommPolicy, ZeRO++'s qwZ)
 # (run when asked for with --modes, beside zero3)
 QUANTIZED_MODES = {"zero3q8": "int8", "zero3qf8": "fp8"}
@@ -229,6 +230,7 @@ MODE_NAMES = {
     "zero1f": "flatshard ZeRO-1 + flat AdamW",
     "fsdp2-muon": "FSDP2 + torch Muon",
     "zero3m": "flatshard ZeRO-3 + Muon",
+    "zero3tm": "flatshard ZeRO-3 + torch Muon",
     "zero3q8": "flatshard ZeRO-3, int8 weight gathers",
     "zero3qf8": "flatshard ZeRO-3, fp8 weight gathers",
     "acsel3": "flatshard ZeRO-3 selective AC",
@@ -237,7 +239,7 @@ MODE_NAMES = {
 FLATSHARD_STAGES = {
     "zero3": 3, "zero2": 2, "zero1": 1, "hsdp3": 3, "hpz3": 3, "tp3": 3, "moe3": 3, "ep3": 3,
     "off50": 3, "off100": 3, "offdisk": 3, "compile3": 3, "acfull3": 3, "acsel3": 3,
-    "acoff3": 3, "zero3f": 3, "zero1f": 1, "zero3m": 3, "zero3q8": 3, "zero3qf8": 3,
+    "acoff3": 3, "zero3f": 3, "zero1f": 1, "zero3m": 3, "zero3tm": 3, "zero3q8": 3, "zero3qf8": 3,
 }  # fmt: skip
 HPZ_GROUP = 2
 HSDP_REPLICAS = 2
@@ -359,7 +361,7 @@ def make_optimizer(mode: str, model):
         return flatshard.optim.Muon(
             groups, lr=LR, weight_decay=WEIGHT_DECAY, adjust_lr_fn="match_rms_adamw"
         )
-    if mode == "fsdp2-muon":
+    if mode in ("fsdp2-muon", "zero3tm"):
         return _TorchMuonAndAdamW(flatshard.optim.muon_param_groups(model))
     make = flatshard.optim.AdamW if mode in FLAT_OPTIMIZER_MODES else torch.optim.AdamW
     return make(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)

@@ -200,7 +200,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="comma-separated subset (default: the Llama modes, or with an MoE preset "
         "single and the MoE modes); also HSDP/hpZ (fsdp2-hsdp, hsdp3, fsdp2-hpz, hpz3), TP "
         "(fsdp2-tp, tp3), optimizer offload (fsdp2-cpuoff, off50, off100, offdisk) and the flat "
-        "AdamW (zero3f, zero1f), Muon (fsdp2-muon, zero3m)",
+        "AdamW (zero3f, zero1f), Muon (fsdp2-muon, zero3m, zero3tm)",
     )
     # not RESULTS.md: that file is curated (sections copied in by hand); a run writing
     # to it by default once replaced every earlier section

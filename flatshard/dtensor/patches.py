@@ -6,8 +6,11 @@ goes to PyTorch's original function.
 
 from __future__ import annotations
 
+import importlib
 from functools import partial
 
+import torch
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from flatshard.dtensor import full_state_dict
@@ -26,6 +29,7 @@ def install() -> None:
     _route_redistribution()
     _route_full_state_dict_loading()
     _route_optimizer_state_loading()
+    _route_newton_schulz()
     # An optimizer built before fully_shard holds the replaced parameters and would
     # silently train nothing: its first step raises instead.
     register_optimizer_step_pre_hook(check_first_step)
@@ -48,6 +52,32 @@ def _route_redistribution() -> None:
 
     for module in (_api, _dispatch, _redistribute):
         module.redistribute_local_tensor = redistribute_local_tensor
+
+
+def _route_newton_schulz() -> None:
+    """torch's `Muon` orthogonalises each update with DTensor matrix products, whose
+    redistribution assumes `torch.chunk` rows: on flatshard's pieces it hung in a collective
+    or failed. A flatshard piece is gathered whole (its own rows), orthogonalised as in one
+    process, and this rank's rows of the result are returned: what torch's Muon does on
+    FSDP2 (each rank the whole matrix). flatshard.optim.Muon spreads that work instead."""
+    try:
+        muon = importlib.import_module("torch.optim._muon")
+    except ImportError:  # a torch without Muon
+        return
+    original = getattr(muon, "_zeropower_via_newtonschulz", None)
+    if original is None:
+        return
+
+    def zeropower_via_newtonschulz(grad, *args, **kwargs):
+        local = grad._local_tensor if isinstance(grad, DTensor) else None
+        if not isinstance(local, RowShard):
+            return original(grad, *args, **kwargs)
+        whole = original(grad.full_tensor(), *args, **kwargs)
+        rows = torch.zeros_like(grad, dtype=whole.dtype)
+        rows.to_local().copy_(local.spec.piece_of(whole))
+        return rows
+
+    muon._zeropower_via_newtonschulz = zeropower_via_newtonschulz
 
 
 def _route_optimizer_state_loading() -> None:
