@@ -14,6 +14,7 @@ from flatshard.cli.activations import Activations, Saved
 from flatshard.cli.estimate import Setup
 from flatshard.cli.main import main
 from flatshard.models import LlamaConfig, MoEConfig
+from flatshard.optim.matrix_owners import newton_schulz_flops
 
 BF16, FP32 = 2, 4
 
@@ -363,6 +364,13 @@ def test_muon_plan(capsys, tmp_path):
     assert tp["matrices"] == 6 * L and tp["ns_flops_max"] == muon_at_8["ns_flops_max"]
     exchanged = 4 * matrices // 2 * 7 // 8 // 8 + 4 * matrices // 2 // 8
     assert tp["exchange_bytes"] == pytest.approx(exchanged, rel=1e-6)
+    # --muon-split-fused: gate and up two (f, d) matrices; the same bytes move
+    split = plan(capsys, "llama3-8b", "--world-size", 8, "--optimizer", "muon",
+                 "--muon-split-fused")["muon"]  # fmt: skip
+    assert split["matrices"] == 7 * L and split["exchange_bytes"] == muon_at_8["exchange_bytes"]
+    shapes = [(d, d)] * 2 + [(kv, d)] * 2 + [(f, d)] * 2 + [(d, f)]
+    work = L * sum(newton_schulz_flops(shape, 5) for shape in shapes)
+    assert split["ns_flops_mean"] * 8 == pytest.approx(work, rel=1e-9)
 
 
 def test_checkpoint_size_files_and_save_time(capsys):

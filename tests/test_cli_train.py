@@ -416,3 +416,9 @@ def test_muon_trains_and_resumes(tmp_path):
                        "--nproc", 4, "--out", tp))  # fmt: skip
     got = [r["loss"] for r in metrics(tp)]
     assert max(abs(a - b) / b for a, b in zip(got, expected)) <= 1e-3, (got, expected)
+    # --muon-split-fused reaches the optimizer: gate and up orthogonalised apart
+    split = tmp_path / "split"
+    check_ok(flatshard("train", *TINY, "--steps", 4, "--optimizer", "muon",
+                       "--muon-split-fused", "--out", split))  # fmt: skip
+    losses = [r["loss"] for r in metrics(split)]
+    assert losses[0] == expected[0] and losses[1:] != expected[1:] and losses[-1] < losses[0]

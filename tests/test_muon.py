@@ -41,17 +41,25 @@ class _MuonAndAdamW:
     """The reference: torch's Muon on the matrices (on each expert's of grouped 3-D experts:
     torch's Muon over their slices), torch's AdamW on the rest."""
 
-    def __init__(self, groups):
+    def __init__(self, groups, fused: dict | None = None):
+        """fused: {id(matrix): its components' row ranges}, each stepped as its own matrix."""
         muon, rest = groups
+        fused = fused or {}
         self.grouped = [p for p in muon["params"] if p.ndim == 3]
         self.experts = [expert for p in self.grouped for expert in p.unbind(0)]
-        matrices = [p for p in muon["params"] if p.ndim == 2] + self.experts
+        self.parts = [(p, [(p[a:b], a, b) for a, b in fused[id(p)]]) for p in muon["params"]
+                      if id(p) in fused]  # fmt: skip
+        matrices = [p for p in muon["params"] if p.ndim == 2 and id(p) not in fused]
+        matrices += self.experts + [view for _, views in self.parts for view, _, _ in views]
         self.optimizers = [
             torch.optim.Muon(matrices, **MUON),
             torch.optim.AdamW(rest["params"], **ADAMW),
         ]
 
     def step(self):
+        for whole, views in self.parts:
+            for view, start, stop in views:
+                view.grad = whole.grad[start:stop]
         experts = iter(self.experts)
         for grouped in self.grouped:  # each expert's slice of the gradient
             for grad in grouped.grad.unbind(0):
@@ -64,10 +72,13 @@ class _MuonAndAdamW:
             optimizer.zero_grad()
 
 
-def _flat_muon(params):
+def _flat_muon(params, split_fused: bool = False):
     muon, rest = params
     rest = {**rest, "lr": ADAMW["lr"], "weight_decay": ADAMW["weight_decay"]}
-    return optim.Muon([muon, rest], **MUON, adamw_betas=ADAMW["betas"], adamw_eps=ADAMW["eps"])
+    return optim.Muon(
+        [muon, rest], **MUON, adamw_betas=ADAMW["betas"], adamw_eps=ADAMW["eps"],
+        split_fused=split_fused,
+    )  # fmt: skip
 
 
 def _reference():
@@ -81,11 +92,12 @@ def _groups(model):
     return optim.muon_param_groups(model)
 
 
-def _sharded(zero_stage: int, variant: str = "", torch_muon: bool = False):
+def _sharded(zero_stage: int, variant: str = "", torch_muon: bool = False, split: bool = False):
     """Trains with flatshard's Muon (or, `torch_muon`, torch's Muon + AdamW on flatshard's
     parameters); after every step, compares the weights with torch's Muon + AdamW stepping
     a one-process copy of the weights with the same (gathered) gradients: the largest
-    relative difference of any step."""
+    relative difference of any step. `split`: each fused component (`[gate; up]`) its own
+    matrix (`split_fused=True`), against torch's Muon on the components' rows."""
     rank, world = dist.get_rank(), dist.get_world_size()
     loss_fn = lm_loss
     if variant in ("tp2", "ep2", "finer"):  # TP: the TP-global matrices, as one process
@@ -110,13 +122,16 @@ def _sharded(zero_stage: int, variant: str = "", torch_muon: bool = False):
         else:
             shard_model(model, zero_stage=zero_stage, **settings)
     groups = _groups(model)
-    optimizer = _MuonAndAdamW(groups) if torch_muon else _flat_muon(groups)
+    optimizer = _MuonAndAdamW(groups) if torch_muon else _flat_muon(groups, split)
     copy = {name: tensor.clone() for name, tensor in full_state(model).items()}
     named = dict(model.named_parameters())
     in_muon = {id(p) for p in groups[0]["params"]}
+    ffn = CONFIG.ffn_dim  # [gate; up] in one process: gate's rows, then up's
+    fused = {id(copy[n]): [(0, ffn), (ffn, 2 * ffn)] for n in named if split and "gate_up" in n}
     torch_optimizer = _MuonAndAdamW(
         [{"params": [copy[n] for n, p in named.items() if id(p) in in_muon]},
-         {"params": [copy[n] for n, p in named.items() if id(p) not in in_muon]}]
+         {"params": [copy[n] for n, p in named.items() if id(p) not in in_muon]}],
+        fused,
     )  # fmt: skip
     collectives.traffic.optimizer = 0
     losses, same_gradients = [], 0.0
@@ -196,6 +211,18 @@ def test_torch_muon_runs_on_flatshard_parameters(reference, world, variant):
     ours_losses, _, _, _, same_gradients, _ = run_distributed(_sharded, world, 3, variant, True)[0]
     assert same_gradients == 0.0  # torch's Muon in one process on the same gradients
     assert rel_losses(ours_losses, losses) <= 1e-4  # (bf16 Newton-Schulz: see above)
+
+
+@pytest.mark.parametrize("world, variant", [(2, ""), (3, ""), (4, "tp2")])
+def test_split_fused_orthogonalises_each_component(reference, world, variant):
+    # split_fused=True: SwiGLU's [gate; up] is two matrices, as two separate weights in one
+    # process (under TP: each component's TP-global matrix, from the TP ranks' [gate_r; up_r])
+    losses, _ = reference
+    ours_losses, _, sent, matrix_bytes, same_gradients, _ = run_distributed(
+        _sharded, world, 3, variant, False, True
+    )[0]
+    assert same_gradients == 0.0  # torch's Muon over the components' rows, bitwise
+    assert 0 < rel_losses(ours_losses, losses) <= 1e-2  # another optimizer than the fused one
 
 
 def test_muon_groups_take_hidden_matrices_only():

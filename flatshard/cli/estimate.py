@@ -90,6 +90,7 @@ class Setup:
     ac: str = "none"  # activation checkpointing: none, full or selective (activations.py)
     write_gbps: float = 1.0  # how fast each rank writes its checkpoint file (GB/s)
     muon_share: float = 0.0  # muon: the trained elements in its matrices (plan() sets it)
+    muon_split_fused: bool = False  # muon: each fused component ([gate; up]) a matrix
     quantize_weights: str = "none"  # int8 / fp8: weights all-gathered in 8 bits (qwZ)
 
     @property

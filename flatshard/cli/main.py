@@ -89,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="torch.compile each block [train.compile]",
     )
+    train.add_argument(
+        "--muon-split-fused",
+        action="store_true",
+        default=None,
+        help="with --optimizer muon: each fused component its own matrix [train.muon_split_fused]",
+    )
     train.add_argument("--help-config", action="store_true", help="list every config key")
 
     sample = commands.add_parser("sample", help="generate text from a checkpoint")
@@ -189,6 +195,7 @@ def _train(args) -> int:
             if getattr(args, flag) is not None
         ]
         + (["train.compile=true"] if args.compile else [])
+        + (["train.muon_split_fused=true"] if args.muon_split_fused else [])
         + args.set
     )
     config = run_config.build(args.config, overrides)

@@ -12,13 +12,18 @@ NS_STEPS = 5  # torch's Muon's default
 ADAMW_NAMES = ("embed", "lm_head", "wte", "wpe")  # and a module named `output`
 
 
-def matrices_in(name: str, shape: tuple[int, ...]) -> list[tuple[int, int]]:
-    """The Muon matrices of a parameter: a hidden 2-D weight is one, grouped experts
-    `(E, R, C)` are E of `(R, C)`; embeddings, the output head and the rest none."""
+def matrices_in(
+    name: str, shape: tuple[int, ...], split_fused: bool = False
+) -> list[tuple[int, int]]:
+    """The Muon matrices of a parameter: a hidden 2-D weight is one (`split_fused`:
+    SwiGLU's fused `gate_up` two halves; other fused projections stay whole here), grouped
+    experts `(E, R, C)` are E of `(R, C)`; embeddings, the output head and the rest none."""
     parts = name.split(".")
     if "output" in parts or any(word in name for word in ADAMW_NAMES):
         return []
     if len(shape) == 2:
+        if split_fused and "gate_up" in name:
+            return [(shape[0] // 2, shape[1])] * 2
         return [tuple(shape)]
     return [tuple(shape[1:])] * shape[0] if len(shape) == 3 else []
 
@@ -34,10 +39,10 @@ def muon_figures(spec, setup) -> dict:
             if not param.requires_grad:
                 continue
             trained += param.numel * unit.count
-            found = matrices_in(param.name, tuple(param.shape))
+            found = matrices_in(param.name, tuple(param.shape), setup.muon_split_fused)
             shapes += found * unit.count
             in_muon += param.numel * unit.count if found else 0
-            in_dense += param.numel * unit.count if len(found) == 1 else 0
+            in_dense += param.numel * unit.count if found and len(param.shape) == 2 else 0
     ranks, tp = setup.dp_shard, setup.tp
     costs = [newton_schulz_flops(shape, NS_STEPS) for shape in shapes]
     owners = assign_owners(costs, ranks)

@@ -78,6 +78,8 @@ OPTIONS: tuple[Option, ...] = (
            "stepped over flat shards; muon: the hidden matrices, AdamW the rest); "
            "torch-adamw: torch.optim.AdamW",
            choices=("adamw", "sgd", "muon", "torch-adamw")),
+    Option("train.muon_split_fused", False, "muon: orthogonalise each component of a fused "
+           "weight (SwiGLU's [gate; up]) as its own matrix"),
     Option("train.lr", 3e-3, "peak learning rate", check=_positive),
     Option("train.min_lr", 3e-4, "learning rate at the end of the cosine decay",
            check=_non_negative),

@@ -86,6 +86,12 @@ def add_arguments(parser) -> None:
         "adamw)",
     )
     parser.add_argument(
+        "--muon-split-fused",
+        action="store_true",
+        default=None,
+        help="with --optimizer muon: orthogonalise SwiGLU's gate and up as two matrices",
+    )
+    parser.add_argument(
         "--ac",
         default=None,
         choices=("none", "full", "selective", "offload"),
@@ -191,7 +197,7 @@ def _model_and_defaults(args):
         world_size=8, dp_shard=None, zero_stage=3, param_dtype="bf16", reduce_dtype="fp32",
         micro_batch=1, seq_len=4096, grad_accum=1, backend="nccl", hpz_group=0, tp=1, ep=1,
         offload=0.0, offload_disk=False, ac="none", optimizer="adamw", write_gbps=1.0,
-        quantize_weights="none",
+        quantize_weights="none", muon_split_fused=False,
     )  # fmt: skip
     if args.model is not None:
         return zoo.resolve(args.model), defaults
@@ -213,6 +219,7 @@ def _model_and_defaults(args):
         hpz_group=train.hpz_group,
         param_dtype=train.precision,
         quantize_weights=train.quantize_weights,
+        muon_split_fused=train.muon_split_fused,
         micro_batch=train.micro_batch,
         seq_len=config.data.seq_len,
         grad_accum=max(1, train.global_batch // (train.micro_batch * world // train.tp)),

@@ -261,7 +261,8 @@ def make_optimizer(train, model) -> torch.optim.Optimizer:
         groups = [{**muon, "weight_decay": train.weight_decay}]
         groups += [{**group, "use_muon": False} for group in _decay_groups(rest["params"], train)]
         return flatshard.optim.Muon(groups, lr=train.lr, adjust_lr_fn="match_rms_adamw",
-                                    adamw_betas=(train.beta1, train.beta2))  # fmt: skip
+                                    adamw_betas=(train.beta1, train.beta2),
+                                    split_fused=train.muon_split_fused)  # fmt: skip
     groups = _decay_groups(model.parameters(), train)
     if train.optimizer == "sgd":
         return flatshard.optim.SGD(groups, lr=train.lr, momentum=train.momentum)

@@ -55,6 +55,7 @@ class Matrix:
     spans: tuple[tuple[int, int], ...]
     local_start: int
     expert: bool = False  # one of grouped experts (they are balanced by the layout)
+    component: str | None = None  # a fused parameter's component taken as its own matrix
 
     def rows(self, rank: int) -> int:
         return self.spans[rank][1] - self.spans[rank][0]
@@ -65,27 +66,34 @@ class Matrix:
         return holding[0] if len(holding) == 1 else None
 
 
-def matrices_of(spec, param: int, me: int) -> list[Matrix]:
-    """The matrices of a flatshard parameter by its spec: a 2-D parameter is one; grouped
+def matrices_of(spec, param: int, me: int, split_fused: bool = False) -> list[Matrix]:
+    """The matrices of a flatshard parameter by its spec: a 2-D parameter is one (with
+    `split_fused`, a fused one's components stacked along dim 0 are one each); grouped
     experts `(E, R, C)` are E matrices `(R, C)`, whose rows are the parameter's dim-1 slices
     (whole experts per rank, or a finer row's slices of one expert)."""
-    shape = tuple(spec.info.shape)
+    shape, components = tuple(spec.info.shape), spec.info.components
+    names: list = [None]
     if len(shape) == 2:
-        per_matrix, count, bounds = shape[0], 1, spec.row_bounds
+        bounds, ranges = spec.row_bounds, [(0, shape[0])]
+        if split_fused and components and all(c.dim == 0 for c in components):
+            ranges, names = [(c.start, c.stop) for c in components], [c.name for c in components]
     else:  # rows over the (E * R) slices: scaled from whole experts where rows are experts
         per_matrix, count = shape[1], shape[0]
         scale = per_matrix if spec.info.row_dims == 1 else 1
         bounds = tuple(b * scale for b in spec.row_bounds)
+        ranges = [(index * per_matrix, (index + 1) * per_matrix) for index in range(count)]
     out = []
-    for index in range(count):
-        first, last = index * per_matrix, (index + 1) * per_matrix
+    for index, (first, last) in enumerate(ranges):
         spans = tuple(
             (max(first, lo) - first, max(first, min(last, hi)) - first)
             for lo, hi in zip(bounds, bounds[1:])
         )
         spans = tuple((a, max(a, b)) for a, b in spans)
         local = max(first, bounds[me]) - bounds[me]
-        out.append(Matrix(param, (per_matrix, shape[-1]), spans, local, len(shape) == 3))
+        component = names[index] if len(names) > 1 else None
+        out.append(
+            Matrix(param, (last - first, shape[-1]), spans, local, len(shape) == 3, component)
+        )
     return out
 
 

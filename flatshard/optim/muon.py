@@ -22,9 +22,13 @@ Under tensor parallelism a matrix is the TP-global one, as torch's Muon sees the
 one process: the owners of a TP group (the same dp rank in each) join their TP-local blocks,
 orthogonalise the whole matrix (each of them: Newton-Schulz work x TP) and keep their
 block. A matrix that is not flatshard's (a plain tensor) is stepped by torch's own Muon
-code; an expert's (grouped 3-D weights go to AdamW in `muon_param_groups`) or one split
-along another dim (`Shard(d)`) is refused for now. A fused parameter (SwiGLU's `[gate;
-up]`, QKV) is one matrix, as torch's Muon sees it in one process.
+code; grouped experts `(E, R, C)` are E matrices; one split along another dim
+(`Shard(d)`) is refused. A fused parameter (SwiGLU's `[gate;
+up]`, QKV) is one matrix, as torch's Muon sees it in one process; with `split_fused=True`
+(per group too) each component it declares along dim 0 (`fused_components`) is a matrix of
+its own, as if the model kept them apart (under TP, each component's TP-global matrix).
+`torch.optim.Muon` itself also runs on flatshard's parameters (every rank orthogonalising
+every whole matrix, as on FSDP2: dtensor/patches.py).
 """
 
 from __future__ import annotations
@@ -49,7 +53,9 @@ from flatshard.dtensor.sharded_param import local_data
 from flatshard.optim.adamw import AdamW
 from flatshard.optim.matrix_owners import ShardGroup, matrices_of, newton_schulz_flops
 
-_MUON_OPTIONS = ("momentum", "nesterov", "ns_coefficients", "ns_steps", "adjust_lr_fn")
+_MUON_OPTIONS = (
+    "momentum", "nesterov", "ns_coefficients", "ns_steps", "adjust_lr_fn", "split_fused"
+)  # fmt: skip
 
 
 class Muon(AdamW):
@@ -65,6 +71,7 @@ class Muon(AdamW):
         ns_steps: int = DEFAULT_NS_STEPS,
         adjust_lr_fn: str | None = None,
         *,
+        split_fused: bool = False,
         adamw_betas: tuple[float, float] = (0.9, 0.999),
         adamw_eps: float = 1e-8,
     ) -> None:
@@ -73,7 +80,10 @@ class Muon(AdamW):
         if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
             raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported")
         self._muon_defaults = dict(
-            zip(_MUON_OPTIONS, (momentum, nesterov, ns_coefficients, ns_steps, adjust_lr_fn)),
+            zip(
+                _MUON_OPTIONS,
+                (momentum, nesterov, ns_coefficients, ns_steps, adjust_lr_fn, split_fused),
+            ),
             muon_eps=eps,
         )
         self._owners: dict[tuple, list[ShardGroup]] = {}
@@ -138,17 +148,17 @@ class Muon(AdamW):
                 matrix, group["ns_coefficients"], group["ns_steps"], group["muon_eps"]
             )
 
-        lr, decay = group["lr"], group["weight_decay"]
-        for shard_group, indices in self._shard_groups(spread, group["ns_steps"]):
+        lr, decay, split = group["lr"], group["weight_decay"], group["split_fused"]
+        for shard_group, indices in self._shard_groups(spread, group["ns_steps"], split):
             matrices, me = shard_group.matrices, shard_group.me
-            whole = [_whole(spread[index], orthogonalise) for index in indices]  # per param
-            fns = [whole[m.param] for m in matrices]
+            params = [spread[indices[m.param]] for m in matrices]
+            shapes = [_one_process_shape(p, m) for p, m in zip(params, matrices)]
+            fns = [_whole(p, orthogonalise, shape) for p, shape in zip(params, shapes)]
             ins = [_rows(updates[indices[m.param]], m, me) for m in matrices]
-            for matrix, update in zip(matrices, shard_group.transform(ins, fns)):
-                param = spread[indices[matrix.param]]
+            updated = shard_group.transform(ins, fns)
+            for matrix, param, shape, update in zip(matrices, params, shapes, updated):
                 main = _rows(local_data(param), matrix, me)
                 main.mul_(1 - lr * decay)
-                shape = param.shape if param.ndim == 2 else matrix.shape  # TP-global, expert
                 main.add_(
                     update.to(main.device), alpha=-_adjust_lr(lr, group["adjust_lr_fn"], shape)
                 )
@@ -181,10 +191,12 @@ class Muon(AdamW):
             )
         return state["momentum_buffer"]
 
-    def _shard_groups(self, params: list, ns_steps: int) -> list[tuple[ShardGroup, list[int]]]:
+    def _shard_groups(
+        self, params: list, ns_steps: int, split_fused: bool
+    ) -> list[tuple[ShardGroup, list[int]]]:
         """The matrices by the shard group that splits their rows, with their owners (kept
         while the same parameters are stepped)."""
-        key = (tuple(id(p) for p in params), ns_steps)
+        key = (tuple(id(p) for p in params), ns_steps, split_fused)
         if key in self._owners:
             return self._owners[key]
         by_group: dict[tuple, list[int]] = {}
@@ -196,10 +208,10 @@ class Muon(AdamW):
             me, matrices, costs = mesh.get_local_rank(dim), [], []
             for position, index in enumerate(indices):
                 param = params[index]
-                for matrix in matrices_of(param._local_tensor.spec, position, me):
-                    shape = param.shape if param.ndim == 2 else matrix.shape
+                split = split_fused and _splittable(param)
+                for matrix in matrices_of(param._local_tensor.spec, position, me, split):
                     matrices.append(matrix)
-                    costs.append(newton_schulz_flops(tuple(shape), ns_steps))
+                    costs.append(newton_schulz_flops(_one_process_shape(param, matrix), ns_steps))
             self._owners[key].append((ShardGroup(mesh, dim, matrices, costs), indices))
         return self._owners[key]
 
@@ -250,14 +262,37 @@ def _tensor_parallel(param) -> tuple:
     return found[0].mesh.tp_mesh, found[1].tp_placement
 
 
-def _whole(param, orthogonalise):
-    """What the owner runs on the matrix it rebuilt from the rows: `orthogonalise`; under
-    TP, on the TP-global matrix (the TP group's blocks joined, each owner of the group
-    computing it, as torch's Muon sees the parameter in one process), keeping its block."""
+def _one_process_shape(param, matrix) -> tuple[int, int]:
+    """The matrix as torch's Muon sees it in one process (its learning-rate adjustment and
+    Newton-Schulz cost): a 2-D parameter's global shape, an expert's or a component's own
+    (under TP, the component's TP-global one)."""
+    if matrix.component is None:
+        return tuple(param.shape) if param.ndim == 2 else matrix.shape
+    shape = list(matrix.shape)
+    tp_mesh, placement = _tensor_parallel(param)
+    if tp_mesh is not None:
+        shape[placement.dim] *= tp_mesh.size()
+    return tuple(shape)
+
+
+def _splittable(param) -> bool:
+    """Whether each fused component of `param` is a block of this rank's matrix: always
+    without TP; under TP where the parameter holds a part of every component (`[gate_r;
+    up_r]`) or TP splits the columns."""
+    tp_mesh, placement = _tensor_parallel(param)
+    info = param._local_tensor.spec.info
+    return tp_mesh is None or info.split_by_components or placement.dim == 1
+
+
+def _whole(param, orthogonalise, shape: tuple[int, int]):
+    """What the owner runs on a matrix it rebuilt from the rows (of `shape` in one
+    process): `orthogonalise`; under TP, on the TP-global matrix (the TP group's blocks
+    joined, each owner of the group computing it, as torch's Muon sees the parameter in one
+    process), keeping its block."""
     tp_mesh, placement = _tensor_parallel(param)
     if tp_mesh is None:
         return orthogonalise
-    shape, stride = param.shape, param.stride()
+    shape, stride = torch.Size(shape), (shape[1], 1)
 
     def tp_global(block):
         # joined in fp32 (exact for bf16 values; gloo gathers no bf16)
