@@ -17,7 +17,8 @@ compiled: losses, graph breaks, step times); activation_memory (peak device memo
 saves); fsdp2_1b (a ~1B Llama in bf16: flatshard vs FSDP2 step time and MFU, side by side);
 activation_offload_1b (activation offload where compute is large against the bytes moved);
 checkpoint (sync and async saves from the device, a load that trains on bitwise); ac_1b
-(step time and peak per activation checkpointing mode at 1b).
+(step time and peak per activation checkpointing mode at 1b); ac_compiled_1b (the same, blocks
+compiled).
 The sections that compare runs bitwise run with deterministic kernels.
 """
 
@@ -491,7 +492,7 @@ def activation_offload_1b(check: Check) -> dict:
     return out
 
 
-def ac_1b(check: Check) -> dict:
+def ac_1b(check: Check, compile: bool = False) -> dict:
     """Step time and peak per activation checkpointing mode where matrix products dominate
     (the 1b Llama in bf16, fused attention): selective should fall between none and full."""
     import flatshard
@@ -500,7 +501,8 @@ def ac_1b(check: Check) -> dict:
     out = {}
     for mode in ("none", "full", "selective"):
         ac = None if mode == "none" else mode
-        model = check.sharded("1b", mp_policy=policy, activation_checkpointing=ac)
+        options = dict(mp_policy=policy, activation_checkpointing=ac, compile=compile)
+        model = check.sharded("1b", **options)
         check.reset_peak()
         run = check.train(model, "1b", steps=WARMUP + 3)
         out[mode] = {"step_s": run["step_s"], "peak_bytes": check.peak()}
@@ -509,6 +511,12 @@ def ac_1b(check: Check) -> dict:
     out["selective_between"] = steps[0] <= steps[1] <= steps[2]
     out["ok"] = True  # a measurement: what it shows is in the report
     return out
+
+
+def ac_compiled_1b(check: Check) -> dict:
+    """ac_1b with every block compiled: selective's policy then runs inside the graphs (in
+    eager, torch's dispatch mode costs host time per op: slower than full on an H200)."""
+    return ac_1b(check, compile=True)
 
 
 def fsdp2_1b(check: Check) -> dict:
@@ -660,6 +668,7 @@ SECTIONS = {
     "fsdp2_1b": fsdp2_1b,
     "activation_offload_1b": activation_offload_1b,
     "ac_1b": ac_1b,
+    "ac_compiled_1b": ac_compiled_1b,
 }
 # the sections that compare runs bitwise get repeatable kernels
 # (not activation_memory: the math attention they need saves the whole attention matrix)

@@ -26,8 +26,9 @@ def test_cpu_dry_run(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    sections = ["cpu_parity", "bf16", "offload", "state_offload", "compile",
-                "activation_memory", "fsdp2_1b", "activation_offload_1b"]  # fmt: skip
+    sections = ["cpu_parity", "bf16", "quantized", "offload", "state_offload", "checkpoint",
+                "compile", "activation_memory", "activation_offload_1b", "ac_1b",
+                "ac_compiled_1b", "fsdp2_1b"]  # fmt: skip
     for name in sections:
         assert report[name]["ok"] is True, (name, report[name])
     assert report["cpu_parity"]["max_rel"] == 0  # CPU against CPU here
@@ -36,7 +37,11 @@ def test_cpu_dry_run(tmp_path):
     assert memory["offload_equal_losses"]
     assert memory["offload"]["moved_bytes_per_step"] > 0
     assert all(memory[mode]["plan_device_bytes"] > 0 for mode in ("none", "full", "selective"))
-    assert report["fsdp2_1b"]["ratio"] > 0
+    assert report["fsdp2_1b"]["ratio"] > 0 and report["fsdp2_1b"]["ratio_flat_adamw"] > 0
+    assert set(report["fsdp2_1b"]["phases_ms"]["fsdp2"]) >= {"forward", "backward", "optimizer"}
+    assert all(0 < report["quantized"][f]["max_rel_vs_fp32"] <= 2e-2 for f in ("int8", "fp8"))
+    saved = report["checkpoint"]
+    assert saved["equal_weights_after"] and saved["async"]["peak_staging_bytes"] > 0
     moved = report["state_offload"]
     assert moved["equal_losses"] and moved["moved_bytes"] > 0 and moved["offload_gb_per_s"] > 0
     summary = (tmp_path / "gpu_check.txt").read_text()
