@@ -200,7 +200,13 @@ FLAT_OPTIMIZER_MODES = ["zero3f", "zero1f"]
 MUON_MODES = ["fsdp2-muon", "zero3m", "zero3tm"]
 # flatshard ZeRO-3 with the weights all-gathered in int8 / fp8 (CommPolicy, ZeRO++'s qwZ)
 # (run when asked for with --modes, beside zero3)
-QUANTIZED_MODES = {"zero3q8": "int8", "zero3qf8": "fp8"}
+# and the gradients reduce-scattered in int8 (qgZ), alone and with int8 weight gathers
+QUANTIZED_MODES = {
+    "zero3q8": dict(quantize_weights="int8"),
+    "zero3qf8": dict(quantize_weights="fp8"),
+    "zero3qg8": dict(quantize_grads="int8"),
+    "zero3q8g8": dict(quantize_weights="int8", quantize_grads="int8"),
+}
 # flatshard's offload modes: (fraction, on the disk tier)
 OFFLOAD_FRACTIONS = {"off50": (0.5, False), "off100": (1.0, False), "offdisk": (1.0, True)}
 MODE_NAMES = {
@@ -233,6 +239,8 @@ MODE_NAMES = {
     "zero3tm": "flatshard ZeRO-3 + torch Muon",
     "zero3q8": "flatshard ZeRO-3, int8 weight gathers",
     "zero3qf8": "flatshard ZeRO-3, fp8 weight gathers",
+    "zero3qg8": "flatshard ZeRO-3, int8 gradient reduce-scatters",
+    "zero3q8g8": "flatshard ZeRO-3, int8 gathers and reduce-scatters",
     "acsel3": "flatshard ZeRO-3 selective AC",
     "acoff3": "flatshard ZeRO-3 activation offload",
 }
@@ -240,6 +248,7 @@ FLATSHARD_STAGES = {
     "zero3": 3, "zero2": 2, "zero1": 1, "hsdp3": 3, "hpz3": 3, "tp3": 3, "moe3": 3, "ep3": 3,
     "off50": 3, "off100": 3, "offdisk": 3, "compile3": 3, "acfull3": 3, "acsel3": 3,
     "acoff3": 3, "zero3f": 3, "zero1f": 1, "zero3m": 3, "zero3tm": 3, "zero3q8": 3, "zero3qf8": 3,
+    "zero3qg8": 3, "zero3q8g8": 3,
 }  # fmt: skip
 HPZ_GROUP = 2
 HSDP_REPLICAS = 2
@@ -495,5 +504,5 @@ def build_mode(mode: str, cfg: LlamaConfig, param_dtype: torch.dtype):
             **extra,
         )
         if mode in QUANTIZED_MODES:
-            model.set_comm_policy(flatshard.CommPolicy(quantize_weights=QUANTIZED_MODES[mode]))
+            model.set_comm_policy(flatshard.CommPolicy(**QUANTIZED_MODES[mode]))
     return model, (lambda tokens: loss(model, tokens)), (lambda value: value.backward())

@@ -15,6 +15,7 @@ from flatshard.errors import WrappingError
 from flatshard.policy import CommPolicy
 from flatshard.runtime import custom_comms, hooks, shard_placement
 from flatshard.runtime.quantized_gather import QuantizedWeightGather
+from flatshard.runtime.quantized_scatter import QuantizedGradientScatter
 from flatshard.runtime.sharded_lookup import embedding_forward
 from flatshard.runtime.states import ShardedState
 from flatshard.runtime.unit import Unit
@@ -129,14 +130,20 @@ class FlatShardModule(FSDPModule, nn.Module):
             unit.grads.all_reduce_hook = hook
 
     def set_comm_policy(self, policy: CommPolicy, *, recurse: bool = True) -> None:
-        """Gather this module's weights as `policy` says (`CommPolicy(quantize_weights=
-        "int8")`: ZeRO++'s qwZ); `CommPolicy()` restores the compute dtype."""
-        gather = None
+        """Gather this module's weights and reduce its gradients as `policy` says
+        (`CommPolicy(quantize_weights="int8", quantize_grads="int8")`: ZeRO++'s qwZ and
+        qgZ); `CommPolicy()` restores the compute and reduce dtypes."""
+        gather = scatter = None
         if policy.quantize_weights is not None:
             gather = QuantizedWeightGather(policy.quantize_weights, policy.block_size)
+        if policy.quantize_grads is not None:
+            scatter = QuantizedGradientScatter(
+                policy.quantize_grads, policy.block_size, policy.error_feedback
+            )
         for unit in self._units(recurse):
             for bucket in unit.buckets:
                 bucket.gather_hook = gather
+                bucket.scatter_hook = scatter
 
     def set_custom_all_gather(self, comm) -> None:
         """FSDP2's: this module's all-gathers run `comm` (an `AllGather`: it allocates the

@@ -61,17 +61,24 @@ class CommPolicy:
     quantize_weights: None (the compute dtype), "int8" or "fp8" (e4m3): the all-gathered
         weights in 8 bits with one fp32 scale per `block_size` elements (ZeRO++'s qwZ);
         only the gathered copy is rounded, the main weights and the step are not.
+    quantize_grads: None (the reduce dtype), "int8" or "fp8": the gradients reduce-scattered
+        in 8 bits with one fp32 scale per `block_size` elements, summed in fp32 on arrival
+        (ZeRO++'s qgZ).
+    error_feedback: with quantize_grads, what a step's rounding dropped is added to the next
+        step's gradient (costs one unsharded gradient per bucket and rank).
     """
 
     quantize_weights: str | None = None
+    quantize_grads: str | None = None
     block_size: int = 256  # runtime/quantized_gather.BLOCK
+    error_feedback: bool = True
 
     def __post_init__(self):
-        if self.quantize_weights not in (None, "int8", "fp8"):
-            raise WrappingError(
-                f"CommPolicy.quantize_weights must be None, 'int8' or 'fp8', got "
-                f"{self.quantize_weights!r}"
-            )
+        for name in ("quantize_weights", "quantize_grads"):
+            if getattr(self, name) not in (None, "int8", "fp8"):
+                raise WrappingError(
+                    f"CommPolicy.{name} must be None, 'int8' or 'fp8', got {getattr(self, name)!r}"
+                )
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise WrappingError(
                 f"CommPolicy.block_size must be a positive int, got {self.block_size!r}"

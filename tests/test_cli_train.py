@@ -179,13 +179,18 @@ def test_plan_matches_measured_peaks_per_activation_checkpointing_mode(tmp_path)
 
 
 @pytest.mark.parametrize(
-    "stage, precision, quantize", [(1, "bf16", "none"), (2, "fp32", "none"), (3, "bf16", "int8")]
+    "stage, precision, weights, grads",
+    [(1, "bf16", "none", "none"), (2, "fp32", "none", "int8"), (3, "bf16", "int8", "int8")],
 )
-def test_bytes_per_step_with_accumulation_match_the_plan(tmp_path, stage, precision, quantize):
-    """Also with the weights gathered in int8 (qwZ): the plan counts the quantized bytes."""
+def test_bytes_per_step_with_accumulation_match_the_plan(
+    tmp_path, stage, precision, weights, grads
+):
+    """Also with the weights gathered (qwZ) and the gradients reduce-scattered (qgZ) in int8:
+    the plan counts the quantized bytes."""
     sizes = ["--set", "model.preset=tiny", "--set", "data.seq_len=32",
              "--set", "train.micro_batch=2", "--set", "train.global_batch=8",
-             "--set", f"train.zero_stage={stage}", "--set", f"train.quantize_weights={quantize}",
+             "--set", f"train.zero_stage={stage}", "--set", f"train.quantize_weights={weights}",
+             "--set", f"train.quantize_grads={grads}",
              "--set", f"train.precision={precision}"]  # fmt: skip
     run = tmp_path / "run"
     check_ok(flatshard("train", *sizes, "--steps", 2, "--out", run, "--set", "run.sample_tokens=0"))

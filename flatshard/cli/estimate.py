@@ -92,6 +92,7 @@ class Setup:
     muon_share: float = 0.0  # muon: the trained elements in its matrices (plan() sets it)
     muon_split_fused: bool = False  # muon: each fused component ([gate; up]) a matrix
     quantize_weights: str = "none"  # int8 / fp8: weights all-gathered in 8 bits (qwZ)
+    quantize_grads: str = "none"  # int8 / fp8: gradients reduce-scattered in 8 bits (qgZ)
 
     @property
     def optimizer_states(self) -> float:
@@ -166,6 +167,7 @@ class UnitFigures:
     inner: bool = False  # runs inside the previous unit's forward (EP experts)
     quantized: int = 0  # bytes of one all-gather of it in 8 bits (every rank's blocks, scales)
     quantized_in_hpz_group: int = 0  # the same for hpZ's backward gather inside a group
+    quantized_grads: int = 0  # bytes of one reduce-scatter of its gradients in 8 bits
 
     @property
     def padding(self) -> int:
@@ -245,6 +247,7 @@ def _unit_figures(unit, dp_shard: int, bucket_per_param: bool = False, hpz: int 
         quantized_in_hpz_group=sum(
             hpz * packed_bytes(b.padded_size // hpz, BLOCK) for b in layout.buckets if hpz
         ),
+        quantized_grads=sum(dp_shard * packed_bytes(b.shard_size, BLOCK) for b in trainable),
     )
 
 
@@ -364,7 +367,11 @@ def _communication(units: tuple[UnitFigures, ...], setup: Setup) -> dict[str, in
         in_groups = pb * accumulation * sum(u.padded for u in regathered)
     in_groups = in_groups if hpz else 0
     reductions = reduce_scatters_per_step(setup.zero_stage, accumulation)
-    reduce_scatter = reductions * sum(u.padded_trainable * u.count for u in gathered_units) * rb
+    per_unit = [
+        u.quantized_grads if setup.quantize_grads != "none" else u.padded_trainable * rb
+        for u in gathered_units
+    ]
+    reduce_scatter = reductions * sum(b * u.count for b, u in zip(per_unit, gathered_units))
     all_gather += accumulation * sum(gather for gather, _ in lookups)
     reduce_scatter += accumulation * sum(rows for _, rows in lookups)
     replicas = setup.dp_replicate

@@ -37,6 +37,7 @@ TRAIN_FLAGS = {
     "hpz_group": ("train.hpz_group", "N", "ZeRO-3: backward gathers inside groups of N (hpZ)"),
     "precision": ("train.precision", "P", "fp32 or bf16 compute"),
     "quantize_weights": ("train.quantize_weights", "F", "all-gather weights as int8 or fp8 (qwZ)"),
+    "quantize_grads": ("train.quantize_grads", "F", "reduce-scatter gradients in int8/fp8 (qgZ)"),
     "ac": ("train.ac", "MODE", "activation checkpointing: none, full, selective or offload"),
     "seed": ("train.seed", "N", "seed of the weights and the data order"),
     "checkpoint_interval": ("checkpoint.interval", "N", "save every N steps (0: only at the end)"),

@@ -100,8 +100,10 @@ def build_run_model(
         model = build_hf(config.model.hf, load=load, **sharding)
     else:
         model = build_sharded(model_config, seed=train.seed, **sharding)
-    if train.quantize_weights != "none":
-        model.set_comm_policy(flatshard.CommPolicy(quantize_weights=train.quantize_weights))
+    chosen = {k: getattr(train, k) for k in ("quantize_weights", "quantize_grads")}
+    if any(value != "none" for value in chosen.values()):
+        quantized = {k: None if value == "none" else value for k, value in chosen.items()}
+        model.set_comm_policy(flatshard.CommPolicy(**quantized))
     return model
 
 

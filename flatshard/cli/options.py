@@ -110,6 +110,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("train.quantize_weights", "none", "all-gather the weights in 8 bits with a scale "
            "per 256 (ZeRO++'s qwZ); the fp32 weights and the step stay exact",
            choices=("none", "int8", "fp8")),
+    Option("train.quantize_grads", "none", "reduce-scatter the gradients in 8 bits with a "
+           "scale per 256, summed in fp32, with error feedback (ZeRO++'s qgZ)",
+           choices=("none", "int8", "fp8")),
     Option("train.ac", "none", "activation memory per block: full or selective (per-op) "
            "activation checkpointing, or offload (saved activations on the host)",
            choices=("none", "full", "selective", "offload")),

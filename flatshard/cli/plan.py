@@ -125,6 +125,13 @@ def add_arguments(parser) -> None:
         help="weights all-gathered in 8 bits with a scale per 256 (qwZ)",
     )
     parser.add_argument(
+        "--quantize-grads",
+        default=None,
+        choices=("none", "int8", "fp8"),
+        help="gradients reduce-scattered in 8 bits with a scale per 256 (qgZ; error feedback "
+        "holds one unsharded fp32 gradient per unit)",
+    )
+    parser.add_argument(
         "--micro-batch", type=int, default=None, metavar="N", help="sequences per rank"
     )
     parser.add_argument(
@@ -197,7 +204,7 @@ def _model_and_defaults(args):
         world_size=8, dp_shard=None, zero_stage=3, param_dtype="bf16", reduce_dtype="fp32",
         micro_batch=1, seq_len=4096, grad_accum=1, backend="nccl", hpz_group=0, tp=1, ep=1,
         offload=0.0, offload_disk=False, ac="none", optimizer="adamw", write_gbps=1.0,
-        quantize_weights="none", muon_split_fused=False,
+        quantize_weights="none", quantize_grads="none", muon_split_fused=False,
     )  # fmt: skip
     if args.model is not None:
         return zoo.resolve(args.model), defaults
@@ -219,6 +226,7 @@ def _model_and_defaults(args):
         hpz_group=train.hpz_group,
         param_dtype=train.precision,
         quantize_weights=train.quantize_weights,
+        quantize_grads=train.quantize_grads,
         muon_split_fused=train.muon_split_fused,
         micro_batch=train.micro_batch,
         seq_len=config.data.seq_len,
@@ -331,7 +339,8 @@ def format_plan(result: Plan) -> str:
         f"  padding: {100 * result.padding_fraction:.4f}% of parameter elements",
         "  communication per step, per rank (collective payload)",
         f"    all-gather                      {_gib(c['all_gather'])}"
-        + (f"  (weights in {s.quantize_weights})" if s.quantize_weights != "none" else ""),
+        + (f"  (weights in {s.quantize_weights})" if s.quantize_weights != "none" else "")
+        + (f"  (gradients in {s.quantize_grads})" if s.quantize_grads != "none" else ""),
     ]
     if c["all_gather_in_hpz_groups"]:
         in_groups = _gib(c["all_gather_in_hpz_groups"])
