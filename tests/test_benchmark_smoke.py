@@ -337,16 +337,17 @@ def test_compare_muon_modes(tmp_path):
 
 
 def test_compare_quantized_gather_modes(tmp_path):
-    """ZeRO-3 with int8 and fp8 weight gathers beside plain ZeRO-3: rows in the report,
-    losses near FSDP2's (only the gathered weights are rounded)."""
+    """ZeRO-3 with int8 and fp8 weight gathers and int8 gradient reduce-scatters beside plain
+    ZeRO-3: rows in the report, losses near FSDP2's (only what moves is rounded)."""
     text = _run_compare(
         tmp_path,
         "--modes",
-        "fsdp2,zero3,zero3q8,zero3qf8",
+        "fsdp2,zero3,zero3q8,zero3qf8,zero3qg8",
         "--interleave",
         "steps",
         "--rounds",
         "1",
     )
-    for name in ("flatshard ZeRO-3, int8 weight gathers", "flatshard ZeRO-3, fp8 weight gathers"):
+    names = ("int8 weight gathers", "fp8 weight gathers", "int8 gradient reduce-scatters")
+    for name in (f"flatshard ZeRO-3, {kind}" for kind in names):
         assert 0 < float(_row(text, name)["loss Δ vs FSDP2"]) <= 1e-2, text

@@ -384,3 +384,18 @@ def test_checkpoint_size_files_and_save_time(capsys):
     assert saved["save_seconds"] == saved["bytes_per_writer"] / 2e9
     sgd = plan(capsys, "llama3-8b", "--world-size", 8, "--optimizer", "sgd")["checkpoint"]
     assert sgd["bytes"] == 2 * FP32 * n and sgd["files"] == 9
+
+
+def test_quantized_gradients_plan(capsys):
+    """`--quantize-grads int8` (qgZ): each reduce-scatter moves 8-bit blocks and a scale per
+    256 elements (about 0.26x fp32), and error feedback keeps every unit's whole gradient
+    in fp32 on each rank (the cost the plan names)."""
+    plain = plan(capsys, "llama3-8b", "--world-size", 8)
+    ours = plan(capsys, "llama3-8b", "--world-size", 8, "--quantize-grads", "int8")
+    ratio = ours["communication"]["reduce_scatter"] / plain["communication"]["reduce_scatter"]
+    # (256 + 4) / 256 / 4 = 0.254, and each bucket's shard rounded up to whole blocks
+    assert (256 + 4) / 256 / 4 <= ratio <= 0.27
+    assert plain["memory"]["error_feedback"] == 0
+    feedback = ours["memory"]["error_feedback"]
+    assert feedback == pytest.approx(4 * ours["num_params"], rel=1e-3)
+    assert ours["memory"]["total"] == plain["memory"]["total"] + feedback

@@ -307,7 +307,10 @@ def _memory(spec: ModelSpec, units: tuple[UnitFigures, ...], setup: Setup) -> di
         # unsharded parameters and gradients stay between steps
         start = end = total(lambda u: u.padded + u.padded_trainable) * pb + in_flight
     end += lookup_grads
-    persistent = params + optimizer
+    # qgZ's error feedback: what each unit's rounding dropped, its whole gradient in fp32
+    quantized = setup.quantize_grads != "none"
+    error_feedback = total(lambda u: u.padded_trainable) * FP32 if quantized else 0
+    persistent = params + optimizer + error_feedback
     # gradient shards are freed by the next forward, activations by the backward: at the
     # start of backward there are activations and no gradient shards, at its end the reverse
     start_of_backward = persistent + activations + start
@@ -316,6 +319,7 @@ def _memory(spec: ModelSpec, units: tuple[UnitFigures, ...], setup: Setup) -> di
         "params": params,
         "grads": grads,
         "optimizer": optimizer,
+        "error_feedback": error_feedback,
         "largest_unsharded_unit": largest.padded * pb,
         "unsharded_working_set": max(start, end),
         "activations": activations,

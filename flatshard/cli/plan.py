@@ -329,6 +329,11 @@ def format_plan(result: Plan) -> str:
         f"    parameters (fp32 shards)        {_gib(m['params'])}",
         f"    gradients (fp32 shards)         {_gib(m['grads'])}",
         f"    {'optimizer state (' + s.optimizer_name + ')':<32}{_gib(m['optimizer'])}",
+        *(
+            [f"    qgZ error feedback (fp32)       {_gib(m['error_feedback'])}"]
+            if m["error_feedback"]
+            else []
+        ),
         f"    largest unsharded unit          {_gib(m['largest_unsharded_unit'])}  ({largest})",
         f"    unsharded working set           {_gib(m['unsharded_working_set'])}",
         f"    {'activations (AC ' + result.setup.ac + ')':<32}{_gib(m['activations'])}",
