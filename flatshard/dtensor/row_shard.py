@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from flatshard import comm
 from flatshard.dtensor import disk_tier
+from flatshard.dtensor.derived_rows import derived_spec
 from flatshard.dtensor.disk_tier import (
     STATE_FACTORIES,
     DiskTier,
@@ -200,9 +201,9 @@ def _dispatch(func, op: _OpInfo, args, kwargs):
         firsts = args[0] if isinstance(args[0], (list, tuple)) else [None] * len(out)
         return type(out)(_rewrap(op, o, f, args) for o, f in zip(out, firsts))
     if isinstance(out, torch.Tensor):
-        return _rewrap(op, out, like, args)
+        return _rewrap(op, out, like, args, func, kwargs)
     flat_out, spec = tree_flatten(out)
-    return tree_unflatten([_rewrap(op, o, like, args) for o in flat_out], spec)
+    return tree_unflatten([_rewrap(op, o, like, args, func, kwargs) for o in flat_out], spec)
 
 
 def _run_paged(func, op: _OpInfo, args, kwargs):
@@ -299,8 +300,9 @@ def _unwrap_kwargs(kwargs):
     return {key: _unwrap(value) for key, value in kwargs.items()}
 
 
-def _rewrap(op: _OpInfo, out, like, args):
-    """Give an op's output the rows of its row-shard input, when the op keeps rows."""
+def _rewrap(op: _OpInfo, out, like, args, func=None, kwargs=None):
+    """Give an op's output the rows of its row-shard input, when the op keeps rows (as
+    they are, or in another shape: derived_rows.py)."""
     if not isinstance(out, torch.Tensor) or like is None or type(like) is not RowShard:
         return out
     if out is like.data_:  # in-place / out= ops return their (unwrapped) input
@@ -310,13 +312,19 @@ def _rewrap(op: _OpInfo, out, like, args):
             return arg
     # Decided by the op alone, so every rank wraps (or not) alike; a view is kept when it is
     # the identity view (DTensor's to_local/from_local make those).
-    if out.dim() == 0 or out.dim() != like.dim():
+    if out.dim() != 0 and out.dim() == like.dim():
+        if op.keeps_rows or (op.view and out.shape == like.shape):
+            if op.aliases:
+                return RowShard(
+                    out, like.spec, like.version_base, like.mesh_dim, like.tier, like.paged
+                )
+            return RowShard(out, like.spec, None, like.mesh_dim, like.tier)
+    derived = derived_spec(func, args, kwargs, out, like) if func is not None else None
+    if derived is None:
         return out
-    if op.keeps_rows or (op.view and out.shape == like.shape):
-        if op.aliases:
-            return RowShard(out, like.spec, like.version_base, like.mesh_dim, like.tier, like.paged)
-        return RowShard(out, like.spec, None, like.mesh_dim, like.tier)
-    return out
+    shares = out.untyped_storage().data_ptr() == like.data_.untyped_storage().data_ptr()
+    base = like.version_base if shares else None  # a view (a transpose) writes the buffer
+    return RowShard(out, derived, base, like.mesh_dim)
 
 
 # Ops whose output has the rows of their row-shard input (besides pointwise and foreach).
