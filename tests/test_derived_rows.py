@@ -26,6 +26,8 @@ CASES = {
     "p.T.sum(0, keepdim)": (lambda p, x: p.T.sum(0, keepdim=True), lambda f, x: f.T.sum(0, True)),
     "p.T.T": (lambda p, x: p.T.T, lambda f, x: f),
     "softmax of p.T": (lambda p, x: torch.softmax(p.T, 0), lambda f, x: torch.softmax(f.T, 0)),
+    "p[:, 1:4]": (lambda p, x: p[:, 1:4], lambda f, x: f[:, 1:4]),
+    "p[:, 2]": (lambda p, x: p[:, 2], lambda f, x: f[:, 2]),
 }
 
 

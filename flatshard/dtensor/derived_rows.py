@@ -27,7 +27,7 @@ _ALONG_DIM = {
     aten.all.dim, aten.argmax.default, aten.argmin.default, aten._softmax.default,
     aten._log_softmax.default, aten.cumsum.default, aten.cumprod.default,
     aten.max.dim, aten.min.dim, aten.sort.default, aten.topk.default,
-    aten.index_select.default,
+    aten.index_select.default, aten.slice.Tensor, aten.select.int,
 }  # fmt: skip
 # the dim argument's position in each schema (index_select's and topk's differ)
 _DIM_POSITION = {aten.linalg_vector_norm.default: 2, aten.topk.default: 2}
