@@ -73,8 +73,8 @@ def derived_spec(func, args, kwargs, out: torch.Tensor, like) -> ShardSpec | Non
 
 
 def _from_columns(func, args, kwargs, out, like) -> ShardSpec | None:
-    """A 2-D piece with its rows along dim 1 (a transpose of one): transposed back, or
-    or an op along dim 0: a reduction (its rows then along the only dim left, or dim 1 with
+    """A 2-D piece with its rows along dim 1 (a transpose of one): transposed back, or an
+    op along dim 0: a reduction (its rows then along the only dim left, or dim 1 with
     keepdim), or one that keeps the shape."""
     spec, rows = like.spec, like.spec.info.shape[1]
     if like.dim() != 2 or args[0] is not like:
