@@ -140,7 +140,7 @@ def _inner_mesh(modules):
                 meshes.append(unit.mesh.tp_mesh)
                 splits.add(False)
             for param in sub._parameters.values():
-                if isinstance(param, DTensor) and registry.managed_of(param) is None:
+                if isinstance(param, DTensor) and not registry.sharded_by_flatshard(param):
                     meshes.append(param.device_mesh)
                     splits.add(registry.is_expert_parallel(param))
     # torch may hand out equal sub-meshes as different objects: compare their ranks

@@ -22,6 +22,7 @@ _UNIT_OF_MODULE = WeakIdKeyDictionary()  # module -> weakref of its unit
 _MANAGED = WeakIdKeyDictionary()  # sharded DTensor -> weakrefs of (unit, ManagedParam)
 _REPLACED_BY = WeakIdKeyDictionary()  # original parameter -> its sharded replacement
 _EXPERT_PARALLEL = WeakIdKeyDictionary()  # parameters an EP style split
+_SUBCLASS_SHARDS = WeakIdKeyDictionary()  # sharded tensor-subclass params (subclass_params.py)
 _ACTIVATION_OFFLOAD = WeakIdKeyDictionary()  # block -> its runtime.ActivationOffload
 _STATES_AWAY = WeakIdKeyDictionary()  # model -> what flatshard.offload_states moved
 
@@ -67,6 +68,16 @@ def mark_replaced(original, replacement) -> None:
 def replacement_of(param):
     """The sharded parameter that replaced `param` (None: it was not replaced)."""
     return _REPLACED_BY.get(param)
+
+
+def mark_subclass_shard(param) -> None:
+    """`param` is a sharded parameter whose tensor subclass gathers itself."""
+    _SUBCLASS_SHARDS[param] = True
+
+
+def sharded_by_flatshard(param) -> bool:
+    """Whether `param` is one of flatshard's sharded parameters, of either kind."""
+    return param in _SUBCLASS_SHARDS or managed_of(param) is not None
 
 
 def mark_expert_parallel(param) -> None:

@@ -90,7 +90,7 @@ def onto_tp_mesh(modules, spmd_mesh, tp_mesh) -> None:
         name not in tp_mesh.mesh_dim_names)]  # fmt: skip
     for module in (m for each in modules for m in each.modules()):
         for name, param in list(module._parameters.items()):
-            if not isinstance(param, DTensor) or (registry.managed_of(param) is not None):
+            if not isinstance(param, DTensor) or registry.sharded_by_flatshard(param):
                 continue
             if id(param) not in done:
                 done[id(param)] = _on_tp_mesh(name, param, spmd_mesh, tp_mesh, dp_dims)

@@ -24,6 +24,8 @@ from flatshard.runtime.flat_bucket import FlatBucket
 from flatshard.runtime.hooks import attach
 from flatshard.runtime.shard_placement import sharded_parameter
 from flatshard.runtime.states import Resharding
+from flatshard.runtime.subclass_params import SubclassGather, has_gather_protocol, problem_with
+from flatshard.runtime.subclass_params import shard as shard_subclass_param
 from flatshard.runtime.unit import ManagedParam, Unit
 
 
@@ -77,6 +79,11 @@ def build_unit(members, mesh: ShardMesh, settings: UnitSettings, first_use_of=No
     described = (names, [_describe_param(fqn, p) for fqn, p, _ in found])
     for group in (mesh.shard_group, mesh.replicate_group):
         agreement.agree_on(problem, described, group, WrappingError, _model_differences)
+    # parameters whose subclass decides its own all-gather stay out of the flat buckets
+    protocol = [entry for entry in found if has_gather_protocol(entry[1])]
+    if protocol:
+        kept = [i for i, entry in enumerate(found) if not has_gather_protocol(entry[1])]
+        found, shard_dims = [found[i] for i in kept], [shard_dims[i] for i in kept]
 
     rank, world_size = mesh.shard_rank, mesh.shard_size
     infos = [
@@ -128,6 +135,16 @@ def build_unit(members, mesh: ShardMesh, settings: UnitSettings, first_use_of=No
     resharding = Resharding.for_stage(settings.zero_stage)
     resharding.forward_group_size = group_size
     unit = Unit(modules, mesh, layout, buckets, managed, resharding, policy, first_use_of, offload)
+    if protocol:
+        subclass = [shard_subclass_param(fqn, p, places, mesh) for fqn, p, places in protocol]
+        unit.subclass = SubclassGather(subclass, mesh, modules[0], policy)
+        if buckets:
+            buckets[0].rider = unit.subclass
+        for param, (_, original, _) in zip(subclass, protocol):
+            for owner, name in param.occurrences:
+                owner._parameters[name] = param.sharded
+            registry.mark_replaced(original, param.sharded)
+            registry.mark_subclass_shard(param.sharded)
     for param in managed:
         registry.bind_param(param.sharded, unit, param)
         for owner, name in param.occurrences:
@@ -205,13 +222,19 @@ def _check_params(found) -> str | None:
             "module to one device (or the meta device) before fully_shard"
         )
     for fqn, param, _ in found:
+        if has_gather_protocol(param):
+            problem = problem_with(fqn, param)
+            if problem:
+                return problem
+            continue
         subclass = _tensor_subclass(param)
         if subclass is not None:
             return (
                 f"parameter {fqn!r} is a {subclass} (a tensor subclass); flatshard keeps "
-                "parameters in flat buckets of plain tensors and does not run the "
-                "tensor-subclass all-gather (fsdp_pre_all_gather) yet: keep it a plain "
-                "tensor, or leave it out with ignored_params"
+                "parameters in flat buckets of plain tensors, and this subclass does not "
+                "define FSDP2's all-gather protocol (fsdp_pre_all_gather and "
+                "fsdp_post_all_gather): keep it a plain tensor, or leave it out with "
+                "ignored_params"
             )
         if not torch.is_floating_point(param):
             return (

@@ -23,6 +23,9 @@ class FlatBucket:
     # Its reduce-scatter's: a function (bucket, output, flat, average, group) -> work that
     # leaves this rank's summed (averaged) shard of `flat` in `output` at wait().
     scatter_hook = None
+    # A unit's tensor-subclass parameters whose bytes ride in this bucket's plain
+    # all-gather (subclass_params.py): one collective a unit.
+    rider = None
 
     def __init__(
         self,
@@ -130,6 +133,8 @@ class FlatBucket:
     def _all_gather(self, output: torch.Tensor, shard: torch.Tensor, group, pieces=None):
         if self.gather_hook is not None:
             return self.gather_hook(self, output, shard, group, pieces)
+        if self.rider is not None and pieces is not None:  # not hpZ's gather in a subgroup
+            return self.rider.gather_with(output, shard, group)
         return comm.for_group(group).all_gather(output, shard, pieces)
 
     def finish_all_gather(self, work) -> None:

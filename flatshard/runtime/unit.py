@@ -103,6 +103,9 @@ class Unit:
                 modules[0], param, buckets[param.bucket], mesh.shard_group, self.grads
             )
         self._gather_works: list | None = None
+        # parameters whose subclass gathers itself (subclass_params.py; set by build_unit)
+        self.subclass = None
+        self._subclass_work = None
         self._forced_stale = False
         self.forward_calls = 0  # forward calls whose inputs' gradients end its backward
         self.input_gradients_seen = 0
@@ -160,12 +163,16 @@ class Unit:
             self.post_optim_event = None
         pool = self.pool()
         kept = self.sharded_state is ShardedState.SHARDED and self.buckets
+        if self.subclass is not None:
+            self.subclass.rode = False
         if kept and not self._forced_stale and all(b.secondary_fresh() for b in self.buckets):
             group = self.mesh.forward_group(self.resharding.forward_group_size)
             self._gather_works = [b.start_secondary_gather(group, pool) for b in self.buckets]
         else:
             self._drop_secondaries()
             self._gather_works = [bucket.start_all_gather(pool) for bucket in self.buckets]
+        if self.subclass is not None and not self.subclass.rode:
+            self._subclass_work = self.subclass.gather_alone(self.mesh.shard_group)
         self._move_sharded(ShardedState.GATHERING)
         self._forced_stale = False
 
@@ -184,7 +191,9 @@ class Unit:
         while self.sharded_state is ShardedState.GATHERING:
             for work, bucket in zip(self._gather_works, self.buckets):
                 bucket.finish_all_gather(work)
-            self._gather_works = None
+            if self._subclass_work is not None:
+                self._subclass_work.wait()
+            self._gather_works = self._subclass_work = None
             self._move_sharded(ShardedState.UNSHARDED)
             if self._stale():  # written while the gather was in flight: gather again
                 self._start_gather()
@@ -217,6 +226,8 @@ class Unit:
                 if keep_for_backward and size is not None:
                     bucket.keep_secondary(size, self.rank % size)
                 bucket.free_unsharded(self.pool())
+            if self.subclass is not None:
+                self.subclass.free()
             self._move_sharded(ShardedState.SHARDED)
         if not keep_for_backward:
             self._drop_secondaries()
@@ -231,6 +242,8 @@ class Unit:
             value = param.unsharded if which == "unsharded" else param.sharded
             for module, name in param.occurrences:
                 module._parameters[name] = value
+        if self.subclass is not None:
+            self.subclass.register(which)
 
     def looked_up_from_shards(self) -> bool:
         """Whether this unit's last forward looked its embedding up from the shards."""
