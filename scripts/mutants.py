@@ -41,6 +41,14 @@ class Mutant:
 
 MUTANTS = (
     Mutant(
+        "subclass-rows",
+        "a tensor subclass's gathered inputs take every rank's rows from rank 0",
+        "flatshard/runtime/subclass_params.py",
+        "output.view(torch.uint8).view(ranks, nbytes).copy_(wire[:, offset : offset + nbytes])",
+        "output.view(torch.uint8).view(ranks, nbytes).copy_(wire[:1, offset : offset + nbytes])",
+        ("tests/test_subclass_gather.py",),
+    ),
+    Mutant(
         "alignment",
         "the layout no longer moves a parameter so that shard cuts fall on row edges",
         "flatshard/layout/planner.py",

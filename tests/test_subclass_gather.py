@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from distributed import run_distributed
 from int8_weight import Int8Weight
+from torch.distributed.device_mesh import init_device_mesh
 
 import flatshard
 from flatshard import collectives, registry
@@ -110,16 +111,27 @@ def one_process():
     return train(build(), 0, 1)
 
 
-def sharded(library: str):
+def sharded(library: str, bases_alone: bool = False, hsdp: bool = False, bf16: bool = False):
+    """Trained at this world: fully_shard per block and the root (with `bases_alone`, each
+    base linear its own unit first: units of subclass parameters only; with `hsdp`, over a
+    (2, world / 2) mesh; with `bf16`, computing in bf16)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if library == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     else:
-        fully_shard = flatshard.fully_shard
+        from flatshard import MixedPrecisionPolicy, fully_shard
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None)
+    mesh = None
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     model = build()
+    if bases_alone:
+        for module in model.modules():
+            if isinstance(module, LoRALinear):
+                fully_shard(module.base, mesh=mesh, mp_policy=mp)
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     bases = [m.base.weight for m in model.modules() if isinstance(m, LoRALinear)]
     local_types = {type(p.to_local()).__name__ for p in bases}
     losses, weights, gathered = train(model, rank, world)
@@ -132,16 +144,29 @@ def _close(a: dict, b: dict, tolerance: float):
         torch.testing.assert_close(a[name], b[name], rtol=tolerance, atol=tolerance, msg=name)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_qlora_equals_one_process_and_fsdp2(world):
+@pytest.mark.parametrize(
+    "world,bases_alone,hsdp",
+    [(2, False, False), (3, False, False), (2, True, False), (4, False, True)],
+)
+def test_qlora_equals_one_process_and_fsdp2(world, bases_alone, hsdp):
     ref_losses, ref_weights, _ = one_process()
-    losses, weights, gathered, types = run_distributed(sharded, world, "flatshard")[0]
+    run = run_distributed(sharded, world, "flatshard", bases_alone, hsdp)[0]
+    losses, weights, gathered, types = run
     assert types == {"Int8Weight"}  # the shards stay the subclass
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
     _close(weights, ref_weights, 1e-5)
-    theirs, their_weights, their_gathered, _ = run_distributed(sharded, world, "fsdp2")[0]
+    theirs, their_weights, *_ = run_distributed(sharded, world, "fsdp2", bases_alone, hsdp)[0]
     torch.testing.assert_close(losses, theirs, rtol=1e-5, atol=0)
     _close(weights, their_weights, 1e-5)
+
+
+def test_qlora_in_bf16_equals_fsdp2():
+    losses, weights, *_ = run_distributed(sharded, 2, "flatshard", False, False, True)[0]
+    theirs, their_weights, *_ = run_distributed(sharded, 2, "fsdp2", False, False, True)[0]
+    torch.testing.assert_close(losses, theirs, rtol=1e-5, atol=0)
+    _close(weights, their_weights, 1e-5)
+    ref_losses, *_ = one_process()
+    assert losses != ref_losses  # bf16 compute did happen
 
 
 def _gathers(zero3: bool):

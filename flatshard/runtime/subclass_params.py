@@ -123,7 +123,7 @@ class SubclassGather:
         return torch.cat(pieces)
 
     def _pre_all_gather(self, param: SubclassParam):
-        hook = param.padded.fsdp_pre_all_gather
+        hook = param.sharded._local_tensor.fsdp_pre_all_gather  # FSDP2 asks the same tensor
         shard_mesh = self._shard_mesh()
         if len(inspect.signature(hook).parameters) == 1:  # FSDP2's older signature
             return hook(shard_mesh)
@@ -166,7 +166,7 @@ class SubclassGather:
             )
             dtype = self.mp_policy.param_dtype or param.sharded.dtype
             if param.unsharded is None:
-                tensor, param.inner = param.padded.fsdp_post_all_gather(
+                tensor, param.inner = param.sharded._local_tensor.fsdp_post_all_gather(
                     gathered, param.metadata, dtype
                 )
                 stride = torch.empty(param.orig_size, device="meta").stride()
@@ -176,7 +176,7 @@ class SubclassGather:
                 for inner in param.inner:  # views of the outputs come back with them
                     if inner.untyped_storage().size() == 0:
                         comm.alloc_storage(inner)
-                param.padded.fsdp_post_all_gather(
+                param.sharded._local_tensor.fsdp_post_all_gather(
                     gathered, param.metadata, dtype, out=param.unsharded
                 )
             param.metadata = None
