@@ -114,3 +114,7 @@ class _Int8Linear(torch.autograd.Function):
     def backward(ctx, grad):
         grad_input = grad @ ctx.weight.dequantize(grad.dtype)
         return grad_input, None, None
+
+
+# DCP reads with torch.load(weights_only=True); torchao allowlists its tensor classes too
+torch.serialization.add_safe_globals([Int8Weight])

@@ -137,6 +137,8 @@ def _derive(flat_state: dict, world: int) -> GlobalPlan | None:
                     return None
                 per_rank[rank].append(_planned(fqn, offsets, sizes, value, properties, rank))
         elif isinstance(value, torch.Tensor):
+            if _subclass(value):
+                return None
             properties = TensorProperties.create_from_tensor(value)
             shape = tuple(value.shape)
             per_rank[0].append(_planned(fqn, (0,) * len(shape), shape, value, properties, 0))
@@ -161,7 +163,7 @@ def dtensor_chunks(value: DTensor, lowest: dict) -> list[tuple[tuple, tuple, int
         if key not in lowest:
             lowest[key] = lowest_ranks(ranks, split)
         return row_shard_chunks(local.spec, lowest[key])
-    if any(type(p) not in (Shard, Replicate) for p in placements):
+    if any(type(p) not in (Shard, Replicate) for p in placements) or _subclass(local):
         return None
     chunks: dict[tuple, tuple] = {}
     for rank in sorted(ranks.flatten().tolist()):
@@ -171,6 +173,12 @@ def dtensor_chunks(value: DTensor, lowest: dict) -> list[tuple[tuple, tuple, int
         )
         chunks.setdefault((tuple(offsets), tuple(sizes)), rank)
     return [(offsets, sizes, rank) for (offsets, sizes), rank in chunks.items()]
+
+
+def _subclass(tensor: torch.Tensor) -> bool:
+    """A tensor subclass (a QLoRA base's NF4 shard): what torch.save writes of it is the
+    subclass's business, so DCP plans its writes."""
+    return type(tensor) not in (torch.Tensor, torch.nn.Parameter)
 
 
 def lowest_ranks(ranks: torch.Tensor, split: int) -> list[int]:
