@@ -89,6 +89,8 @@ class GradientSync:
                 if bucket.hold_unsynced_grad():
                     for param in self._trainable_in(bucket):
                         param.unsharded.grad = None
+            if unit.subclass is not None:
+                unit.subclass.hold_grads()
             self._holds_unsynced = True
             return
         queue = unit.context.reduces
@@ -114,6 +116,8 @@ class GradientSync:
         self._holds_unsynced = False
         for param in unit.trainable:
             param.unsharded.grad = None
+        if unit.subclass is not None:
+            unit.subclass.reduce_grads(self)
         # Bound memory: finish every earlier reduce-scatter, keep only this unit's in flight.
         queue.finish(keep=started)
 
@@ -156,6 +160,8 @@ class GradientSync:
         for param in self.unit.params:
             if param.unsharded is not None:
                 param.unsharded.grad = None
+        if self.unit.subclass is not None:
+            self.unit.subclass.drop_grads()
 
     def add_reduced(self, bucket: FlatBucket, reduced: torch.Tensor) -> None:
         """Add a bucket's reduced gradient shard to its parameters' `.grad`s (set them

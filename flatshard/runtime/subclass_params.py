@@ -11,8 +11,10 @@ outputs are kept per parameter, their memory freed on reshard and given back bef
 next gather, and every gather after the first calls the post hook with `out=` the same
 unsharded tensor: a frozen base saved for backward sees the values gathered again there.
 
-Frozen parameters only (a quantized base keeps no main weights but its shard and no
-gradient); a trainable one is refused when the unit is built.
+A frozen one (a quantized QLoRA base) keeps nothing but its shard. A trainable one (a
+float8 training weight) gets its unsharded gradient reduce-scattered in the same padded
+chunks, summed over HSDP's replicas and divided as the unit's buckets are, into a `Shard(0)`
+DTensor `.grad` of its chunk, which the optimizer steps with the subclass shard.
 """
 
 from __future__ import annotations
@@ -42,13 +44,6 @@ def problem_with(fqn: str, param: torch.Tensor) -> str | None:
             "with fsdp_pre_all_gather): flatshard gathers such subclasses only as plain "
             "parameters; shard it without TP or leave it out with ignored_params"
         )
-    if param.requires_grad:
-        return (
-            f"parameter {fqn!r} is a {name} (a tensor subclass with fsdp_pre_all_gather) "
-            "that requires grad: flatshard gathers such subclasses for frozen parameters "
-            "(a quantized QLoRA base) only; freeze it with requires_grad_(False) or leave it "
-            "out with ignored_params"
-        )
     if param.is_meta:
         return (
             f"parameter {fqn!r} is a {name} on the meta device: a tensor subclass with "
@@ -71,6 +66,7 @@ class SubclassParam:
     outputs: list[torch.Tensor] = field(default_factory=list)  # kept from gather to gather
     inner: tuple = ()  # what the post hook said to free on reshard
     unsharded: nn.Parameter | None = None
+    unsynced: torch.Tensor | None = None  # gradients of unsynced micro-batches, reduce dtype
 
 
 def shard(fqn, original, occurrences, mesh) -> SubclassParam:
@@ -91,7 +87,7 @@ def shard(fqn, original, occurrences, mesh) -> SubclassParam:
             shape=original.size(),
             stride=original.stride(),
         )
-    sharded = nn.Parameter(dtensor, requires_grad=False)
+    sharded = nn.Parameter(dtensor, requires_grad=original.requires_grad)
     return SubclassParam(fqn, occurrences, sharded, padded, original.size())
 
 
@@ -171,7 +167,8 @@ class SubclassGather:
                 )
                 stride = torch.empty(param.orig_size, device="meta").stride()
                 unsharded = torch.as_strided(tensor, param.orig_size, stride, 0)
-                param.unsharded = nn.Parameter(unsharded, requires_grad=False)
+                requires_grad = param.sharded.requires_grad
+                param.unsharded = nn.Parameter(unsharded, requires_grad=requires_grad)
             else:
                 for inner in param.inner:  # views of the outputs come back with them
                     if inner.untyped_storage().size() == 0:
@@ -180,6 +177,61 @@ class SubclassGather:
                     gathered, param.metadata, dtype, out=param.unsharded
                 )
             param.metadata = None
+
+    def reduce_grads(self, sync) -> None:
+        """Each trainable parameter's unsharded gradient (autograd's, accumulated over
+        unsynced micro-batches) summed over the shard group in FSDP2's padded chunks, divided
+        by `sync.divide_factor`, summed over the replicas (HSDP), shown to the all-reduce
+        hook, and added to the sharded parameter's `.grad`."""
+        mesh = self.mesh
+        self.hold_grads()
+        for param in self.params:
+            grad, param.unsynced = param.unsynced, None
+            if grad is None:
+                continue
+            rows = param.padded.size(0)
+            full = grad.new_zeros((mesh.shard_size * rows, *grad.shape[1:]))
+            full[: grad.size(0)].copy_(grad)
+            reduced = full.new_empty((rows, *grad.shape[1:]))
+            group = comm.for_group(mesh.shard_group)
+            group.reduce_scatter(reduced.view(-1), full.view(-1), False).wait()
+            reduced.div_(sync.divide_factor)
+            if mesh.replicate_group is not None:
+                comm.all_reduce(reduced, mesh.replicate_group)
+            if sync.all_reduce_hook is not None:
+                sync.all_reduce_hook(reduced)
+            local = param.sharded._local_tensor
+            mine = reduced[: local.size(0)].to(param.sharded.dtype)
+            if param.sharded.grad is None:
+                param.sharded.grad = DTensor.from_local(
+                    mine,
+                    param.sharded.device_mesh,
+                    param.sharded.placements,
+                    run_check=False,
+                    shape=param.sharded.shape,
+                    stride=param.sharded.stride(),
+                )
+            else:
+                param.sharded.grad._local_tensor.add_(mine)
+
+    def hold_grads(self) -> None:
+        """Keep this micro-batch's gradients for a later sync, summed in the reduce dtype
+        (as FSDP2 and the buckets sum them)."""
+        for param in self.params:
+            grad = None if param.unsharded is None else param.unsharded.grad
+            if grad is None:
+                continue
+            param.unsharded.grad = None
+            if param.unsynced is None:
+                param.unsynced = grad.to(self.mp_policy.reduce_dtype or grad.dtype)
+            else:
+                param.unsynced.add_(grad)
+
+    def drop_grads(self) -> None:
+        for param in self.params:
+            param.unsynced = None
+            if param.unsharded is not None:
+                param.unsharded.grad = None
 
     def free(self) -> None:
         """Free what the gathers hold (the tensors stay, for the next gather to refill)."""
@@ -208,7 +260,9 @@ def _unpack(param: SubclassParam, wire: torch.Tensor, offset: int) -> int:
     for output in param.outputs:
         comm.alloc_storage(output)
         nbytes = output.numel() * output.element_size() // ranks
-        output.view(torch.uint8).view(ranks, nbytes).copy_(wire[:, offset : offset + nbytes])
+        # views of it saved for backward must not see a refill of the same values as a write
+        with torch.autograd._unsafe_preserve_version_counter(output):
+            output.view(torch.uint8).view(ranks, nbytes).copy_(wire[:, offset : offset + nbytes])
         offset += nbytes
     return offset
 

@@ -257,7 +257,7 @@ class Unit:
     def follow_requires_grad(self) -> None:
         """Give the unsharded parameters the sharded ones' requires_grad (a user may freeze or
         unfreeze parameters between steps)."""
-        for param in self.params:
+        for param in [*self.params, *(self.subclass.params if self.subclass else ())]:
             wanted = param.sharded.requires_grad
             if param.unsharded is not None and param.unsharded.requires_grad != wanted:
                 param.unsharded.requires_grad_(wanted)
