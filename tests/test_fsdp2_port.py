@@ -16,8 +16,8 @@ NOT_PORTED = {
     "test_fully_shard_memory.py, test_fully_shard_overlap.py, test_fully_shard_stream_utils.py,"
     " test_fully_shard_copy_engine.py": "CUDA memory stats, streams and timing",
     "test_fully_shard_grad_scaler.py": "CUDA AMP GradScaler (fp16 on GPU)",
-    "test_fully_shard_extensions.py": "fsdp_pre/post_all_gather of trainable subclasses "
-        "(frozen ones, QLoRA's bases, run against FSDP2 in test_subclass_gather.py)",
+    "test_fully_shard_extensions.py": "fsdp_pre/post_all_gather subclasses: run against "
+        "FSDP2 in test_subclass_gather.py (frozen) and test_subclass_trainable.py",
     "test_fully_shard_2d.py": "tensor parallelism (flatshard's TP issue)",
     "test_fully_shard_logging.py, test_fully_shard_debug.py": "FSDP2's own log records",
     "test_fully_shard_block_shard.py, test_fully_shard_chunk_cat.py, test_fully_shard_fuse.py":

@@ -15,6 +15,9 @@ from cast_weight import Int8CastWeight
 from distributed import run_distributed
 from torch.distributed.device_mesh import init_device_mesh
 
+import flatshard
+from flatshard import checkpoint
+
 DIM, HIDDEN, BLOCKS, STEPS = 12, 24, 2, 4
 
 
@@ -51,7 +54,7 @@ def build() -> Model:
 
 
 def _train(library: str, hsdp: bool = False, accumulate: bool = False):
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     if library == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     else:
@@ -65,8 +68,24 @@ def _train(library: str, hsdp: bool = False, accumulate: bool = False):
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = steps(model, optimizer, range(STEPS), accumulate)
+    weights = {}
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if not isinstance(param.to_local(), Int8CastWeight) else None
+        if full is None:  # gathered as DCP would: the chunks of every rank
+            local = param.to_local()._tensor.contiguous()
+            pieces = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+            dist.all_gather(pieces, local)
+            full = torch.cat(pieces[: len(pieces) // (2 if hsdp else 1)])
+        weights[name] = full
+    types = {type(p.to_local()).__name__ for p in model.parameters()}
+    return losses, weights, types
+
+
+def steps(model, optimizer, numbers, accumulate: bool = False):
+    rank, world = dist.get_rank(), dist.get_world_size()
     losses = []
-    for step in range(STEPS):
+    for step in numbers:
         generator = torch.Generator().manual_seed(100 + step)
         rows = slice(rank * 12 // world, (rank + 1) * 12 // world)
         x = torch.randn(2, 12, DIM, generator=generator)[:, rows]
@@ -81,17 +100,7 @@ def _train(library: str, hsdp: bool = False, accumulate: bool = False):
         optimizer.step()
         optimizer.zero_grad()
         losses.append(total)
-    weights = {}
-    for name, param in model.named_parameters():
-        full = param.full_tensor() if not isinstance(param.to_local(), Int8CastWeight) else None
-        if full is None:  # gathered as DCP would: the chunks of every rank
-            local = param.to_local()._tensor.contiguous()
-            pieces = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-            dist.all_gather(pieces, local)
-            full = torch.cat(pieces[: len(pieces) // (2 if hsdp else 1)])
-        weights[name] = full
-    types = {type(p.to_local()).__name__ for p in model.parameters()}
-    return losses, weights, types
+    return losses
 
 
 @pytest.mark.parametrize("hsdp,accumulate", [(False, False), (True, False), (False, True)])
@@ -104,3 +113,31 @@ def test_trainable_subclass_weights_train_as_under_fsdp2(hsdp, accumulate):
     assert weights.keys() == their_weights.keys()
     for name in weights:
         torch.testing.assert_close(weights[name], their_weights[name], rtol=1e-5, atol=1e-6)
+
+
+def _resumed(directory: str):
+    """Two steps, a checkpoint (model and AdamW state), two more; a fresh model loads the
+    checkpoint and takes the same two steps."""
+
+    def sharded(shift: float):
+        model = build()
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(shift)  # a different start, overwritten by the load
+        for block in model.blocks:
+            flatshard.fully_shard(block, mp_policy=flatshard.MixedPrecisionPolicy(torch.bfloat16))
+        flatshard.fully_shard(model, mp_policy=flatshard.MixedPrecisionPolicy(torch.bfloat16))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+    model, optimizer = sharded(0.0)
+    steps(model, optimizer, range(2))
+    checkpoint.save(directory, model=model, optimizer=optimizer, step=2).wait()
+    expected = steps(model, optimizer, range(2, 4))
+    model, optimizer = sharded(0.5)
+    checkpoint.load(directory, model=model, optimizer=optimizer)
+    return expected, steps(model, optimizer, range(2, 4))
+
+
+def test_a_checkpoint_of_trainable_subclass_weights_resumes_bitwise(tmp_path):
+    expected, resumed = run_distributed(_resumed, 2, str(tmp_path))[0]
+    assert resumed == expected
