@@ -1,6 +1,6 @@
 """A frozen weight kept as int8 rows with one fp32 scale a row, implementing FSDP2's
-all-gather protocol the way torchao's NF4 tensor does (torchao does not install here): the
-pre hook hands over its inner tensors, the post hook wraps the gathered ones without a copy
+all-gather protocol the way torchao's NF4 tensor does (test_qlora_nf4.py runs NF4 itself):
+the pre hook hands over its inner tensors, the post hook wraps the gathered ones without a copy
 (and on later gathers checks that `out` already views them), and a linear layer dequantizes
 it in forward and again in backward, from the tensor autograd saved. The ops FSDP2 runs on
 a parameter while sharding it (chunk, new_zeros, narrow, copy_, view, as_strided) are
