@@ -30,7 +30,7 @@ _KEEP = {
 }
 
 
-class Int8CastWeight(torch.Tensor):
+class CastingWeight(torch.Tensor):
     @staticmethod
     def __new__(cls, tensor: torch.Tensor):
         return torch.Tensor._make_wrapper_subclass(
@@ -46,21 +46,21 @@ class Int8CastWeight(torch.Tensor):
         self._tensor = tensor
 
     def __repr__(self):
-        return f"Int8CastWeight({self._tensor!r})"
+        return f"CastingWeight({self._tensor!r})"
 
     def __tensor_flatten__(self):
         return ["_tensor"], None
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        return Int8CastWeight(inner["_tensor"])
+        return CastingWeight(inner["_tensor"])
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        unwrapped = tree_map_only(Int8CastWeight, lambda t: t._tensor, (args, kwargs or {}))
+        unwrapped = tree_map_only(CastingWeight, lambda t: t._tensor, (args, kwargs or {}))
         out = func(*unwrapped[0], **unwrapped[1])
         if func in _KEEP:
-            return tree_map_only(torch.Tensor, Int8CastWeight, out)
+            return tree_map_only(torch.Tensor, CastingWeight, out)
         return out
 
     # --- FSDP2's all-gather protocol ------------------------------------------------------
@@ -75,4 +75,4 @@ class Int8CastWeight(torch.Tensor):
         return gathered, (gathered,)
 
 
-torch.serialization.add_safe_globals([Int8CastWeight])
+torch.serialization.add_safe_globals([CastingWeight])

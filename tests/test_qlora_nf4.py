@@ -8,93 +8,26 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from distributed import run_distributed
+from lora_model import all_gather_sizes, base_weights, qlora_model, train
 from torch.distributed.device_mesh import init_device_mesh
 
 import flatshard
-from flatshard import collectives, registry
+from flatshard import registry
 
 nf4_tensor = pytest.importorskip("torchao.quantization")
-to_nf4 = nf4_tensor.to_nf4
 
 # NF4 quantizes in blocks of 64 with a scale per 256 blocks: a base needs 16,384-element
 # multiples on every rank (up and down are 128 x 256 here: two scale groups, one a rank)
-DIM, HIDDEN, RANK, BLOCKS, STEPS = 128, 256, 4, 2, 4
+DIM, HIDDEN, BLOCKS, CLASSES, BATCH, STEPS = 128, 256, 2, 5, 8, 4
 
 
-class LoRALinear(nn.Module):
-    def __init__(self, d_in: int, d_out: int):
-        super().__init__()
-        self.base = nn.Linear(d_in, d_out, bias=False)
-        self.lora_a = nn.Parameter(torch.randn(RANK, d_in) * 0.05)
-        self.lora_b = nn.Parameter(torch.randn(d_out, RANK) * 0.05)
-
-    def forward(self, x):
-        return self.base(x) + (x @ self.lora_a.t()) @ self.lora_b.t()
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.up = LoRALinear(DIM, HIDDEN)
-        self.down = LoRALinear(HIDDEN, DIM)
-
-    def forward(self, x):
-        return x + self.down(torch.tanh(self.up(self.norm(x))))
-
-
-class Model(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
-        self.head = nn.Linear(DIM, 5)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def build() -> Model:
-    torch.manual_seed(0)
-    model = Model()
-    for module in model.modules():
-        if isinstance(module, LoRALinear):
-            weight = module.base.weight.detach()
-            module.base.weight = nn.Parameter(to_nf4(weight), requires_grad=False)
-    return model
-
-
-def train(model, rank: int, world: int):
-    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    optimizer = torch.optim.AdamW(list(trainable.values()), lr=1e-2)
-    losses, gathered = [], []
-    for step in range(STEPS):
-        generator = torch.Generator().manual_seed(100 + step)
-        x = torch.randn(8, DIM, generator=generator)
-        y = torch.randint(0, 5, (8,), generator=generator)
-        rows = slice(rank * 8 // world, (rank + 1) * 8 // world)
-        before = collectives.traffic.all_gather
-        loss = nn.functional.cross_entropy(model(x[rows]), y[rows])
-        loss.backward()
-        gathered.append(collectives.traffic.all_gather - before)
-        optimizer.step()
-        optimizer.zero_grad()
-        total = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(total)
-        losses.append(total.item() / world)
-    weights = {
-        n: (p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone())
-        for n, p in trainable.items()
-    }
-    return losses, weights, gathered
+def build():
+    return qlora_model(DIM, HIDDEN, BLOCKS, CLASSES, nf4_tensor.to_nf4)
 
 
 def one_process():
-    return train(build(), 0, 1)[:2]
+    return train(build(), 0, 1, STEPS, BATCH)[:2]
 
 
 def sharded(library: str, hsdp: bool = False):
@@ -110,9 +43,8 @@ def sharded(library: str, hsdp: bool = False):
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    bases = [m.base.weight for m in model.modules() if isinstance(m, LoRALinear)]
-    local_types = {type(p.to_local()).__name__ for p in bases}
-    losses, weights, gathered = train(model, rank, world)
+    local_types = {type(p.to_local()).__name__ for p in base_weights(model)}
+    losses, weights, gathered = train(model, rank, world, STEPS, BATCH)
     return losses, weights, gathered, local_types
 
 
@@ -132,25 +64,15 @@ def test_nf4_qlora_equals_one_process_and_fsdp2(world, hsdp):
 def _block_gathers():
     """Every all-gather rank 0 issued (bytes), a block's bucket bytes, its bases' NF4
     payload (what torchao's pre hook returns, on every rank) and their fp32 bytes."""
-    calls = []
-    original = collectives.Collectives.all_gather
-
-    def counted(self, output, shard, pieces=None):
-        calls.append(output.numel() * output.element_size())
-        return original(self, output, shard, pieces)
-
-    collectives.Collectives.all_gather = counted
-    try:
+    with all_gather_sizes() as calls:
         model = build()
         for block in model.blocks:
             flatshard.fully_shard(block)
         flatshard.fully_shard(model)
-        train(model, dist.get_rank(), dist.get_world_size())
-    finally:
-        collectives.Collectives.all_gather = original
+        train(model, dist.get_rank(), dist.get_world_size(), STEPS, BATCH)
     block = model.blocks[0]
     bucket = sum(b.layout.padded_size * 4 for b in registry.unit_of(block).buckets)
-    bases = [m.base.weight for m in block.modules() if isinstance(m, LoRALinear)]
+    bases = base_weights(block)
     inputs = [t for p in bases for t in p.to_local().fsdp_pre_all_gather(p.device_mesh)[0]]
     payload = dist.get_world_size() * sum(t.numel() * t.element_size() for t in inputs)
     return calls, bucket, payload, sum(p.numel() * 4 for p in bases)

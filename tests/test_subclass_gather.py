@@ -1,9 +1,9 @@
 """FSDP2's tensor-subclass all-gather protocol (`fsdp_pre_all_gather` /
 `fsdp_post_all_gather`) on flatshard: QLoRA on a tiny model whose frozen base linears are
-int8 tensors with row scales (int8_weight.py, a stand-in for torchao's NF4), with trainable
-LoRA adapters, fully_shard per block and the root. Losses and adapters equal one process
-and FSDP2 on the same model; the gathered bytes are the quantized ones, in one collective a
-unit."""
+int8 tensors with row scales (int8_weight.py, shaped like torchao's NF4, which
+test_qlora_nf4.py runs), with trainable LoRA adapters, fully_shard per block and the root.
+Losses and adapters equal one process and FSDP2 on the same model; the gathered bytes are
+the quantized ones, in one collective a unit."""
 
 from __future__ import annotations
 
@@ -13,102 +13,24 @@ import torch.distributed as dist
 import torch.nn as nn
 from distributed import run_distributed
 from int8_weight import Int8Weight
+from lora_model import LoRALinear, all_gather_sizes, base_weights, batch, qlora_model, train
 from torch.distributed.device_mesh import init_device_mesh
 
 import flatshard
-from flatshard import checkpoint, collectives, registry
+from flatshard import checkpoint, registry
 from flatshard.errors import WrappingError
 
-# DIM and HIDDEN rows split evenly at worlds 2 and 3: FSDP2 (and so the protocol) asks a subclass
-# whose inputs are not the padded shard's size (here the scales) for even chunks
-DIM, HIDDEN, RANK, BLOCKS, STEPS = 12, 24, 4, 2, 5
+# DIM and HIDDEN rows split evenly at worlds 2 and 3: FSDP2 (and so the protocol) asks a
+# subclass whose inputs are not the padded shard's size (here the scales) for even chunks
+DIM, HIDDEN, BLOCKS, CLASSES, BATCH, STEPS = 12, 24, 2, 3, 12, 5
 
 
-class LoRALinear(nn.Module):
-    """A frozen (quantized) base linear plus a trainable low-rank update."""
-
-    def __init__(self, d_in: int, d_out: int):
-        super().__init__()
-        self.base = nn.Linear(d_in, d_out, bias=False)
-        self.lora_a = nn.Parameter(torch.randn(RANK, d_in) * 0.1)
-        self.lora_b = nn.Parameter(torch.randn(d_out, RANK) * 0.1)
-
-    def forward(self, x):
-        return self.base(x) + (x @ self.lora_a.t()) @ self.lora_b.t()
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.up = LoRALinear(DIM, HIDDEN)
-        self.down = LoRALinear(HIDDEN, DIM)
-
-    def forward(self, x):
-        return x + self.down(torch.tanh(self.up(self.norm(x))))
-
-
-class Model(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
-        self.head = nn.Linear(DIM, 3)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def build() -> Model:
-    torch.manual_seed(0)
-    model = Model()
-    for module in model.modules():
-        if isinstance(module, LoRALinear):
-            quantized = Int8Weight.quantize(module.base.weight.detach())
-            module.base.weight = nn.Parameter(quantized, requires_grad=False)
-    return model
-
-
-def batch(step: int, rank: int, world: int):
-    generator = torch.Generator().manual_seed(100 + step)
-    x = torch.randn(12, DIM, generator=generator)
-    y = torch.randint(0, 3, (12,), generator=generator)
-    rows = slice(rank * 12 // world, (rank + 1) * 12 // world)
-    return x[rows], y[rows]
-
-
-def trainable(model):
-    return {
-        name.replace("_fsdp_wrapped_module.", ""): p
-        for name, p in model.named_parameters()
-        if p.requires_grad
-    }
-
-
-def train(model, rank: int, world: int):
-    optimizer = torch.optim.AdamW(list(trainable(model).values()), lr=1e-2)
-    losses, gathered = [], []
-    for step in range(STEPS):
-        x, y = batch(step, rank, world)
-        before = collectives.traffic.all_gather
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        gathered.append(collectives.traffic.all_gather - before)
-        optimizer.step()
-        optimizer.zero_grad()
-        total = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(total)
-        losses.append(total.item() / world)
-    weights = {}
-    for name, p in trainable(model).items():
-        weights[name] = p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
-    return losses, weights, gathered
+def build():
+    return qlora_model(DIM, HIDDEN, BLOCKS, CLASSES, Int8Weight.quantize)
 
 
 def one_process():
-    return train(build(), 0, 1)
+    return train(build(), 0, 1, STEPS, BATCH)
 
 
 def sharded(library: str, bases_alone: bool = False, hsdp: bool = False, bf16: bool = False):
@@ -132,9 +54,8 @@ def sharded(library: str, bases_alone: bool = False, hsdp: bool = False, bf16: b
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    bases = [m.base.weight for m in model.modules() if isinstance(m, LoRALinear)]
-    local_types = {type(p.to_local()).__name__ for p in bases}
-    losses, weights, gathered = train(model, rank, world)
+    local_types = {type(p.to_local()).__name__ for p in base_weights(model)}
+    losses, weights, gathered = train(model, rank, world, STEPS, BATCH)
     return losses, weights, gathered, local_types
 
 
@@ -173,33 +94,19 @@ def _gathers(zero3: bool):
     """The bytes of every all-gather rank 0 issued over the training, and what the layout
     says a block's should be: its bucket in fp32 plus its bases as int8 rows and an fp32
     scale a row."""
-    calls = []
-    original = collectives.Collectives.all_gather
-
-    def counted(self, output, shard, pieces=None):
-        calls.append(output.numel() * output.element_size())
-        return original(self, output, shard, pieces)
-
-    collectives.Collectives.all_gather = counted
-    try:
+    with all_gather_sizes() as calls:
         model = build()
         for block in model.blocks:
             flatshard.fully_shard(block, reshard_after_forward=zero3)
         flatshard.fully_shard(model, reshard_after_forward=zero3)
-        train(model, dist.get_rank(), dist.get_world_size())
-    finally:
-        collectives.Collectives.all_gather = original
-    bases = _base_weights(model.blocks[0])
+        train(model, dist.get_rank(), dist.get_world_size(), STEPS, BATCH)
+    bases = base_weights(model.blocks[0])
     block = sum(b.layout.padded_size * 4 for b in registry.unit_of(model.blocks[0]).buckets)
     head_unit = registry.managed_of(model.head.weight)[0]
     head = sum(b.layout.padded_size * 4 for b in head_unit.buckets)
     quantized = sum(p.numel() + p.shape[0] * 4 for p in bases)
     fp32 = sum(p.numel() * 4 for p in bases)
     return calls, (block, quantized, fp32, head)
-
-
-def _base_weights(block):
-    return [m.base.weight for m in block.modules() if isinstance(m, LoRALinear)]
 
 
 @pytest.mark.parametrize("zero3", [True, False])
@@ -228,12 +135,13 @@ def _resumed(directory: str):
         for block in model.blocks:
             flatshard.fully_shard(block)
         flatshard.fully_shard(model)
-        return model, torch.optim.AdamW(list(trainable(model).values()), lr=1e-2)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        return model, torch.optim.AdamW(trainable, lr=1e-2)
 
     def steps(model, optimizer, first, count):
         losses = []
         for step in range(first, first + count):
-            x, y = batch(step, rank, world)
+            x, y = batch(step, rank, world, BATCH, DIM, CLASSES)
             loss = nn.functional.cross_entropy(model(x), y)
             loss.backward()
             optimizer.step()
@@ -245,10 +153,10 @@ def _resumed(directory: str):
     steps(model, optimizer, 0, 2)
     checkpoint.save(directory, model=model, optimizer=optimizer, step=2).wait()
     expected = steps(model, optimizer, 2, 3)
-    bases = [p.to_local().dequantize() for p in _base_weights(model)]
+    bases = [p.to_local().dequantize() for p in base_weights(model)]
     model, optimizer = sharded_model(1)
     checkpoint.load(directory, model=model, optimizer=optimizer)
-    loaded = [p.to_local().dequantize() for p in _base_weights(model)]
+    loaded = [p.to_local().dequantize() for p in base_weights(model)]
     return expected, steps(model, optimizer, 2, 3), bases, loaded
 
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from cast_weight import Int8CastWeight
+from cast_weight import CastingWeight
 from distributed import run_distributed
+from lora_model import Model
 from torch.distributed.device_mesh import init_device_mesh
 
 import flatshard
@@ -21,35 +22,12 @@ from flatshard import checkpoint
 DIM, HIDDEN, BLOCKS, STEPS = 12, 24, 2, 4
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.up = nn.Linear(DIM, HIDDEN)
-        self.down = nn.Linear(HIDDEN, DIM, bias=False)
-
-    def forward(self, x):
-        return x + self.down(torch.tanh(self.up(self.norm(x))))
-
-
-class Model(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
-        self.head = nn.Linear(DIM, 3)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
 def build() -> Model:
     torch.manual_seed(0)
-    model = Model()
+    model = Model(DIM, HIDDEN, BLOCKS, 3, lambda d_in, d_out: nn.Linear(d_in, d_out))
     for block in model.blocks:
         for linear in (block.up, block.down):
-            linear.weight = nn.Parameter(Int8CastWeight(linear.weight.detach().clone()))
+            linear.weight = nn.Parameter(CastingWeight(linear.weight.detach().clone()))
     return model
 
 
@@ -71,7 +49,7 @@ def _train(library: str, hsdp: bool = False, accumulate: bool = False):
     losses = steps(model, optimizer, range(STEPS), accumulate)
     weights = {}
     for name, param in model.named_parameters():
-        full = param.full_tensor() if not isinstance(param.to_local(), Int8CastWeight) else None
+        full = param.full_tensor() if not isinstance(param.to_local(), CastingWeight) else None
         if full is None:  # gathered as DCP would: the chunks of every rank
             local = param.to_local()._tensor.contiguous()
             pieces = [torch.empty_like(local) for _ in range(dist.get_world_size())]
@@ -108,7 +86,7 @@ def test_trainable_subclass_weights_train_as_under_fsdp2(hsdp, accumulate):
     world = 4 if hsdp else 2
     ours, weights, types = run_distributed(_train, world, "flatshard", hsdp, accumulate)[0]
     theirs, their_weights, _ = run_distributed(_train, world, "fsdp2", hsdp, accumulate)[0]
-    assert "Int8CastWeight" in types  # the stepped shards stay the subclass
+    assert "CastingWeight" in types  # the stepped shards stay the subclass
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=0)
     assert weights.keys() == their_weights.keys()
     for name in weights:
