@@ -20,6 +20,7 @@ from flatshard import comm
 from flatshard.dtensor.row_shard import RowShard
 from flatshard.dtensor.sharded_param import gradient_dtensor, local_data
 from flatshard.errors import UnevenShardError
+from flatshard.runtime import subclass_grads
 from flatshard.runtime.flat_bucket import FlatBucket
 
 
@@ -90,7 +91,7 @@ class GradientSync:
                     for param in self._trainable_in(bucket):
                         param.unsharded.grad = None
             if unit.subclass is not None:
-                unit.subclass.hold_grads()
+                subclass_grads.hold(unit.subclass)
             self._holds_unsynced = True
             return
         queue = unit.context.reduces
@@ -117,7 +118,7 @@ class GradientSync:
         for param in unit.trainable:
             param.unsharded.grad = None
         if unit.subclass is not None:
-            unit.subclass.reduce_grads(self)
+            subclass_grads.reduce(unit.subclass, self)
         # Bound memory: finish every earlier reduce-scatter, keep only this unit's in flight.
         queue.finish(keep=started)
 
@@ -161,7 +162,7 @@ class GradientSync:
             if param.unsharded is not None:
                 param.unsharded.grad = None
         if self.unit.subclass is not None:
-            self.unit.subclass.drop_grads()
+            subclass_grads.drop(self.unit.subclass)
 
     def add_reduced(self, bucket: FlatBucket, reduced: torch.Tensor) -> None:
         """Add a bucket's reduced gradient shard to its parameters' `.grad`s (set them

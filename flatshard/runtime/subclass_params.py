@@ -11,10 +11,8 @@ outputs are kept per parameter, their memory freed on reshard and given back bef
 next gather, and every gather after the first calls the post hook with `out=` the same
 unsharded tensor: a frozen base saved for backward sees the values gathered again there.
 
-A frozen one (a quantized QLoRA base) keeps nothing but its shard. A trainable one (a
-float8 training weight) gets its unsharded gradient reduce-scattered in the same padded
-chunks, summed over HSDP's replicas and divided as the unit's buckets are, into a `Shard(0)`
-DTensor `.grad` of its chunk, which the optimizer steps with the subclass shard.
+A frozen one (a quantized QLoRA base) keeps nothing but its shard; a trainable one's
+gradients are subclass_grads.py's.
 """
 
 from __future__ import annotations
@@ -177,61 +175,6 @@ class SubclassGather:
                     gathered, param.metadata, dtype, out=param.unsharded
                 )
             param.metadata = None
-
-    def reduce_grads(self, sync) -> None:
-        """Each trainable parameter's unsharded gradient (autograd's, accumulated over
-        unsynced micro-batches) summed over the shard group in FSDP2's padded chunks, divided
-        by `sync.divide_factor`, summed over the replicas (HSDP), shown to the all-reduce
-        hook, and added to the sharded parameter's `.grad`."""
-        mesh = self.mesh
-        self.hold_grads()
-        for param in self.params:
-            grad, param.unsynced = param.unsynced, None
-            if grad is None:
-                continue
-            rows = param.padded.size(0)
-            full = grad.new_zeros((mesh.shard_size * rows, *grad.shape[1:]))
-            full[: grad.size(0)].copy_(grad)
-            reduced = full.new_empty((rows, *grad.shape[1:]))
-            group = comm.for_group(mesh.shard_group)
-            group.reduce_scatter(reduced.view(-1), full.view(-1), False).wait()
-            reduced.div_(sync.divide_factor)
-            if mesh.replicate_group is not None:
-                comm.all_reduce(reduced, mesh.replicate_group)
-            if sync.all_reduce_hook is not None:
-                sync.all_reduce_hook(reduced)
-            local = param.sharded._local_tensor
-            mine = reduced[: local.size(0)].to(param.sharded.dtype)
-            if param.sharded.grad is None:
-                param.sharded.grad = DTensor.from_local(
-                    mine,
-                    param.sharded.device_mesh,
-                    param.sharded.placements,
-                    run_check=False,
-                    shape=param.sharded.shape,
-                    stride=param.sharded.stride(),
-                )
-            else:
-                param.sharded.grad._local_tensor.add_(mine)
-
-    def hold_grads(self) -> None:
-        """Keep this micro-batch's gradients for a later sync, summed in the reduce dtype
-        (as FSDP2 and the buckets sum them)."""
-        for param in self.params:
-            grad = None if param.unsharded is None else param.unsharded.grad
-            if grad is None:
-                continue
-            param.unsharded.grad = None
-            if param.unsynced is None:
-                param.unsynced = grad.to(self.mp_policy.reduce_dtype or grad.dtype)
-            else:
-                param.unsynced.add_(grad)
-
-    def drop_grads(self) -> None:
-        for param in self.params:
-            param.unsynced = None
-            if param.unsharded is not None:
-                param.unsharded.grad = None
 
     def free(self) -> None:
         """Free what the gathers hold (the tensors stay, for the next gather to refill)."""
