@@ -1,12 +1,14 @@
 """Checkpoints planned from the layout: every rank derives the whole DCP plan alone (no
 plan gather), the `.metadata` it yields equals DCP's own chunk for chunk, plain DCP and
 PyTorch FSDP2 read it, and a save or a load costs the same few collectives at any world
-size. Tensors split by TP as well still take DCP's planning (and give the same result)."""
+size. Tensors split by TP or EP as well are placed by shifting a rank's pieces to the other
+TP/EP ranks' places."""
 
 from __future__ import annotations
 
 import os
 import pickle
+from functools import partial
 
 import pytest
 import torch
@@ -15,6 +17,8 @@ import torch.distributed.checkpoint as dcp
 from distributed import run_distributed
 from reference import adamw, batches, build_model, config, hsdp_mesh, lm_loss, rank_slice, shard
 from test_collectives import CollectiveCounter
+from test_expert_parallel import ep_model
+from test_moe_training import moe_loss
 from test_tp_fsdp import tp_model
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.tensor import DTensor
@@ -27,16 +31,22 @@ from flatshard.checkpoint.state import app_state, checkpoint_group
 
 def _trained(layout: str):
     """A model and AdamW after one step, wrapped as `layout` says."""
-    if layout.startswith("tp"):
-        model, _ = tp_model(1, dist.get_world_size() // 2, 2)
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    loss = lm_loss
+    if layout.startswith("tp"):  # a TP group's ranks must see the same batch
+        model, rank = tp_model(1, ranks // 2, 2)
+        ranks //= 2
+    elif layout == "ep":  # experts over 2 ranks, sharded over the other 2
+        model = ep_model(2)
+        loss = partial(moe_loss, group=dist.group.WORLD)
     else:
         mesh = hsdp_mesh(2) if layout == "hsdp" else None
         offload = flatshard.OffloadPolicy(fraction=0.5) if layout == "offload" else None
         stage = 2 if layout == "zero2" else 3
         model = shard(build_model(config()), stage, mesh=mesh, offload_policy=offload)
     optimizer = adamw(model.parameters())
-    data = batches(config(), 1)
-    lm_loss(model, rank_slice(data[0], dist.get_rank(), dist.get_world_size())).backward()
+    data = batches(model.config if layout == "ep" else config(), 1)
+    loss(model, rank_slice(data[0], rank, ranks)).backward()
     optimizer.step()
     optimizer.zero_grad()
     return model, optimizer
@@ -79,7 +89,9 @@ def _ours_against_dcp(root: str, layout: str):
             (value._local_tensor if isinstance(value, DTensor) else value).zero_()
     dcp.load(loaded, storage_reader=dcp.FileSystemReader(ours), process_group=group)
     flat, _ = flatten_state_dict(loaded)
-    equal = all(torch.equal(_plain(flat[k]), _plain(v)) for k, v in originals.items())
+    # every rank compares every tensor (full_tensor is a collective: no early exit)
+    unequal = [k for k, v in originals.items() if not torch.equal(_plain(flat[k]), _plain(v))]
+    equal = not unequal
     return prepared.planned is not None, same, equal, loaded["extra"]["position"]
 
 
@@ -88,16 +100,14 @@ def _plain(value):
 
 
 @pytest.mark.parametrize(
-    "layout,world", [("zero3", 2), ("zero2", 4), ("hsdp", 4), ("offload", 2), ("tp", 4)]
+    "layout,world",
+    [("zero3", 2), ("zero2", 4), ("hsdp", 4), ("offload", 2), ("tp", 4), ("ep", 4)],
 )
 def test_layout_plan_is_dcps_plan_and_dcp_reads_it(tmp_path, layout, world):
     for planned_locally, same, equal, position in run_distributed(
         _ours_against_dcp, world, str(tmp_path), layout
     ):
-        assert planned_locally == (layout != "tp")  # TP-split pieces: DCP plans them
-        assert same and position == 7
-        # (TP's fused pieces load through set_state_dict: test_tp_fsdp resumes them)
-        assert equal or layout == "tp"
+        assert planned_locally and same and equal and position == 7
 
 
 # --- collectives per save and load: constant in the world size ------------------------------

@@ -7,9 +7,10 @@ derives the whole plan itself: which rank writes which chunk (the lowest rank ho
 in which order, and how many bytes each takes in its file. Rank 0 turns it into DCP's
 `.metadata`, which plain DCP and PyTorch FSDP2 read as if DCP had written it.
 
-A tensor whose chunks on other ranks cannot be derived here (a flatshard piece that is also
-split by tensor or expert parallelism) makes `plan` return None: the save then takes
-DCP's own planning.
+A flatshard piece also split by tensor or expert parallelism is placed by shifting this
+rank's piece to each TP/EP rank's place (their layouts are this one when the splits are
+even). A tensor whose chunks on other ranks cannot be derived here (an uneven split, a
+tensor subclass) makes `plan` return None: the save then takes DCP's own planning.
 """
 
 from __future__ import annotations
@@ -157,12 +158,17 @@ def dtensor_chunks(value: DTensor, lowest: dict) -> list[tuple[tuple, tuple, int
     local = value._local_tensor
     if isinstance(local, RowShard):
         split = local.mesh_dim
-        if any(type(p) is not Replicate for d, p in enumerate(placements) if d != split):
-            return None  # also split by TP/EP: those ranks' pieces are not in this spec
-        key = (id(mesh), split)
-        if key not in lowest:
-            lowest[key] = lowest_ranks(ranks, split)
-        return row_shard_chunks(local.spec, lowest[key])
+        inner = [
+            (d, p) for d, p in enumerate(placements) if d != split and type(p) is not Replicate
+        ]
+        if not inner:
+            key = (id(mesh), split)
+            if key not in lowest:
+                lowest[key] = lowest_ranks(ranks, split)
+            return row_shard_chunks(local.spec, lowest[key])
+        if len(inner) > 1:
+            return None
+        return _split_row_shard_chunks(local.spec, ranks, split, *inner[0])
     if any(type(p) not in (Shard, Replicate) for p in placements) or _subclass(local):
         return None
     chunks: dict[tuple, tuple] = {}
@@ -179,6 +185,44 @@ def _subclass(tensor: torch.Tensor) -> bool:
     """A tensor subclass (a QLoRA base's NF4 shard): what torch.save writes of it is the
     subclass's business, so DCP plans its writes."""
     return type(tensor) not in (torch.Tensor, torch.nn.Parameter)
+
+
+def _split_row_shard_chunks(spec, ranks, split: int, dim: int, placement):
+    """Every rank's chunks of a tensor split by TP or EP along mesh dim `dim` and, inside
+    each piece, into flatshard's rows along mesh dim `split`. The other TP/EP ranks' pieces
+    are this rank's shifted to their place: their unit layouts are this one when every
+    split is even (a layout that differs makes the ranks' plans, and so their
+    fingerprints, differ: the save then takes DCP's planning)."""
+    chunks = []
+    for index in range(ranks.shape[dim]):
+        info = _info_at(spec.info, placement, index, ranks.shape[dim])
+        if info is None:
+            return None
+        lowest = lowest_ranks(ranks.select(dim, index), split - (dim < split))
+        chunks += row_shard_chunks(dataclasses.replace(spec, info=info), lowest)
+    return chunks
+
+
+def _info_at(info, placement, index: int, count: int):
+    """`info` (a TP/EP rank's piece of its global tensor) as rank `index` of `count` along
+    `placement` holds it; None where that is not a shift of this rank's piece."""
+    if info.split_by_components:  # [gate_r; up_r]: each component's 1/count at r
+        components = tuple(_shifted(c, c.dim, index * c.size) for c in info.components)
+        return dataclasses.replace(info, components=components)
+    if type(placement) is not Shard or info.global_shape[placement.dim] % count:
+        return None
+    dim = placement.dim
+    offset = list(info.global_offset)
+    offset[dim] = index * info.shape[dim]
+    components = tuple(_shifted(c, dim, offset[dim]) for c in info.components)
+    return dataclasses.replace(info, global_offset=tuple(offset), components=components)
+
+
+def _shifted(component, dim: int, start: int):
+    offset = list(component.global_offset)
+    if offset:
+        offset[dim] = start
+    return dataclasses.replace(component, global_offset=tuple(offset))
 
 
 def lowest_ranks(ranks: torch.Tensor, split: int) -> list[int]:
