@@ -7,6 +7,7 @@ User errors (a bad config value, a missing file, an unusable checkpoint) print o
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import warnings
@@ -166,6 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # sample, inspect and convert read checkpoints in one process, which DCP warns about
     warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+    # transformers imports torchao wherever it is installed, and that import logs torchao's
+    # missing GPU kernels and a torch deprecation: noise about a package the command does
+    # not use, before the one line a user error prints
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     try:
         return {
             "train": _train,
