@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from distributed import run_distributed
 from lora_model import all_gather_sizes, base_weights, qlora_model, train
-from torch.distributed.device_mesh import init_device_mesh
+from reference import hsdp_mesh
 
 import flatshard
 from flatshard import registry
@@ -38,7 +38,7 @@ def sharded(library: str, hsdp: bool = False):
         fully_shard = flatshard.fully_shard
     mesh = None
     if hsdp:
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        mesh = hsdp_mesh(2)
     model = build()
     for block in model.blocks:
         fully_shard(block, mesh=mesh)

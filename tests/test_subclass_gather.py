@@ -14,7 +14,7 @@ import torch.nn as nn
 from distributed import run_distributed
 from int8_weight import Int8Weight
 from lora_model import LoRALinear, all_gather_sizes, base_weights, batch, qlora_model, train
-from torch.distributed.device_mesh import init_device_mesh
+from reference import hsdp_mesh
 
 import flatshard
 from flatshard import checkpoint, registry
@@ -45,7 +45,7 @@ def sharded(library: str, bases_alone: bool = False, hsdp: bool = False, bf16: b
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None)
     mesh = None
     if hsdp:
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        mesh = hsdp_mesh(2)
     model = build()
     if bases_alone:
         for module in model.modules():

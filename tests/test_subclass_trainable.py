@@ -14,7 +14,7 @@ import torch.nn as nn
 from cast_weight import CastingWeight
 from distributed import run_distributed
 from lora_model import Model
-from torch.distributed.device_mesh import init_device_mesh
+from reference import hsdp_mesh
 
 import flatshard
 from flatshard import checkpoint
@@ -32,7 +32,6 @@ def build() -> Model:
 
 
 def _train(library: str, hsdp: bool = False, accumulate: bool = False):
-    world = dist.get_world_size()
     if library == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     else:
@@ -40,7 +39,7 @@ def _train(library: str, hsdp: bool = False, accumulate: bool = False):
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     mesh = None
     if hsdp:
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        mesh = hsdp_mesh(2)
     model = build()
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp)
