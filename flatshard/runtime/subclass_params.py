@@ -59,6 +59,7 @@ class SubclassParam:
     sharded: nn.Parameter  # a DTensor, Shard(0) of torch.chunk rows, its local the subclass
     padded: torch.Tensor  # this rank's chunk, padded to the first chunk's rows
     orig_size: torch.Size
+    orig_stride: tuple[int, ...]  # contiguous, as FSDP2 passes it: worked out once, not per gather
     metadata: object = None  # the pre hook's, for the post hook
     input_specs: list[tuple[torch.Size, torch.dtype]] = field(default_factory=list)
     outputs: list[torch.Tensor] = field(default_factory=list)  # kept from gather to gather
@@ -86,7 +87,8 @@ def shard(fqn, original, occurrences, mesh) -> SubclassParam:
             stride=original.stride(),
         )
     sharded = nn.Parameter(dtensor, requires_grad=original.requires_grad)
-    return SubclassParam(fqn, occurrences, sharded, padded, original.size())
+    stride = torch.empty(original.size(), device="meta").stride()
+    return SubclassParam(fqn, occurrences, sharded, padded, original.size(), stride)
 
 
 class SubclassGather:
@@ -121,8 +123,7 @@ class SubclassGather:
         shard_mesh = self._shard_mesh()
         if len(inspect.signature(hook).parameters) == 1:  # FSDP2's older signature
             return hook(shard_mesh)
-        stride = torch.empty(param.orig_size, device="meta").stride()
-        return hook(shard_mesh, param.orig_size, stride, self.module, self.mp_policy)
+        return hook(shard_mesh, param.orig_size, param.orig_stride, self.module, self.mp_policy)
 
     def _shard_mesh(self):
         mesh = self.mesh.device_mesh
@@ -163,8 +164,7 @@ class SubclassGather:
                 tensor, param.inner = param.sharded._local_tensor.fsdp_post_all_gather(
                     gathered, param.metadata, dtype
                 )
-                stride = torch.empty(param.orig_size, device="meta").stride()
-                unsharded = torch.as_strided(tensor, param.orig_size, stride, 0)
+                unsharded = torch.as_strided(tensor, param.orig_size, param.orig_stride, 0)
                 requires_grad = param.sharded.requires_grad
                 param.unsharded = nn.Parameter(unsharded, requires_grad=requires_grad)
             else:
