@@ -100,6 +100,27 @@ class Check:
         flatshard.materialize(model, device)
         return model
 
+    def fsdp2(self, size: str = "1b", ac=None, compile: bool = False):
+        """The `size` Llama in bf16 under PyTorch FSDP2 (per block and the root), its blocks
+        checkpointed by flatshard's AC wrapper and compiled as flatshard's are, on request."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from flatshard.activation_checkpointing import checkpoint_block
+        from flatshard.models import Llama, LlamaConfig
+
+        torch.manual_seed(0)
+        with torch.device(self.device):
+            model = Llama(LlamaConfig(**self.sizes[size][0]))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.layers:
+            if ac is not None:
+                checkpoint_block(block, ac)
+            fully_shard(block, mp_policy=policy)
+            if compile:  # FSDP2's hooks are skipped by dynamo: whole block graphs
+                block.compile()
+        fully_shard(model, mp_policy=policy)
+        return model
+
     def train(self, model, size: str, device=None, steps: int = STEPS + WARMUP) -> dict:
         """Losses and step times (after WARMUP) of AdamW steps on the fixed data."""
         device = device or self.device
@@ -507,6 +528,12 @@ def ac_1b(check: Check, compile: bool = False) -> dict:
         run = check.train(model, "1b", steps=WARMUP + 3)
         out[mode] = {"step_s": run["step_s"], "peak_bytes": check.peak()}
         del model
+    for mode in ("none", "full", "selective"):  # the peer: the same AC and compile on FSDP2
+        model = check.fsdp2(ac=None if mode == "none" else mode, compile=compile)
+        check.reset_peak()
+        run = check.train(model, "1b", steps=WARMUP + 3)
+        out[f"fsdp2_{mode}"] = {"step_s": run["step_s"], "peak_bytes": check.peak()}
+        del model
     steps = [out[mode]["step_s"] for mode in ("none", "selective", "full")]
     out["selective_between"] = steps[0] <= steps[1] <= steps[2]
     out["ok"] = True  # a measurement: what it shows is in the report
@@ -522,21 +549,13 @@ def ac_compiled_1b(check: Check) -> dict:
 def fsdp2_1b(check: Check) -> dict:
     """A ~1B Llama in bf16 at world 1: flatshard (torch's AdamW and flatshard's flat AdamW) and
     FSDP2 step times, taken in rotation, and each one's phases timed alone."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import flatshard
 
     policy = flatshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    from flatshard.models import Llama, LlamaConfig
 
     ours = check.sharded("1b", mp_policy=policy)
-    torch.manual_seed(0)
-    with torch.device(check.device):
-        theirs = Llama(LlamaConfig(**check.sizes["1b"][0]))
-    peer_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in theirs.layers:
-        fully_shard(block, mp_policy=peer_policy)
-    fully_shard(theirs, mp_policy=peer_policy)
+    theirs = check.fsdp2("1b")
     flat = check.sharded("1b", mp_policy=policy)
     runs = {"flatshard": ours, "fsdp2": theirs, "flatshard_flat_adamw": flat}
     times = {name: [] for name in runs}
