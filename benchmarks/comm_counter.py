@@ -99,10 +99,12 @@ class CommCounter:
 
     # functional collectives (DTensor's redistributions): name: (kind, position of the
     # group among the arguments); the input is counted (all-gather: its output, N x)
+    # (torch before 2.13 has only the older names, which 2.13 forwards to the new ones: the
+    # first name present is wrapped, so no call counts twice)
     FUNCTIONAL = {
-        "all_reduce": ("all_reduce", 2),
-        "all_gather_single": ("all_gather", 2),
-        "reduce_scatter_single": ("reduce_scatter", 3),
+        ("all_reduce",): ("all_reduce", 2),
+        ("all_gather_single", "all_gather_tensor"): ("all_gather", 2),
+        ("reduce_scatter_single", "reduce_scatter_tensor"): ("reduce_scatter", 3),
     }
 
     def reset(self) -> None:
@@ -117,7 +119,9 @@ class CommCounter:
     def install(self) -> None:
         c10d = dist.distributed_c10d
         for name, spec in self.WRAPPED.items():
-            original = getattr(c10d, name)
+            original = getattr(c10d, name, None)  # the new names: torch 2.13 on
+            if original is None:
+                continue
             wrapper = self._wrap(original, *spec)
             for namespace in (dist, c10d):
                 if getattr(namespace, name, None) is original:
@@ -131,7 +135,8 @@ class CommCounter:
         collectives._send_rows = self._mark_ep(collectives._send_rows, rows=True)
         expert_parallel._exchange_counts = self._mark_ep(expert_parallel._exchange_counts)
 
-        for name, (kind, position) in self.FUNCTIONAL.items():
+        for names, (kind, position) in self.FUNCTIONAL.items():
+            name = next(name for name in names if hasattr(funcol, name))
             setattr(funcol, name, self._wrap_functional(getattr(funcol, name), kind, position))
 
     def _count(self, kind: str, tensor: torch.Tensor, size: int, multiple: int = 1) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flatshard import nccl_shim
+from flatshard import compat, nccl_shim
 from flatshard.collectives import (  # noqa: F401  (comm is where callers find them)
     Collectives,
     all_gather,
@@ -258,7 +258,7 @@ class BufferPool:
     @staticmethod
     def keeps(storage: torch.UntypedStorage) -> bool:
         cpu = storage.device.type == "cpu" and not nccl_shim.active()  # NCCL path: none
-        return cpu and hasattr(storage, "_swap_data_ptr_")
+        return cpu and compat.storage_memory_moves()
 
     def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialised flat buffer, from the pool when one of its size is free."""

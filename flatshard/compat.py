@@ -7,6 +7,9 @@ version string), in one place.
   call, so anything that wraps `torch.distributed`'s functions (a byte counter, a test)
   still sees the call.
 - FSDP2's `DataParallelMeshDims` (torch 2.13): defined here alike where torch lacks it.
+- Moving one storage's memory into another (`UntypedStorage._swap_data_ptr_`, which the CPU
+  buffer pool uses): tried once on two small storages, and the pool keeps nothing where the
+  memory, its size and its address do not all move.
 - The tensor types torch's optimizers and `clip_grad_norm_` step with foreach (or fused)
   kernels: an exact-type list in `torch.optim.optimizer` and one in
   `torch.utils._foreach_utils` (DTensor adds itself to both). A subclass not listed silently
@@ -15,9 +18,11 @@ version string), in one place.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 
@@ -29,6 +34,19 @@ def all_gather_single(output, input, group=None, async_op=False):
 def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return scatter(output, input, op=op, group=group, async_op=async_op)
+
+
+@functools.cache
+def storage_memory_moves() -> bool:
+    """Whether `empty._swap_data_ptr_(full)` leaves `empty` with `full`'s memory (address and
+    size) and `full` empty: the buffer pool's one storage operation."""
+    full, empty = torch.UntypedStorage(64), torch.UntypedStorage(0)
+    address = full.data_ptr()
+    try:
+        empty._swap_data_ptr_(full)
+    except (AttributeError, RuntimeError):
+        return False
+    return empty.size() == 64 and empty.data_ptr() == address and full.size() == 0
 
 
 def allow_foreach(tensor_type: type) -> None:

@@ -375,10 +375,10 @@ def reset_after_failure(lib) -> dict:
 def spmd_mesh_dims(lib) -> dict:
     """torch 2.13's `fully_shard(mesh=whole_mesh, dp_mesh_dims=...)` with the parameters
     DTensors replicated on the mesh, against the plain mesh's run."""
-    from torch.distributed.fsdp import DataParallelMeshDims
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     fully_shard, _ = api(lib)
+    DataParallelMeshDims = flatshard.DataParallelMeshDims  # FSDP2's, or ours before torch 2.13
     world = flatshard.ParallelDims(dist.get_world_size(), dp_replicate=2).build().world
     mesh = world["dp_replicate", "dp_shard"]
     dims = DataParallelMeshDims(shard="dp_shard", replicate="dp_replicate")

@@ -3,15 +3,21 @@ something still views them, and nothing stays pooled after a forward or backward
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
 from reference import adamw, batches, build_model, config, lm_loss, rank_slice, shard
 
-from flatshard import comm, registry
+from flatshard import comm, compat, registry
 from flatshard.runtime.flat_bucket import FlatBucket
 
+pools = pytest.mark.skipif(
+    not compat.storage_memory_moves(), reason="this torch cannot move a storage's memory"
+)
 
+
+@pools
 def test_a_returned_buffer_is_handed_out_again():
     pool = comm.BufferPool()
     first = pool.empty(1000, torch.float32, torch.device("cpu"))
@@ -33,6 +39,7 @@ def test_a_viewed_buffer_is_not_taken():
     assert torch.equal(kept, torch.ones(10))
 
 
+@pools
 def test_freed_storage_memory_moves_to_the_next_buffer():
     pool = comm.BufferPool()
     first, second = torch.empty(1000), torch.empty(1000)
@@ -74,6 +81,7 @@ def _reuse_in_one_step():
     return addresses, after_forward, dict(pool._free)
 
 
+@pools
 def test_blocks_reuse_gradient_buffers_and_the_pool_ends_empty():
     for addresses, after_forward, left in run_distributed(_reuse_in_one_step, 2):
         assert after_forward == {} and left == {}

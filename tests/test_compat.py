@@ -6,11 +6,12 @@ ones and equals training with them."""
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 from distributed import run_distributed
 from reference import batches, build_model, config, full_state, lm_loss, rel_diff, shard, train
 
-from flatshard import nccl_shim
+from flatshard import comm, compat, nccl_shim
 from flatshard.compat import OwnDataParallelMeshDims
 
 
@@ -137,3 +138,18 @@ def test_allow_foreach_lists_a_type_once_and_skips_a_missing_list(monkeypatch):
     allow_foreach(Extra)
     allow_foreach(Extra)
     assert optimizer_module._foreach_supported_types == [Extra]
+
+
+def test_buffers_are_freed_and_refilled_where_storage_memory_cannot_move(monkeypatch):
+    # a torch whose storages swap nothing: the pool keeps no memory, buffers resize instead
+    monkeypatch.setattr(torch.UntypedStorage, "_swap_data_ptr_", lambda self, other: None)
+    monkeypatch.setattr(compat, "storage_memory_moves", compat.storage_memory_moves.__wrapped__)
+    assert not compat.storage_memory_moves()
+    pool = comm.BufferPool()
+    buffer = torch.ones(1000)
+    comm.free_storage(buffer, pool)
+    assert buffer.untyped_storage().size() == 0 and pool.empty(1000, torch.float32, "cpu").numel()
+    comm.alloc_storage(buffer, pool)
+    assert buffer.untyped_storage().size() == 4000
+    pool.give_back(torch.empty(1000))
+    assert pool._pop(4000, torch.device("cpu")) is None

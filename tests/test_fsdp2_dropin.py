@@ -28,6 +28,8 @@ def _compare(name: str, world: int = 2, peer_name: str | None = None):
 
 @pytest.mark.parametrize("name", [n for n in DROPIN if n != "spmd_mesh_dims"])
 def test_client_behaviour_as_fsdp2(name):
+    if name == "reset_after_failure" and not hasattr(torch_fsdp.FSDPModule, "reset_iter_state"):
+        pytest.skip("this torch's FSDP2 has no reset_iter_state to compare with")
     _compare(name, WORLD.get(name, 2))
 
 
@@ -53,7 +55,9 @@ def test_every_fsdp2_name_imports_from_flatshard():
         "MixedPrecisionPolicy", "OffloadPolicy", "register_fsdp_forward_method",
         "UnshardHandle", "share_comm_ctx",
     ]  # fmt: skip
-    assert set(fsdp2_names) <= set(torch_fsdp.__all__)
+    # (a torch before 2.13 lacks DataParallelMeshDims and share_comm_ctx: flatshard has them)
+    new_in_2_13 = {"DataParallelMeshDims", "share_comm_ctx"}
+    assert set(fsdp2_names) - new_in_2_13 <= set(torch_fsdp.__all__)
     for name in fsdp2_names:
         assert hasattr(flatshard, name), name
     assert issubclass(FlatShardModule, torch_fsdp.FSDPModule)
