@@ -244,3 +244,17 @@ def test_transformers_blocks_compile(arch):
         assert counts["breaks"] == 0 and counts["graphs"] >= 1
         assert rel_losses(losses, eager_losses) <= TOLERANCE
         assert rel_diff(weights, eager_weights) <= TOLERANCE
+
+
+def test_the_trainer_warns_of_eager_selective_ac_on_a_gpu(capsys):
+    from types import SimpleNamespace
+
+    from flatshard.cli.model import warn_eager_selective
+
+    for ac, compile, device in [
+        ("selective", True, "cuda"), ("full", False, "cuda"), ("selective", False, "cpu"),
+    ]:  # fmt: skip
+        warn_eager_selective(SimpleNamespace(ac=ac, compile=compile), torch.device(device))
+    assert capsys.readouterr().err == ""
+    warn_eager_selective(SimpleNamespace(ac="selective", compile=False), torch.device("cuda"))
+    assert "add --compile" in capsys.readouterr().err

@@ -75,6 +75,16 @@ def offload_policy(fraction: float, directory: str) -> flatshard.OffloadPolicy |
     return flatshard.OffloadPolicy(fraction=fraction or 1.0, path=directory or None)
 
 
+def warn_eager_selective(train, device: torch.device) -> None:
+    """Eager selective AC on a GPU is host-bound (torch's per-op dispatch mode, forward and
+    recompute: benchmarks/RESULTS-gpu.md); compiled, the policy runs inside the graphs."""
+    if train.ac == "selective" and not train.compile and device.type == "cuda":
+        warn(
+            "--ac selective without --compile runs every op of a block through torch's "
+            "dispatch mode on the host (at 1B on an H200, slower than --ac full); add --compile"
+        )
+
+
 def reference_model(cfg: LlamaConfig) -> Llama | MoE:
     """The reference model a config describes (on the current default device)."""
     return family_of_config(cfg).model_type(cfg)
@@ -96,6 +106,7 @@ def build_run_model(
         offload=offload_policy(train.offload, train.offload_dir),
         activations=activation_options(train.ac, train.compile),
     )
+    warn_eager_selective(train, device)
     if config.model.hf:
         model = build_hf(config.model.hf, load=load, **sharding)
     else:
