@@ -12,11 +12,14 @@ step), are copied to host memory a wave at a time: a wave holds at most half of
 holds, not what a memory allocator keeps. An asynchronous save writes a host chunk larger
 than a wave straight from its original instead, before it lets the optimizer step; a
 device chunk larger than a wave is copied into a buffer of its own. The file's CRC-32 is
-computed as it is written (no second read for the manifest).
+computed as it is written (no second read for the manifest), and torch.save's own CRC-32
+of every zip record is switched off while it writes (torch.load and DCP read records without
+it): the manifest's checksum covers the whole file, so one pass over the bytes is enough.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import zlib
@@ -193,7 +196,8 @@ def _write_wave(file, name: str, copies: list, ready, where: dict) -> int:
         if isinstance(value, io.BytesIO):
             file.write(value.getbuffer())
         else:
-            torch.save(_exactly_its_bytes(value), file)
+            with _records_without_crc32():
+                torch.save(_exactly_its_bytes(value), file)
         length = file.tell() - offset
         if planned.item.type != WriteItemType.BYTE_IO and length != planned.length:
             raise RuntimeError(
@@ -202,3 +206,18 @@ def _write_wave(file, name: str, copies: list, ready, where: dict) -> int:
             )
         where[planned.item.index] = _StorageInfo(name, offset, length)
     return sum(copied for _, _, copied in copies)
+
+
+@contextlib.contextmanager
+def _records_without_crc32():
+    """torch.save without its per-record CRC-32 (a torch without the switch computes it)."""
+    serialization = torch.serialization
+    if not hasattr(serialization, "set_crc32_options"):
+        yield
+        return
+    previous = serialization.get_crc32_options()
+    serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        serialization.set_crc32_options(previous)
