@@ -7,8 +7,8 @@ survives the ops an optimizer or a state dict applies (detach, zeros_like, point
 foreach math), so parameters, gradients and optimizer states all know where their rows
 sit globally, with no communication.
 
-Its DTensor redistribution is in redistribute.py; the sharded parameters and what reads
-their spec in sharded_param.py.
+What it knows of each aten op is in row_ops.py, its DTensor redistribution in
+redistribute.py, the sharded parameters and what reads their spec in sharded_param.py.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from flatshard import comm
 from flatshard.dtensor import disk_tier
 from flatshard.dtensor.derived_rows import derived_spec
 from flatshard.dtensor.disk_tier import (
-    STATE_FACTORIES,
     DiskTier,
     PagedBuffer,
     paged_pieces,
     run_by_piece,
 )
+from flatshard.dtensor.row_ops import OpInfo, op_info
 from flatshard.errors import UnevenShardError
 from flatshard.layout import ShardSpec
 
@@ -129,7 +129,7 @@ class RowShard(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        op = _op_info(func)
+        op = op_info(func)
         if op.collective:
             # A collective on row shards means DTensor took its chunk-based path.
             raise UnevenShardError(unsupported(f"the collective {func}"))
@@ -149,7 +149,7 @@ class RowShard(torch.Tensor):
         return _dispatch(func, op, args, kwargs)
 
 
-def _draw_as_fsdp2(func, op: _OpInfo, args, kwargs):
+def _draw_as_fsdp2(func, op: OpInfo, args, kwargs):
     """A random op (an init's `uniform_`, `normal_`, ...) on a row shard draws what FSDP2's
     `torch.chunk` pieces draw. On the CPU every FSDP2 rank draws its chunk from the same
     generator state, so here every rank draws the first chunk, and gives its row i what
@@ -187,7 +187,7 @@ def _rows_of_chunk(chunk: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     return picked[tuple(slice(None) if i == d else s for i, s in enumerate(box.slices))]
 
 
-def _dispatch(func, op: _OpInfo, args, kwargs):
+def _dispatch(func, op: OpInfo, args, kwargs):
     """Run `func` on the row shards' data and give the results their rows."""
     like = _first_row_shard(args)
     if op.makes_state and like is not None and like.tier is not None:
@@ -206,7 +206,7 @@ def _dispatch(func, op: _OpInfo, args, kwargs):
     return tree_unflatten([_rewrap(op, o, like, args, func, kwargs) for o in flat_out], spec)
 
 
-def _run_paged(func, op: _OpInfo, args, kwargs):
+def _run_paged(func, op: OpInfo, args, kwargs):
     """An op on disk-tier state: piece by piece, each piece paged out after (disk_tier.py)."""
     if op.by_piece:
         return run_by_piece(
@@ -241,38 +241,6 @@ def _as_paged(values: torch.Tensor, like: RowShard) -> RowShard:
     return RowShard(paged.tensor, like.spec, None, like.mesh_dim, like.tier, paged)
 
 
-class _OpInfo:
-    """What the dispatch needs to know about an op, computed once per op."""
-
-    def __init__(self, func):
-        name = func.name().split("::")[1].split(".")[0]
-        self.collective = func.namespace in ("_c10d_functional", "c10d", "_dtensor")
-        self.foreach = name.startswith("_foreach_")
-        self.by_piece = self.foreach or name.startswith("_fused_")  # lists of pieces
-        self.makes_state = name in STATE_FACTORIES
-        self.seeded = torch.Tag.nondeterministic_seeded in func.tags
-        # random ops that only take the input's shape (fill it, or make one like it)
-        self.fills = name in _RANDOM_FILLS or func is torch.ops.aten.bernoulli_.float
-        self.view = func in _VIEWS
-        self.aliases = self.view or name in _ALIASES
-        self.keeps_rows = torch.Tag.pointwise in func.tags or self.foreach or name in _ROW_KEEPING
-        self.written = [
-            (position, argument.name)
-            for position, argument in enumerate(func._schema.arguments)
-            if argument.alias_info is not None and argument.alias_info.is_write
-        ]
-
-
-_OPS: dict = {}
-
-
-def _op_info(func) -> _OpInfo:
-    info = _OPS.get(func)
-    if info is None:
-        info = _OPS[func] = _OpInfo(func)
-    return info
-
-
 def _first_row_shard(args):
     for arg in args:
         if type(arg) is RowShard:
@@ -300,7 +268,7 @@ def _unwrap_kwargs(kwargs):
     return {key: _unwrap(value) for key, value in kwargs.items()}
 
 
-def _rewrap(op: _OpInfo, out, like, args, func=None, kwargs=None):
+def _rewrap(op: OpInfo, out, like, args, func=None, kwargs=None):
     """Give an op's output the rows of its row-shard input, when the op keeps rows (as
     they are, or in another shape: derived_rows.py)."""
     if not isinstance(out, torch.Tensor) or like is None or type(like) is not RowShard:
@@ -325,31 +293,6 @@ def _rewrap(op: _OpInfo, out, like, args, func=None, kwargs=None):
     shares = out.untyped_storage().data_ptr() == like.data_.untyped_storage().data_ptr()
     base = like.version_base if shares else None  # a view (a transpose) writes the buffer
     return RowShard(out, derived, base, like.mesh_dim)
-
-
-# Ops whose output has the rows of their row-shard input (besides pointwise and foreach).
-_ROW_KEEPING = {
-    "detach",
-    "alias",
-    "clone",
-    "_to_copy",
-    "copy_",
-    "zeros_like",
-    "ones_like",
-    "empty_like",
-    "full_like",
-    "rand_like",
-    "randn_like",
-    "zero_",
-    "fill_",
-    "contiguous",
-}
-_RANDOM_FILLS = {
-    "uniform_", "normal_", "random_", "exponential_", "cauchy_", "log_normal_", "geometric_",
-    "rand_like", "randn_like", "randint_like",
-}  # fmt: skip
-_VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
-_ALIASES = {"detach", "alias"}
 
 
 def _bump_versions(written) -> None:
