@@ -100,6 +100,11 @@ class SubclassGather:
         self.module = module
         self.mp_policy = mp_policy
         self.rode = False  # the current gather rode in a bucket's all-gather
+        device_mesh, names = mesh.device_mesh, mesh.device_mesh.mesh_dim_names
+        # the hooks see the shard dim's mesh (HSDP's last dim), as FSDP2's do
+        self.shard_mesh = (
+            device_mesh if device_mesh.ndim == 1 or not names else device_mesh[names[-1]]
+        )
 
     def pack(self) -> torch.Tensor:
         """This rank's all-gather inputs, every parameter's, as one run of bytes."""
@@ -119,31 +124,25 @@ class SubclassGather:
         return torch.cat(pieces)
 
     def _pre_all_gather(self, param: SubclassParam):
-        hook = param.sharded._local_tensor.fsdp_pre_all_gather  # FSDP2 asks the same tensor
-        shard_mesh = self._shard_mesh()
-        if len(inspect.signature(hook).parameters) == 1:  # FSDP2's older signature
-            return hook(shard_mesh)
-        return hook(shard_mesh, param.orig_size, param.orig_stride, self.module, self.mp_policy)
-
-    def _shard_mesh(self):
-        mesh = self.mesh.device_mesh
-        names = mesh.mesh_dim_names
-        return mesh if mesh.ndim == 1 or not names else mesh[names[-1]]
+        local = param.sharded._local_tensor  # FSDP2 asks the same tensor
+        hook = local.fsdp_pre_all_gather
+        if _takes_the_mesh_only(type(local), hook):  # FSDP2's older signature
+            return hook(self.shard_mesh)
+        return hook(
+            self.shard_mesh, param.orig_size, param.orig_stride, self.module, self.mp_policy
+        )
 
     def gather_alone(self, group):
         """One all-gather of these parameters' bytes (a unit without a plain bucket gather)."""
-        packed = self.pack()
-        ranks = self.mesh.shard_size
-        wire = torch.empty(ranks * packed.numel(), dtype=torch.uint8, device=packed.device)
-        work = comm.for_group(group).all_gather(wire, packed)
-        return _Unpack(work, wire.view(ranks, -1), None, self)
+        return self._all_gather(self.pack(), None, group)
 
     def gather_with(self, output: torch.Tensor, shard: torch.Tensor, group):
         """A bucket's all-gather with these parameters' bytes after its shard's: one
         collective; the bucket's part is copied into `output` at wait()."""
         self.rode = True
-        own = shard.view(torch.uint8)
-        packed = torch.cat([own, self.pack()])
+        return self._all_gather(torch.cat([shard.view(torch.uint8), self.pack()]), output, group)
+
+    def _all_gather(self, packed: torch.Tensor, output, group):
         ranks = self.mesh.shard_size
         wire = torch.empty(ranks * packed.numel(), dtype=torch.uint8, device=packed.device)
         work = comm.for_group(group).all_gather(wire, packed)
@@ -189,6 +188,17 @@ class SubclassGather:
                 continue
             for module, name in param.occurrences:
                 module._parameters[name] = value
+
+
+_PRE_HOOK_ARITY: dict[type, bool] = {}
+
+
+def _takes_the_mesh_only(cls: type, hook) -> bool:
+    """Whether `cls`'s pre hook has FSDP2's older `(mesh)` signature: read once per class."""
+    older = _PRE_HOOK_ARITY.get(cls)
+    if older is None:
+        older = _PRE_HOOK_ARITY[cls] = len(inspect.signature(hook).parameters) == 1
+    return older
 
 
 def _unpack(param: SubclassParam, wire: torch.Tensor, offset: int) -> int:
