@@ -166,7 +166,7 @@ def resident_unsharded_bytes(model) -> int:
     total = 0
     for unit in _units(model):
         for bucket in unit.buckets:
-            for buffer in (bucket.unsharded, bucket.unsharded_grad):
+            for buffer in (bucket.unsharded, bucket.grads.unsharded):
                 if isinstance(buffer, torch.Tensor):
                     total += buffer.untyped_storage().nbytes()
     return total

@@ -115,8 +115,8 @@ MUTANTS = (
     Mutant(
         "accumulation",
         "held (unsynced) low-precision gradients drop every micro-batch after the first",
-        "flatshard/runtime/flat_bucket.py",
-        "            self._unsynced.add_(self.unsharded_grad)",
+        "flatshard/runtime/bucket_grads.py",
+        "            self.unsynced.add_(self.unsharded)",
         "            pass",
         ("tests/test_mixed_precision.py",),
     ),

@@ -10,7 +10,7 @@ from distributed import run_distributed
 from reference import adamw, batches, build_model, config, lm_loss, rank_slice, shard
 
 from flatshard import comm, compat, registry
-from flatshard.runtime.flat_bucket import FlatBucket
+from flatshard.runtime.bucket_grads import BucketGradients
 
 pools = pytest.mark.skipif(
     not compat.storage_memory_moves(), reason="this torch cannot move a storage's memory"
@@ -60,22 +60,22 @@ def _reuse_in_one_step():
     cfg = config(n_layers=4)
     model = shard(build_model(cfg), 3)
     optimizer = adamw(model.parameters())
-    original = FlatBucket.prepare_unsharded_grad
+    original = BucketGradients.prepare
     addresses = []
 
-    def recording(bucket, keep, pool):
-        original(bucket, keep, pool)
-        addresses.append((bucket.layout.padded_size, bucket.unsharded_grad.data_ptr()))
+    def recording(grads, keep, pool, device):
+        original(grads, keep, pool, device)
+        addresses.append((grads.padded_size, grads.unsharded.data_ptr()))
 
     for step, tokens in enumerate(batches(cfg, 2)):
-        FlatBucket.prepare_unsharded_grad = recording if step == 1 else original
+        BucketGradients.prepare = recording if step == 1 else original
         try:
             loss = lm_loss(model, rank_slice(tokens, rank, world))
             pool = registry.unit_of(model).context.buffers
             after_forward = dict(pool._free)  # blocks' buffers must not idle at the peak
             loss.backward()
         finally:
-            FlatBucket.prepare_unsharded_grad = original
+            BucketGradients.prepare = original
         optimizer.step()
         optimizer.zero_grad()
     return addresses, after_forward, dict(pool._free)

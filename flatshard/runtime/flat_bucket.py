@@ -1,6 +1,6 @@
 """One bucket: this rank's shard (shard_storage.py: main weights and their gradient, on
 the device or, under optimizer offload, partly on the host), the unsharded compute copy
-that all-gathers fill, and the unsharded gradient that reduce-scatters empty.
+that all-gathers fill, and the gradients (bucket_grads.py) that its reduce-scatter empties.
 
 Every offset comes from the layout (the bucket's `BucketLayout` and its parameters'
 `ShardSpec`s); this file only allocates, views and moves whole flat buffers.
@@ -12,6 +12,7 @@ import torch
 
 from flatshard import comm
 from flatshard.layout import BucketLayout
+from flatshard.runtime.bucket_grads import BucketGradients
 from flatshard.runtime.shard_storage import ShardStorage, as_param
 
 
@@ -45,18 +46,14 @@ class FlatBucket:
         self.specs = [layout.spec(slot, rank) for slot in layout.slots]
         self.shard = ShardStorage(self.specs, layout.shard_size, device, main_dtype)
         self._allocate_unsharded(device)
-        self.unsharded_grad: torch.Tensor | None = None
+        self.grads = BucketGradients(layout.padded_size, param_dtype, reduce_dtype)
         self._gather_input: torch.Tensor | None = None
         self._version = 0
         self._main_version = (-1, -1)
-        self._unsynced: torch.Tensor | None = None
         # hpZ: this rank's 1/n of the gathered bucket, kept from forward to backward, and
         # the weights' version it reflects
         self.secondary: torch.Tensor | None = None
         self._secondary_version = (-1, -1)
-        # HSDP: reduce-scattered gradient shards not yet summed over the replicas
-        # (`set_requires_all_reduce(False)`), in the reduce dtype
-        self.unreplicated: torch.Tensor | None = None
 
     def allocate(self, device: torch.device) -> None:
         """Real (zeroed) shards and the unsharded buffer on `device`, for a bucket built on
@@ -71,7 +68,8 @@ class FlatBucket:
         self.shard.convert(dtype)
         self.param_dtype, self.reduce_dtype = policy.dtypes_for(dtype)
         self._allocate_unsharded(self.shard.main.device)
-        self.unsharded_grad = self._unsynced = self.secondary = self.unreplicated = None
+        self.grads = BucketGradients(self.layout.padded_size, self.param_dtype, self.reduce_dtype)
+        self.secondary = None
         self._main_version = (-1, -1)
 
     def _allocate_unsharded(self, device: torch.device) -> None:
@@ -153,49 +151,12 @@ class FlatBucket:
         comm.free_storage(self.unsharded, pool)
 
     # --- gradients -----------------------------------------------------------------------
-    def prepare_unsharded_grad(self, keep: bool, pool: comm.BufferPool) -> None:
-        """A zeroed flat gradient buffer, or the current one when `keep` (accumulating)."""
-        if self.unsharded_grad is None:
-            self.unsharded_grad = pool.empty(
-                self.layout.padded_size, self.param_dtype, self.shard.main.device
-            ).zero_()
-        elif not keep:
-            self.unsharded_grad.zero_()
-
-    def release_unsharded_grad(self, pool: comm.BufferPool) -> None:
-        grad, self.unsharded_grad = self.unsharded_grad, None
-        if grad is not None:
-            pool.give_back(grad)
-
-    def drop_gradients(self, pool: comm.BufferPool) -> None:
-        """Forget every gradient not yet reduced into the shard (a failed iteration's)."""
-        self.release_unsharded_grad(pool)
-        self._unsynced = self.unreplicated = None
-
-    def hold_unsynced_grad(self) -> bool:
-        """Keep this microbatch's gradient for a later sync. Low-precision gradients are
-        summed in the reduce dtype (as FSDP2 does), not in place in param_dtype; then the
-        param-dtype buffer is dropped (returns True) and the next backward gets a new one."""
-        if self.reduce_dtype == self.param_dtype:
-            return False  # the next backward accumulates in place
-        if self._unsynced is None:
-            self._unsynced = self.unsharded_grad.to(self.reduce_dtype)
-        else:
-            self._unsynced.add_(self.unsharded_grad)
-        self.unsharded_grad = None
-        return True
-
     def gradient_buffers(self) -> list[torch.Tensor]:
         """Every gradient buffer this bucket holds: the kept shard's device part, and between
         micro-batches the unsharded gradient and the sums not yet reduced."""
-        kept = self.shard.grad
-        buffers = [kept[0] if kept is not None else None]
-        buffers += [self.unsharded_grad, self._unsynced, self.unreplicated]
-        return [buffer for buffer in buffers if buffer is not None]
-
-    @property
-    def holds_unsynced(self) -> bool:
-        return self._unsynced is not None
+        kept = self.shard.grad  # (device part, host part); either may be None
+        device_part = kept[0] if kept is not None else None
+        return ([device_part] if device_part is not None else []) + self.grads.buffers()
 
     def start_reduce_scatter(
         self,
@@ -207,11 +168,7 @@ class FlatBucket:
     ):
         """Reduce the unsharded gradient over the shard group; returns (work, output, input,
         post-scale). Divided by `divide_factor` once the replicas (HSDP) sum the output."""
-        flat = self.unsharded_grad
-        if self._unsynced is not None:
-            flat, self._unsynced = self._unsynced.add_(flat), None
-        elif flat.dtype != self.reduce_dtype:
-            flat = pool.empty(flat.numel(), self.reduce_dtype, flat.device).copy_(flat)
+        flat = self.grads.to_reduce(pool)
         output = torch.empty(self.layout.shard_size, dtype=self.reduce_dtype, device=flat.device)
         # fp16 averaged by the collective can underflow (and overflow before its divide):
         # scaled first and summed instead, like a custom divide factor

@@ -71,10 +71,12 @@ class GradientSync:
         unit = self.unit
         unit.make_unsharded_params()
         for bucket in self._trained_buckets():
-            bucket.prepare_unsharded_grad(self._holds_unsynced, unit.context.buffers)
+            bucket.grads.prepare(
+                self._holds_unsynced, unit.context.buffers, bucket.shard.main.device
+            )
         for param in unit.trainable:
             bucket = unit.buckets[param.bucket]
-            view = bucket.unsharded_view(bucket.unsharded_grad, param.index)
+            view = bucket.unsharded_view(bucket.grads.unsharded, param.index)
             grad = param.unsharded.grad
             if grad is not None:
                 grad = grad.to_local() if param.tp_placement is not None else grad
@@ -87,7 +89,7 @@ class GradientSync:
         unit = self.unit
         if not self.requires_sync:
             for bucket in self._trained_buckets():
-                if bucket.hold_unsynced_grad():
+                if bucket.grads.hold_unsynced():
                     for param in self._trainable_in(bucket):
                         param.unsharded.grad = None
             if unit.subclass is not None:
@@ -98,7 +100,7 @@ class GradientSync:
         keeps_buffers = unit.resharding.keep_grad_buffers
         started = 0
         for bucket in self._trained_buckets():  # an entirely frozen bucket moves nothing
-            if bucket.unsharded_grad is not None or bucket.holds_unsynced:
+            if bucket.grads.pending:
                 work, output, keep_alive, post_scale = bucket.start_reduce_scatter(
                     self.divide_factor,
                     unit.world_size,
@@ -110,10 +112,10 @@ class GradientSync:
                     PendingReduce(self, bucket, work, output, keep_alive, post_scale)
                 )
                 started += 1
-                if keep_alive is not bucket.unsharded_grad and not keeps_buffers:
+                if keep_alive is not bucket.grads.unsharded and not keeps_buffers:
                     # the reduce-scatter reads a copy in the reduce dtype: the param-dtype
                     # buffer is free now, not when the reduce-scatter ends
-                    bucket.release_unsharded_grad(unit.context.buffers)
+                    bucket.grads.release(unit.context.buffers)
         self._holds_unsynced = False
         for param in unit.trainable:
             param.unsharded.grad = None
@@ -130,10 +132,10 @@ class GradientSync:
         bucket = pending.bucket
         self.accumulate(bucket, reduced)
         pool = self.unit.context.buffers
-        if pending.keep_alive is not bucket.unsharded_grad:
+        if pending.keep_alive is not bucket.grads.unsharded:
             pool.give_back(pending.keep_alive)  # a copy in the reduce dtype
         if not self.unit.resharding.keep_grad_buffers:
-            bucket.release_unsharded_grad(pool)
+            bucket.grads.release(pool)
 
     def accumulate(self, bucket: FlatBucket, reduced: torch.Tensor) -> None:
         """A bucket's gradient shard, summed over the shard group and divided: sum it over
@@ -141,13 +143,13 @@ class GradientSync:
         parameters' gradients."""
         mesh = self.unit.mesh
         if mesh.replicate_group is not None:
-            held = bucket.unreplicated
+            held = bucket.grads.unreplicated
             if held is not None:
                 reduced = held.add_(reduced)
             if not self.requires_all_reduce:
-                bucket.unreplicated = reduced
+                bucket.grads.unreplicated = reduced
                 return
-            bucket.unreplicated = None
+            bucket.grads.unreplicated = None
             comm.all_reduce(reduced, mesh.replicate_group)
         if self.all_reduce_hook is not None:
             self.all_reduce_hook(reduced)
@@ -156,7 +158,7 @@ class GradientSync:
     def discard(self) -> None:
         """Drop every gradient not yet added to the parameters (a failed iteration's)."""
         for bucket in self.unit.buckets:
-            bucket.drop_gradients(self.unit.context.buffers)
+            bucket.grads.drop(self.unit.context.buffers)
         self._holds_unsynced = False
         for param in self.unit.params:
             if param.unsharded is not None:
