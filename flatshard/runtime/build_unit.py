@@ -22,11 +22,12 @@ from flatshard.mesh import ShardMesh
 from flatshard.policy import MixedPrecisionPolicy, OffloadPolicy
 from flatshard.runtime.flat_bucket import FlatBucket
 from flatshard.runtime.hooks import attach
+from flatshard.runtime.managed_param import ManagedParam
 from flatshard.runtime.shard_placement import sharded_parameter
 from flatshard.runtime.states import Resharding
 from flatshard.runtime.subclass_params import SubclassGather, has_gather_protocol, problem_with
 from flatshard.runtime.subclass_params import shard as shard_subclass_param
-from flatshard.runtime.unit import ManagedParam, Unit
+from flatshard.runtime.unit import Unit
 
 
 @dataclass(frozen=True)

@@ -1,22 +1,19 @@
 """A unit: what one `fully_shard(module)` call manages.
 
-Its buckets (storage), its parameters in their two forms (the sharded DTensors the user and
-the optimizer see; the unsharded views of the gathered buffers that forward and backward
-use), its settings and its explicit state (states.py). Where its shards live (allocated
-from meta, moved to the host by optimizer offload) is shard_placement.py. The hooks that
-drive it through a
-step are in hooks.py, the order and prefetch decisions in schedule.py, its gradients in
-grad_sync.py, an embedding's lookup from the shards in sharded_lookup.py.
+Its buckets (storage), its parameters in their two forms (managed_param.py: the sharded
+DTensors the user and the optimizer see; the unsharded views of the gathered buffers that
+forward and backward use), its settings and its explicit state (states.py). Where its shards
+live (allocated from meta, moved to the host by optimizer offload) is shard_placement.py.
+The hooks that drive it through a step are in hooks.py, the order and prefetch decisions in
+schedule.py, its gradients in grad_sync.py, an embedding's lookup from the shards in
+sharded_lookup.py.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
-import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from flatshard import comm
 from flatshard.errors import StatesOffloadedError
@@ -24,37 +21,9 @@ from flatshard.layout import UnitLayout
 from flatshard.policy import MixedPrecisionPolicy, OffloadPolicy
 from flatshard.runtime.flat_bucket import FlatBucket
 from flatshard.runtime.grad_sync import GradientSync
+from flatshard.runtime.managed_param import ManagedParam
 from flatshard.runtime.sharded_lookup import ShardedLookup, lookup_capable
 from flatshard.runtime.states import Resharding, ShardedState, TrainingState, check_move
-
-
-@dataclass
-class ManagedParam:
-    """One parameter of a unit: where it is registered, its sharded and unsharded forms."""
-
-    fqn: str
-    occurrences: list[tuple[nn.Module, str]]  # (module, attribute); >1 when tied
-    bucket: int
-    index: int  # position in the bucket's slots
-    sharded: nn.Parameter
-    unsharded: nn.Parameter | None = None
-    tp_placement: object = None  # a TP parameter's placement on the TP mesh (None: not TP)
-    shard_dim: int = 0  # the dim its pieces split (FSDP2's Shard(d) from shard_placement_fn)
-
-    def as_unsharded(self, tensor: torch.Tensor, mesh, spec) -> torch.Tensor:
-        """A view of the gathered buffer (or its gradient) as forward sees the parameter:
-        for a TP parameter, the DTensor of its TP-local piece on the TP mesh."""
-        if self.tp_placement is None:
-            return tensor
-        return DTensor.from_local(
-            tensor,
-            mesh.inner_mesh,
-            [self.tp_placement],
-            run_check=False,
-            shape=torch.Size(spec.global_shape),
-            stride=spec.global_strides,
-        )
-
 
 _creation_order = itertools.count()
 
