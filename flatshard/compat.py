@@ -10,6 +10,9 @@ version string), in one place.
 - Moving one storage's memory into another (`UntypedStorage._swap_data_ptr_`, which the CPU
   buffer pool uses): tried once on two small storages, and the pool keeps nothing where the
   memory, its size and its address do not all move.
+- torch.save's CRC-32 of every zip record (`torch.serialization.set_crc32_options`, torch
+  2.5 on): switched off while a checkpoint's rank file is written, whose manifest holds a
+  CRC-32 of the whole file; a torch without the switch computes it.
 - The tensor types torch's optimizers and `clip_grad_norm_` step with foreach (or fused)
   kernels: an exact-type list in `torch.optim.optimizer` and one in
   `torch.utils._foreach_utils` (DTensor adds itself to both). A subclass not listed silently
@@ -18,6 +21,7 @@ version string), in one place.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 from dataclasses import dataclass
@@ -47,6 +51,22 @@ def storage_memory_moves() -> bool:
     except (AttributeError, RuntimeError):
         return False
     return empty.size() == 64 and empty.data_ptr() == address and full.size() == 0
+
+
+@contextlib.contextmanager
+def torch_save_without_record_crc32():
+    """torch.save without its per-record CRC-32 inside (process-wide while it lasts: the
+    switch is torch's one global)."""
+    serialization = torch.serialization
+    if not hasattr(serialization, "set_crc32_options"):
+        yield
+        return
+    previous = serialization.get_crc32_options()
+    serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        serialization.set_crc32_options(previous)
 
 
 def allow_foreach(tensor_type: type) -> None:

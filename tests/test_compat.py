@@ -153,3 +153,27 @@ def test_buffers_are_freed_and_refilled_where_storage_memory_cannot_move(monkeyp
     assert buffer.untyped_storage().size() == 4000
     pool.give_back(torch.empty(1000))
     assert pool._pop(4000, torch.device("cpu")) is None
+
+
+def test_torch_save_without_record_crc32_writes_none_and_loads(tmp_path, monkeypatch):
+    import io
+    import zipfile
+
+    serialization = torch.serialization
+    if not hasattr(serialization, "set_crc32_options"):
+        pytest.skip("this torch always writes the records' CRC-32")
+    before = serialization.get_crc32_options()
+    tensor = torch.arange(1000, dtype=torch.float32)
+    with compat.torch_save_without_record_crc32():
+        assert serialization.get_crc32_options() is False
+        buffer = io.BytesIO()
+        torch.save(tensor, buffer)
+    assert serialization.get_crc32_options() == before
+    records = zipfile.ZipFile(io.BytesIO(buffer.getvalue())).infolist()
+    assert any(r.file_size and r.CRC == 0 for r in records)  # no CRC computed
+    assert torch.equal(torch.load(io.BytesIO(buffer.getvalue())), tensor)
+    # a torch without the switch: the records keep their CRC-32, nothing fails
+    monkeypatch.delattr(serialization, "set_crc32_options")
+    with compat.torch_save_without_record_crc32():
+        torch.save(tensor, tmp_path / "plain.pt")
+    assert torch.equal(torch.load(tmp_path / "plain.pt"), tensor)

@@ -19,7 +19,6 @@ it): the manifest's checksum covers the whole file, so one pass over the bytes i
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import zlib
@@ -31,7 +30,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.utils import find_state_dict_object
 
-from flatshard import comm
+from flatshard import comm, compat
 from flatshard.checkpoint.global_plan import PlannedItem, file_name
 
 DEFAULT_STAGING_BYTES = 256 << 20
@@ -58,7 +57,12 @@ def write(
     limit = max(1, staging_bytes // 2)
     where: dict = {}
     peak = 0
-    with open(os.path.join(directory, name), "wb") as raw, ThreadPoolExecutor(1) as writer:
+    # the manifest's CRC-32 covers every byte: torch's per-record one would be a second pass
+    with (
+        compat.torch_save_without_record_crc32(),
+        open(os.path.join(directory, name), "wb") as raw,
+        ThreadPoolExecutor(1) as writer,
+    ):
         file = _ChecksummedFile(raw)
         pending = reads_originals = None
         for number, wave in enumerate(_waves(mine, limit)):
@@ -196,8 +200,7 @@ def _write_wave(file, name: str, copies: list, ready, where: dict) -> int:
         if isinstance(value, io.BytesIO):
             file.write(value.getbuffer())
         else:
-            with _records_without_crc32():
-                torch.save(_exactly_its_bytes(value), file)
+            torch.save(_exactly_its_bytes(value), file)
         length = file.tell() - offset
         if planned.item.type != WriteItemType.BYTE_IO and length != planned.length:
             raise RuntimeError(
@@ -206,18 +209,3 @@ def _write_wave(file, name: str, copies: list, ready, where: dict) -> int:
             )
         where[planned.item.index] = _StorageInfo(name, offset, length)
     return sum(copied for _, _, copied in copies)
-
-
-@contextlib.contextmanager
-def _records_without_crc32():
-    """torch.save without its per-record CRC-32 (a torch without the switch computes it)."""
-    serialization = torch.serialization
-    if not hasattr(serialization, "set_crc32_options"):
-        yield
-        return
-    previous = serialization.get_crc32_options()
-    serialization.set_crc32_options(False)
-    try:
-        yield
-    finally:
-        serialization.set_crc32_options(previous)
