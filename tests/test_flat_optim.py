@@ -184,11 +184,11 @@ def test_flat_adamw_under_tensor_and_expert_parallelism(case):
 def _train_in_batches(elements: int):
     from flatshard.optim import plan
 
-    default, plan.BATCH_ELEMENTS = plan.BATCH_ELEMENTS, elements
+    default, plan.CPU_BATCH_ELEMENTS = plan.CPU_BATCH_ELEMENTS, elements
     try:
         return _train("flat", 3, None, False, None)
     finally:
-        plan.BATCH_ELEMENTS = default
+        plan.CPU_BATCH_ELEMENTS = default
 
 
 def test_long_ranges_are_stepped_in_bounded_batches():

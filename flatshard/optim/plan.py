@@ -48,13 +48,21 @@ def _is_the_reduced_view(grad, slot: Slot, grads: dict) -> bool:
     return local.data_.data_ptr() == expected and local.data_.is_contiguous()
 
 
-# Elements stepped by one run of the ops: the temporaries a step makes (Adam's denominator,
-# a decayed gradient) are at most this many, whatever the shard's size (2**24 fp32: 64 MiB).
+# Elements stepped by one run of the ops. On a GPU: bounds the temporaries a step makes
+# (Adam's denominator, a decayed gradient) whatever the shard's size (2**24 fp32: 64 MiB). On
+# the CPU a step is memory-bound: run over 2**17 elements (512 KiB per fp32 tensor), the
+# ~10 ops of Adam find their operands in the cache, not in RAM (2.2x faster than one run
+# over a 9.4M-element shard, results bit for bit the same: every op is elementwise).
 BATCH_ELEMENTS = 2**24
+CPU_BATCH_ELEMENTS = 2**17
+
+
+def batch_elements(device: torch.device) -> int:
+    return CPU_BATCH_ELEMENTS if device.type == "cpu" else BATCH_ELEMENTS
 
 
 class FlatPlan:
-    """A group's ranges in batches (one device each, at most BATCH_ELEMENTS elements: a
+    """A group's ranges in batches (one device each, at most `batch_elements` elements: a
     longer range is cut; the ops are elementwise), and the step counters of its
     parameters."""
 
@@ -62,15 +70,17 @@ class FlatPlan:
         self.ids, self.mains, self.steps = ids, mains, steps
         by_device: dict[torch.device, list[Range]] = {}
         for r in ranges:
-            for start in range(r.start, r.end, BATCH_ELEMENTS):
-                end = min(start + BATCH_ELEMENTS, r.end)
+            device = r.first.main().device
+            for start in range(r.start, r.end, batch_elements(device)):
+                end = min(start + batch_elements(device), r.end)
                 piece = Range(r.first, start, end, r.age, r.params)
-                by_device.setdefault(r.first.main().device, []).append(piece)
+                by_device.setdefault(device, []).append(piece)
         self.batches: list[list[Range]] = []
-        for pieces in by_device.values():
+        for device, pieces in by_device.items():
+            limit = batch_elements(device)
             batch, size = [], 0
             for piece in pieces:
-                if batch and size + piece.end - piece.start > BATCH_ELEMENTS:
+                if batch and size + piece.end - piece.start > limit:
                     self.batches.append(batch)
                     batch, size = [], 0
                 batch.append(piece)
