@@ -222,6 +222,7 @@ class _AllToAllReduceScatter:
             torch.sum(pieces, dim=0, out=self.output)
         if self.average:
             self.output.div_(self.world)
+        del pieces  # a view: the pool takes a buffer only where nothing else holds it
         if self.pool is not None:
             self.pool.give_back(self.received)
         self.received = None

@@ -91,3 +91,22 @@ def test_blocks_reuse_gradient_buffers_and_the_pool_ends_empty():
         block_addresses = [address for size, address in addresses if size == block]
         assert len(block_addresses) >= 4
         assert len(set(block_addresses)) < len(block_addresses)  # reused within the step
+
+
+def _reduce_scatter_returns_its_receive_buffer():
+    from flatshard import collectives
+
+    rank = dist.get_rank()
+    pool = comm.BufferPool()
+    flat = torch.arange(8.0) * (rank + 1)
+    output = torch.empty(4)
+    collectives.reduce_scatter(output, flat, dist.group.WORLD, average=False, pool=pool).wait()
+    return output, {size: len(held) for (size, _), held in pool._free.items()}
+
+
+@pools
+def test_the_reduce_scatter_gives_its_receive_buffer_back():
+    results = run_distributed(_reduce_scatter_returns_its_receive_buffer, 2)
+    for rank, (output, pooled) in enumerate(results):
+        assert torch.equal(output, (torch.arange(8.0) * 3)[4 * rank : 4 * rank + 4])
+        assert pooled == {32: 1}  # the all-to-all's 8 received floats, ready for the next unit
