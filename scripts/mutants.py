@@ -123,7 +123,7 @@ MUTANTS = (
     Mutant(
         "inflight-write",
         "a write to the weights during their all-gather is not gathered again",
-        "flatshard/runtime/unit.py",
+        "flatshard/runtime/gathering.py",
         "            if self._stale():  # written while the gather was in flight: gather again",
         "            if False:",
         ("tests/test_inflight_write.py",),

@@ -2,7 +2,8 @@
 
 Its buckets (storage), its parameters in their two forms (managed_param.py: the sharded
 DTensors the user and the optimizer see; the unsharded views of the gathered buffers that
-forward and backward use), its settings and its explicit state (states.py). Where its shards
+forward and backward use), its settings and its explicit state (states.py; gathering.py moves
+it between sharded and gathered). Where its shards
 live (allocated from meta, moved to the host by optimizer offload) is shard_placement.py.
 The hooks that drive it through a step are in hooks.py, the order and prefetch decisions in
 schedule.py, its gradients in grad_sync.py, an embedding's lookup from the shards in
@@ -20,6 +21,7 @@ from flatshard.errors import StatesOffloadedError
 from flatshard.layout import UnitLayout
 from flatshard.policy import MixedPrecisionPolicy, OffloadPolicy
 from flatshard.runtime.flat_bucket import FlatBucket
+from flatshard.runtime.gathering import Gathering
 from flatshard.runtime.grad_sync import GradientSync
 from flatshard.runtime.managed_param import ManagedParam
 from flatshard.runtime.sharded_lookup import ShardedLookup, lookup_capable
@@ -59,7 +61,7 @@ class Unit:
         self.forward_prefetch: list[Unit] | None = None  # set by the user, else run-time order
         self.backward_prefetch: list[Unit] | None = None
         self.context = None  # the RootContext of its model, set on the first forward
-        self.sharded_state = ShardedState.SHARDED
+        self.gathering = Gathering(self)  # SHARDED -> GATHERING -> UNSHARDED and back
         self.training_state = TrainingState.IDLE
         self.unshard_in_backward = True  # False: its backward does not read the parameters
         self.is_last_backward = True  # accepted from FSDP2 scripts; reductions always finish
@@ -71,11 +73,8 @@ class Unit:
             self.lookup = ShardedLookup(
                 modules[0], param, buckets[param.bucket], mesh.shard_group, self.grads
             )
-        self._gather_works: list | None = None
         # parameters whose subclass gathers itself (subclass_params.py; set by build_unit)
         self.subclass = None
-        self._subclass_work = None
-        self._forced_stale = False
         self.forward_calls = 0  # forward calls whose inputs' gradients end its backward
         self.input_gradients_seen = 0
         self.post_backward_at_end = False  # a call had no such inputs (see hooks.py)
@@ -106,9 +105,6 @@ class Unit:
     def move_to(self, state: TrainingState) -> None:
         self.training_state = check_move(self.training_state, state)
 
-    def _move_sharded(self, state: ShardedState) -> None:
-        self.sharded_state = check_move(self.sharded_state, state)
-
     # --- parameters ------------------------------------------------------------------------
     def check_states_here(self) -> None:
         if self.states_away:
@@ -117,56 +113,12 @@ class Unit:
                 "offload_states): call flatshard.reload_states(model, optimizer) first"
             )
 
-    def unshard(self, async_op: bool = False):
+    def unshard(self, async_op: bool = False) -> None:
         """Start gathering the parameters (no-op while a gathered copy is up to date)."""
-        self.check_states_here()
-        state = self.sharded_state
-        if state is ShardedState.SHARDED or (state is ShardedState.UNSHARDED and self._stale()):
-            self._start_gather()
-        if not async_op:
-            self.wait_unshard()
-
-    def _start_gather(self) -> None:
-        if self.post_optim_event is not None:
-            comm.wait_event(self.post_optim_event)
-            self.post_optim_event = None
-        pool = self.pool()
-        kept = self.sharded_state is ShardedState.SHARDED and self.buckets
-        if self.subclass is not None:
-            self.subclass.rode = False
-        if kept and not self._forced_stale and all(b.secondary_fresh() for b in self.buckets):
-            group = self.mesh.forward_group(self.resharding.forward_group_size)
-            self._gather_works = [b.start_secondary_gather(group, pool) for b in self.buckets]
-        else:
-            self._drop_secondaries()
-            self._gather_works = [bucket.start_all_gather(pool) for bucket in self.buckets]
-        if self.subclass is not None and not self.subclass.rode:
-            self._subclass_work = self.subclass.gather_alone(self.mesh.shard_group)
-        self._move_sharded(ShardedState.GATHERING)
-        self._forced_stale = False
-
-    def _drop_secondaries(self) -> None:
-        for bucket in self.buckets:
-            bucket.secondary = None
-
-    def _stale(self) -> bool:
-        # Any write to the sharded weights (optimizer step, checkpoint load, a user's
-        # in-place edit of `to_local()`) bumps the version of the bucket's main buffer.
-        return self._forced_stale or any(b.gathered_version_changed() for b in self.buckets)
+        self.gathering.unshard(async_op)
 
     def wait_unshard(self) -> None:
-        if self.sharded_state is not ShardedState.GATHERING:
-            return
-        while self.sharded_state is ShardedState.GATHERING:
-            for work, bucket in zip(self._gather_works, self.buckets):
-                bucket.finish_all_gather(work)
-            if self._subclass_work is not None:
-                self._subclass_work.wait()
-            self._gather_works = self._subclass_work = None
-            self._move_sharded(ShardedState.UNSHARDED)
-            if self._stale():  # written while the gather was in flight: gather again
-                self._start_gather()
-        self.make_unsharded_params()
+        self.gathering.wait()
 
     def make_unsharded_params(self) -> None:
         if self.params and self.params[0].unsharded is not None:
@@ -185,25 +137,16 @@ class Unit:
         shard_placement.allocate(self, self.mesh.device)
 
     def reshard(self, keep_for_backward: bool = False) -> None:
-        """Free the unsharded buffers; with `keep_for_backward` (hpZ, after a forward with
-        gradients) keep this rank's piece of them for a gather inside its small group."""
-        self.wait_unshard()
-        if self.sharded_state is ShardedState.UNSHARDED:
-            self.register("sharded")  # nothing may hold on to the views of freed buffers
-            size = self.resharding.forward_group_size
-            for bucket in self.buckets:
-                if keep_for_backward and size is not None:
-                    bucket.keep_secondary(size, self.rank % size)
-                bucket.free_unsharded(self.pool())
-            if self.subclass is not None:
-                self.subclass.free()
-            self._move_sharded(ShardedState.SHARDED)
-        if not keep_for_backward:
-            self._drop_secondaries()
+        """Free the unsharded buffers (gathering.py)."""
+        self.gathering.reshard(keep_for_backward)
 
     def mark_stale(self) -> None:
         """Force the next use to gather again."""
-        self._forced_stale = True
+        self.gathering.mark_stale()
+
+    @property
+    def sharded_state(self) -> ShardedState:
+        return self.gathering.state
 
     def register(self, which: str) -> None:
         """Put the "sharded" or "unsharded" parameters on the modules."""
