@@ -140,11 +140,12 @@ def summarize(gathered: list[dict], modes: list[str]) -> dict[str, dict]:
         per_rank = [gathered[r][mode] for r in range(world)]
         active = [r for r in range(world) if not per_rank[r][0]["idle"]]
         rounds = len(per_rank[active[0]])
-        steps, fwd, bwd, opt, round_steps, cpu = [], [], [], [], [], []
+        steps, fwd, bwd, opt, round_steps, cpu, faults = [], [], [], [], [], [], []
         for i in range(rounds):
             for s in range(len(per_rank[active[0]][i]["phases"])):
                 rows = [per_rank[r][i]["phases"][s] for r in active]
                 cpu.append(sum(per_rank[r][i]["cpu_seconds"][s] for r in active))
+                faults.append(sum(per_rank[r][i]["page_faults"][s] for r in active))
                 steps.append(max(sum(row) for row in rows))
                 fwd.append(max(row[0] for row in rows))
                 bwd.append(max(row[1] for row in rows))
@@ -177,6 +178,7 @@ def summarize(gathered: list[dict], modes: list[str]) -> dict[str, dict]:
             "step_times": steps,  # in (round, step) order: paired with the peers' below
             "cpu": statistics.median(cpu),
             "cpu_times": cpu,  # CPU seconds of all ranks, per step, in the same order
+            "page_faults": statistics.median(faults),  # all ranks, per step
             "fwd": statistics.median(fwd),
             "bwd": statistics.median(bwd),
             "opt": statistics.median(opt),
@@ -548,6 +550,11 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
         )
     builds = ", ".join(f"{MODE_NAMES[m]} {summary[m]['build_s']:.2f}" for m in opts["modes"])
     explain.append(f"\nBuild + wrap time (s, median): {builds}.")
+    faults = ", ".join(f"{MODE_NAMES[m]} {summary[m]['page_faults']:,.0f}" for m in opts["modes"])
+    explain.append(
+        "\nMinor page faults per step, all ranks (median; each is a 4 KiB page of fresh memory "
+        f"the kernel zeroes: CPU time in the step): {faults}."
+    )
     if not all(summary[m]["peak_reset"] for m in opts["modes"]):
         explain.append("\nWARNING: could not reset VmHWM; peak RSS is the process peak.")
     title = (

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import resource
 import time
 
 import torch
@@ -190,6 +191,7 @@ class ModeRun:
         self.losses: list[float] = []
         self.phases: list[tuple[float, float, float]] = []
         self.cpu_seconds: list[float] = []  # the process's CPU time (all threads) per step
+        self.page_faults: list[int] = []  # minor page faults per step (fresh memory touched)
         self.comm: list[dict] = []
         self.sizes: dict | None = None
         self.offloaded: dict | None = None
@@ -226,6 +228,7 @@ class ModeRun:
         COUNTER.active = timed
         ep_rows0 = flatshard_comm.traffic.all_to_all
         cpu0 = time.process_time()
+        faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         loss = self.forward_loss(tokens)
         t1 = time.perf_counter()
@@ -247,12 +250,14 @@ class ModeRun:
         self.optimizer.zero_grad()
         t5 = time.perf_counter()
         cpu = time.process_time() - cpu0
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
         COUNTER.active = False
         ep_rows = flatshard_comm.traffic.all_to_all - ep_rows0
         self.losses.append(loss.item())
         if timed:
             self.phases.append((t1 - t0, t2 - t1, (t3 - t2) + (t5 - t4)))
             self.cpu_seconds.append(cpu)
+            self.page_faults.append(faults)
             self.comm.append(
                 dict(COUNTER.bytes)
                 | {
@@ -279,6 +284,7 @@ class ModeRun:
             "losses": self.losses,
             "phases": self.phases,
             "cpu_seconds": self.cpu_seconds,
+            "page_faults": self.page_faults,
             "comm": self.comm,
             "state": self.sizes,
             "peak_rss_kib": peak_kib if self.own_memory else None,
