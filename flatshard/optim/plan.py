@@ -71,8 +71,9 @@ class FlatPlan:
         by_device: dict[torch.device, list[Range]] = {}
         for r in ranges:
             device = r.first.main().device
-            for start in range(r.start, r.end, batch_elements(device)):
-                end = min(start + batch_elements(device), r.end)
+            limit = batch_elements(device)
+            for start in range(r.start, r.end, limit):
+                end = min(start + limit, r.end)
                 piece = Range(r.first, start, end, r.age, r.params)
                 by_device.setdefault(device, []).append(piece)
         self.batches: list[list[Range]] = []
