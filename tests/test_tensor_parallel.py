@@ -60,3 +60,49 @@ def test_tp_config_errors_name_the_dimension():
         check_tp(config(), 4)  # tiny: 4 heads, 2 kv heads, ffn 45
     with pytest.raises(MeshError, match=r"ffn_dim \(45\)"):
         check_tp(config(), 2)
+
+
+def _strided_parts_moves():
+    """Each case: (what strided_parts gathered, the global tensor, this rank's part as
+    strided_parts cut it, torch's cut, the gradient `full_tensor()` gave the local part,
+    the gradient expected)."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from flatshard.dtensor import patches, strided_parts
+
+    patches.install()
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (dist_size(),))
+    out = []
+    for shape, dim, parts in [((8, 3), 0, 2), ((9, 3), 0, 2), ((7,), 0, 3), ((2, 11), 1, 2)]:
+        whole = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).view(shape)
+        placement = _StridedShard(dim, split_factor=parts)
+        torch_cut = distribute_tensor(whole, mesh, [placement], src_data_rank=None)  # torch's
+        replicated = distribute_tensor(whole, mesh, [Replicate()])
+        gathered = strided_parts.redistribute(
+            torch_cut.to_local(), torch_cut._spec, replicated._spec
+        )
+        cut = strided_parts.redistribute(whole, replicated._spec, torch_cut._spec)
+        local = torch_cut.to_local().clone().requires_grad_()
+        param = DTensor.from_local(
+            local, mesh, [placement], run_check=False, shape=whole.shape, stride=whole.stride()
+        )
+        (param.full_tensor() * whole).sum().backward()  # the gradient is `whole`'s part
+        out.append((gathered, whole, cut, torch_cut.to_local(), local.grad, torch_cut.to_local()))
+    return out
+
+
+def dist_size() -> int:
+    return torch.distributed.get_world_size()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fused_parts_gather_and_split_in_torchs_order(world):
+    """strided_parts.py (which torch 2.11 needs; patches.py routes it on every torch) puts
+    each rank's parts where torch 2.13's `_StridedShard` puts them, uneven sizes and dim 1
+    included, through `full_tensor()` and its backward too."""
+    for cases in run_distributed(_strided_parts_moves, world):
+        for gathered, whole, cut, torch_cut, grad, expected_grad in cases:
+            assert torch.equal(gathered, whole)
+            assert torch.equal(cut, torch_cut)
+            assert torch.equal(grad, expected_grad)

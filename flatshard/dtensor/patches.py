@@ -1,7 +1,8 @@
 """Every change flatshard makes to PyTorch's own behaviour, in one place, installed once
-(by the first `fully_shard`). Each one only changes what happens to flatshard's own
-tensors (a `RowShard` local tensor, a parameter `fully_shard` replaced); everything else
-goes to PyTorch's original function.
+(by the first `fully_shard` or TP split of a fused weight). Each one only changes what
+happens to flatshard's own tensors (a `RowShard` local tensor, a parameter `fully_shard`
+replaced, a fused weight's `_StridedShard` on a one-dim mesh, which FSDP2 never makes);
+everything else goes to PyTorch's original function.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from flatshard.dtensor import full_state_dict
+from flatshard.dtensor import full_state_dict, strided_parts
 from flatshard.dtensor.optimizer_check import check_first_step
 from flatshard.dtensor.redistribute import redistribute_rows
 from flatshard.dtensor.row_shard import RowShard
@@ -40,7 +41,8 @@ def _route_redistribution() -> None:
     """DTensor redistributes by `torch.chunk` pieces, which flatshard's row pieces are not:
     `full_tensor()`, `redistribute()` and full state dicts would return wrong rows. DTensor
     calls `redistribute_local_tensor` from three modules (explicit `redistribute`, its
-    autograd function, implicit redistribution during op dispatch); each gets the wrapper."""
+    autograd function, implicit redistribution during op dispatch); each gets the wrapper.
+    A fused TP weight's parts on a one-dim mesh go by strided_parts.py (torch 2.11 raises)."""
     from torch.distributed.tensor import _api, _dispatch, _redistribute
 
     original = _redistribute.redistribute_local_tensor
@@ -48,6 +50,8 @@ def _route_redistribution() -> None:
     def redistribute_local_tensor(local_tensor, current_spec, target_spec, **kwargs):
         if isinstance(local_tensor, RowShard):
             return redistribute_rows(local_tensor, current_spec, target_spec)
+        if strided_parts.handles(current_spec, target_spec):
+            return strided_parts.redistribute(local_tensor, current_spec, target_spec)
         return original(local_tensor, current_spec, target_spec, **kwargs)
 
     for module in (_api, _dispatch, _redistribute):

@@ -20,6 +20,8 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.nn.utils.stateless import _reparametrize_module
 
+from flatshard.dtensor import patches
+
 
 class FusedColwiseParallel(ParallelStyle):
     """Column parallelism for a Linear whose output rows stack parts (SwiGLU's `[gate;
@@ -71,6 +73,7 @@ def split_by_parts(module: nn.Module, name: str, sizes: list[int], device_mesh) 
     """Replace `module`'s parameter `name`, whose dim-0 rows stack parts of `sizes`, by this
     TP rank's share of every part, `[a_r; b_r; ...]` (a `_StridedShard(0)` DTensor of the
     same global tensor; the module must declare the parts in `fused_components`)."""
+    patches.install()  # its full_tensor() goes by strided_parts.py (torch 2.11 raises)
     rank, size = device_mesh.get_local_rank(), device_mesh.size()
     param = module.get_parameter(name)
     local = torch.cat([part.chunk(size)[rank] for part in param.detach().split(sizes)])
