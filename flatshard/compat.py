@@ -69,6 +69,18 @@ def torch_save_without_record_crc32():
         serialization.set_crc32_options(previous)
 
 
+def fused_tail_unit(device: torch.device, dtype: torch.dtype) -> int | None:
+    """How many elements torch's fused optimizer kernels step at once on `device`: a CPU
+    kernel runs each tensor in vectors of the CPU's width (`Vectorized`) and its last
+    numel % width elements in plain scalar code, which rounds differently (no fused
+    multiply-add); a GPU kernel computes every element alike (1). None: a CPU whose width
+    flatshard does not know."""
+    if device.type != "cpu":
+        return 1
+    width = {"AVX512": 64, "AVX2": 32}.get(torch.backends.cpu.get_cpu_capability())
+    return None if width is None else width // dtype.itemsize
+
+
 def allow_foreach(tensor_type: type) -> None:
     """Let torch's optimizers and gradient clipping take `tensor_type` (a DTensor subclass)
     in their foreach and fused kernels, as they take DTensor."""

@@ -177,3 +177,14 @@ def test_torch_save_without_record_crc32_writes_none_and_loads(tmp_path, monkeyp
     with compat.torch_save_without_record_crc32():
         torch.save(tensor, tmp_path / "plain.pt")
     assert torch.equal(torch.load(tmp_path / "plain.pt"), tensor)
+
+
+def test_fused_tail_unit_follows_the_cpu_vector_width(monkeypatch):
+    from flatshard import compat
+
+    cpu = torch.device("cpu")
+    for capability, fp32, bf16 in [("AVX512", 16, 32), ("AVX2", 8, 16), ("VSX", None, None)]:
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        assert compat.fused_tail_unit(cpu, torch.float32) == fp32
+        assert compat.fused_tail_unit(cpu, torch.bfloat16) == bf16
+    assert compat.fused_tail_unit(torch.device("cuda"), torch.float32) == 1

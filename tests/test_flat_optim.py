@@ -37,20 +37,21 @@ def _groups(model, frozen: bool):
 
 OPTIMIZERS = {  # name: (flatshard's, torch's, keywords)
     "adamw": (optim.AdamW, torch.optim.AdamW, dict(lr=1e-3, betas=(0.9, 0.95))),
+    "adamw-fused": (optim.AdamW, torch.optim.AdamW, dict(lr=1e-3, betas=(0.9, 0.95), fused=True)),
     "sgd": (optim.SGD, torch.optim.SGD, dict(lr=0.1, momentum=0.9, dampening=0.1)),
     "sgd-nesterov": (optim.SGD, torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True)),
     "sgd-plain": (optim.SGD, torch.optim.SGD, dict(lr=0.1, maximize=True)),
 }
 
 
-def _train(kind: str, zero_stage: int, offload, frozen: bool, foreach, name="adamw"):
+def _train(kind: str, zero_stage: int, offload, frozen: bool, foreach, name="adamw", dim=32):
     rank = dist.get_rank()
     policy = None
     if offload == "half":
         policy = flatshard.OffloadPolicy(0.5)
     elif offload == "disk":
         policy = flatshard.OffloadPolicy(1.0, path=tempfile.mkdtemp(prefix=f"tier-{rank}-"))
-    model = shard(build_model(config()), zero_stage=zero_stage, offload_policy=policy)
+    model = shard(build_model(config(dim=dim)), zero_stage=zero_stage, offload_policy=policy)
     ours, theirs, keywords = OPTIMIZERS[name]
     make = ours if kind == "flat" else theirs
     extra = {} if kind == "flat" else {"foreach": foreach}
@@ -84,12 +85,26 @@ def test_flat_adamw_equals_torch_adamw_bitwise(world, zero_stage, offload, froze
     _assert_equal(world, (zero_stage, offload, frozen), "adamw")
 
 
+FUSED_CASES = [(1, 3, None, False), (2, 3, None, True), (2, 2, "half", False), (4, 3, None, False)]
 SGD_CASES = [("sgd", 2, 3, None), ("sgd-nesterov", 2, 1, "half"), ("sgd-plain", 2, 3, None)]
 
 
 @pytest.mark.parametrize("name, world, zero_stage, offload", SGD_CASES, ids=str)
 def test_flat_sgd_equals_torch_sgd_bitwise(name, world, zero_stage, offload):
     _assert_equal(world, (zero_stage, offload, True), name)
+
+
+@pytest.mark.parametrize("world, zero_stage, offload, frozen", FUSED_CASES, ids=str)
+def test_flat_fused_adamw_equals_torch_fused_adamw_bitwise(world, zero_stage, offload, frozen):
+    """`fused=True`: torch's fused kernel over the flat ranges equals torch's fused AdamW on
+    the same pieces bit for bit. At dim 24 most pieces end in a part the CPU kernel steps in
+    scalar code (a norm's piece is all of it), which the ranges must keep apart."""
+    args = (zero_stage, offload, frozen, None, "adamw-fused", 24)
+    ours = run_distributed(_train, world, "flat", *args)[0]
+    theirs = run_distributed(_train, world, "torch", *args)[0]
+    assert ours[3][0] == ours[3][1]  # every parameter stepped flat
+    assert ours[0] == theirs[0]
+    assert _bitwise(ours[1], theirs[1]) == [] and _bitwise(ours[2], theirs[2]) == []
 
 
 def _assert_equal(world, args, name):
@@ -198,3 +213,58 @@ def test_long_ranges_are_stepped_in_bounded_batches():
     ours = run_distributed(_train_in_batches, 2, 100)[0]
     assert ours[0] == reference[0]
     assert _bitwise(ours[1], reference[1]) == [] and _bitwise(ours[2], reference[2]) == []
+
+
+def _fused_adamw(tensors: list[list[torch.Tensor]], steps: list[torch.Tensor]) -> None:
+    params, grads, exp_avgs, exp_avg_sqs = tensors
+    torch._foreach_add_(steps, 1)
+    torch._fused_adamw_(
+        params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=1e-3, beta1=0.9,
+        beta2=0.95, weight_decay=0.1, eps=1e-8, maximize=False,
+    )  # fmt: skip
+
+
+def test_fused_pieces_step_each_parameter_as_torch_steps_it_alone():
+    """Pieces of every size modulo the vector width, some off the grid after padding: the
+    fused kernel over plan.fused_pieces gives each piece the bits of a call on that piece
+    alone (one run over the whole range would not: its vector code rounds a piece's tail
+    unlike the scalar code a piece alone gets there)."""
+    from types import SimpleNamespace
+
+    from flatshard import compat
+    from flatshard.optim.flat_state import Range
+    from flatshard.optim.plan import fused_pieces
+
+    unit = compat.fused_tail_unit(torch.device("cpu"), torch.float32)
+    if unit is None:
+        pytest.skip("torch's CPU vector width is not known on this machine")
+    generator = torch.Generator().manual_seed(0)
+    slots, start = [], 0
+    for numel in torch.randint(1, 200, (120,), generator=generator).tolist():
+        start += int(torch.randint(0, 3, (), generator=generator))  # padding before it
+        slots.append(SimpleNamespace(start=start, numel=numel))
+        start += numel
+    used = torch.zeros(start, dtype=torch.bool)
+    for s in slots:
+        used[s.start : s.start + s.numel] = True
+
+    def buffers():
+        values = [torch.randn(start, generator=generator) for _ in range(3)]
+        values.append(torch.rand(start, generator=generator))
+        return [v * used for v in values]  # padding holds zeros, as in a shard
+
+    whole = Range(None, 0, start, 0, [])
+    pieces = fused_pieces(whole, slots, unit)
+    alone = buffers()
+    at_once = [b.clone() for b in alone]
+    steps_alone = [torch.tensor(0.0) for _ in slots]
+    steps_at_once = [torch.tensor(0.0) for _ in pieces]
+    for _ in range(3):
+        grads = torch.randn(start, generator=generator) * used
+        for state in (alone, at_once):
+            state[1].copy_(grads)
+        views = [[b[s.start : s.start + s.numel] for s in slots] for b in alone]
+        _fused_adamw(views, steps_alone)
+        _fused_adamw([[b[p.start : p.end] for p in pieces] for b in at_once], steps_at_once)
+    for ours, theirs in zip(at_once, alone):
+        assert torch.equal(ours, theirs)

@@ -47,7 +47,7 @@ class FlatStepping:
                 self._torch_step(group, rest)
             if flat:
                 plan = self._plans.get(index)
-                if plan is None or not plan.fits(flat):
+                if plan is None or not plan.fits(flat, self._fused(group)):
                     plan = self._plans[index] = self._plan(flat, group)
                 self._flat_step(group, plan)
         return loss
@@ -69,7 +69,12 @@ class FlatStepping:
             triples.append((param, slot, age))
             if "step" in state:
                 steps.append(state["step"])
-        return FlatPlan.of(flat, merge_ranges(triples), steps)
+        return FlatPlan.of(flat, merge_ranges(triples), steps, self._fused(group))
+
+    @staticmethod
+    def _fused(group: dict) -> bool:
+        """Whether the group is stepped by torch's fused kernel (one call per device)."""
+        return bool(group.get("fused"))
 
     def _state(self, r: Range, name: str) -> torch.Tensor:
         return self._flat.range(r.first, name, r.start, r.end)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from flatshard import compat
 from flatshard.dtensor.row_shard import RowShard
 from flatshard.optim.flat_state import Range, Slot, slot_of
 
@@ -64,20 +65,29 @@ def batch_elements(device: torch.device) -> int:
 class FlatPlan:
     """A group's ranges in batches (one device each, at most `batch_elements` elements: a
     longer range is cut; the ops are elementwise), and the step counters of its
-    parameters."""
+    parameters. For a fused kernel (`slots` given: each parameter's piece) the ranges are
+    cut at the pieces' scalar tails instead (fused_pieces), one batch per device."""
 
-    def __init__(self, ids: tuple, mains: dict, ranges: list[Range], steps: list):
-        self.ids, self.mains, self.steps = ids, mains, steps
+    def __init__(self, ids: tuple, mains: dict, ranges: list[Range], steps: list, slots=None):
+        self.ids, self.mains, self.steps, self.fused = ids, mains, steps, slots is not None
         by_device: dict[torch.device, list[Range]] = {}
         for r in ranges:
-            device = r.first.main().device
-            limit = batch_elements(device)
+            main = r.first.main()
+            if self.fused:
+                unit = compat.fused_tail_unit(main.device, main.dtype)
+                pieces = fused_pieces(r, [slots[id(p)] for p in r.params], unit)
+                by_device.setdefault(main.device, []).extend(pieces)
+                continue
+            limit = batch_elements(main.device)
             for start in range(r.start, r.end, limit):
                 end = min(start + limit, r.end)
                 piece = Range(r.first, start, end, r.age, r.params)
-                by_device.setdefault(device, []).append(piece)
+                by_device.setdefault(main.device, []).append(piece)
         self.batches: list[list[Range]] = []
         for device, pieces in by_device.items():
+            if self.fused:
+                self.batches.append(pieces)
+                continue
             limit = batch_elements(device)
             batch, size = [], 0
             for piece in pieces:
@@ -89,13 +99,14 @@ class FlatPlan:
             self.batches.append(batch)
 
     @classmethod
-    def of(cls, flat: list[tuple[object, Slot]], ranges: list[Range], steps: list) -> FlatPlan:
+    def of(cls, flat: list, ranges: list[Range], steps: list, fused: bool) -> FlatPlan:
         mains = {slot.side: slot.main() for _, slot in flat}
-        return cls(tuple(id(param) for param, _ in flat), mains, ranges, steps)
+        slots = {id(param): slot for param, slot in flat} if fused else None
+        return cls(tuple(id(param) for param, _ in flat), mains, ranges, steps, slots)
 
-    def fits(self, flat: list[tuple[object, Slot]]) -> bool:
-        """Still the plan of these parameters on the same buffers."""
-        if tuple(id(param) for param, _ in flat) != self.ids:
+    def fits(self, flat: list[tuple[object, Slot]], fused: bool) -> bool:
+        """Still the plan of these parameters on the same buffers, for the same kernels."""
+        if fused != self.fused or tuple(id(param) for param, _ in flat) != self.ids:
             return False
         return all(self.mains.get(slot.side) is slot.main() for _, slot in flat)
 
@@ -104,3 +115,28 @@ class FlatPlan:
         """The range of this step's reduced gradient shard."""
         parts = r.first.storage.grad
         return parts[1 if r.first.host else 0][r.start : r.end]
+
+
+def fused_pieces(r: Range, slots: list[Slot], unit: int) -> list[Range]:
+    """`r` cut so that a fused kernel steps each parameter's piece as it does when it steps
+    that piece alone: its first numel - numel % unit elements in vectors, the rest in scalar
+    code (compat.fused_tail_unit). A cut goes around each such tail, and before a piece that
+    padding put off the vector grid of the cut it is in (padding steps as either: zeros)."""
+    pieces, start = [], r.start
+
+    def cut(begin: int, end: int) -> None:
+        if end > begin:
+            pieces.append(Range(r.first, begin, end, r.age, r.params))
+
+    for slot in sorted(slots, key=lambda s: s.start):
+        if (slot.start - start) % unit:
+            cut(start, slot.start)
+            start = slot.start
+        tail = slot.numel % unit
+        if tail:
+            end = slot.start + slot.numel
+            cut(start, end - tail)
+            cut(end - tail, end)
+            start = end
+    cut(start, r.end)
+    return pieces
