@@ -191,7 +191,9 @@ AC_MODES = ["acfull3", "acsel3", "acoff3"]
 AC_OF_MODE = {"acfull3": "full", "acsel3": "selective", "acoff3": "offload"}
 # flatshard's own optimizer (flatshard.optim.AdamW: flat moments per bucket, a few ops per
 # param group) in place of torch.optim.AdamW (run when asked for with --modes)
-FLAT_OPTIMIZER_MODES = ["zero3f", "zero1f"]
+FLAT_OPTIMIZER_MODES = ["zero3f", "zero1f", "zero3ff"]
+# AdamW(fused=True): torch's fused kernel per parameter on FSDP2, over flat ranges on flatshard
+FUSED_OPTIMIZER_MODES = ["fsdp2-fused", "zero3ff"]
 # Muon on the hidden matrices, AdamW on the rest (run when asked for with --modes): FSDP2 with
 # torch's Muon (every rank gathers and orthogonalises every matrix) and torch's AdamW, and
 # flatshard ZeRO-3 with flatshard.optim.Muon (an owner rank per matrix), and flatshard ZeRO-3
@@ -234,6 +236,8 @@ MODE_NAMES = {
     "acfull3": "flatshard ZeRO-3 full AC",
     "zero3f": "flatshard ZeRO-3 + flat AdamW",
     "zero1f": "flatshard ZeRO-1 + flat AdamW",
+    "zero3ff": "flatshard ZeRO-3 + flat fused AdamW",
+    "fsdp2-fused": "FSDP2 + fused AdamW",
     "fsdp2-muon": "FSDP2 + torch Muon",
     "zero3m": "flatshard ZeRO-3 + Muon",
     "zero3tm": "flatshard ZeRO-3 + torch Muon",
@@ -247,8 +251,8 @@ MODE_NAMES = {
 FLATSHARD_STAGES = {
     "zero3": 3, "zero2": 2, "zero1": 1, "hsdp3": 3, "hpz3": 3, "tp3": 3, "moe3": 3, "ep3": 3,
     "off50": 3, "off100": 3, "offdisk": 3, "compile3": 3, "acfull3": 3, "acsel3": 3,
-    "acoff3": 3, "zero3f": 3, "zero1f": 1, "zero3m": 3, "zero3tm": 3, "zero3q8": 3, "zero3qf8": 3,
-    "zero3qg8": 3, "zero3q8g8": 3,
+    "acoff3": 3, "zero3f": 3, "zero1f": 1, "zero3ff": 3, "zero3m": 3, "zero3tm": 3, "zero3q8": 3,
+    "zero3qf8": 3, "zero3qg8": 3, "zero3q8g8": 3,
 }  # fmt: skip
 HPZ_GROUP = 2
 HSDP_REPLICAS = 2
@@ -373,7 +377,8 @@ def make_optimizer(mode: str, model):
     if mode in ("fsdp2-muon", "zero3tm"):
         return _TorchMuonAndAdamW(flatshard.optim.muon_param_groups(model))
     make = flatshard.optim.AdamW if mode in FLAT_OPTIMIZER_MODES else torch.optim.AdamW
-    return make(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    fused = mode in FUSED_OPTIMIZER_MODES
+    return make(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=fused)
 
 
 def build_model(cfg: LlamaConfig) -> Llama | MoE:

@@ -70,6 +70,7 @@ from bench_modes import (
     DTYPES,
     EP_DEGREE,
     FLAT_OPTIMIZER_MODES,
+    FUSED_OPTIMIZER_MODES,
     HSDP_MODES,
     MODE_NAMES,
     MODES,
@@ -200,7 +201,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="comma-separated subset (default: the Llama modes, or with an MoE preset "
         "single and the MoE modes); also HSDP/hpZ (fsdp2-hsdp, hsdp3, fsdp2-hpz, hpz3), TP "
         "(fsdp2-tp, tp3), optimizer offload (fsdp2-cpuoff, off50, off100, offdisk) and the flat "
-        "AdamW (zero3f, zero1f), Muon (fsdp2-muon, zero3m, zero3tm)",
+        "AdamW (zero3f, zero1f) and fused AdamW on each (fsdp2-fused, zero3ff), Muon "
+        "(fsdp2-muon, zero3m, zero3tm)",
     )
     # not RESULTS.md: that file is curated (sections copied in by hand); a run writing
     # to it by default once replaced every earlier section
@@ -221,7 +223,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.modes = ",".join(["single", *MOE_MODES] if moe else MODES)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     known = MODES + HSDP_MODES + TP_MODES + MOE_MODES + OFFLOAD_MODES + COMPILE_MODES
-    known += AC_MODES + FLAT_OPTIMIZER_MODES + MUON_MODES + list(QUANTIZED_MODES)
+    known += AC_MODES + FLAT_OPTIMIZER_MODES + FUSED_OPTIMIZER_MODES + MUON_MODES
+    known = list(dict.fromkeys(known + list(QUANTIZED_MODES)))  # zero3ff is in two lists
     unknown = sorted(set(modes) - set(known))
     if unknown or not modes:
         parser.error(f"unknown modes {unknown}; choose from {known}")

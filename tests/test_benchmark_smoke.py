@@ -322,12 +322,17 @@ def test_compare_compile_and_ac_modes(tmp_path):
 
 
 def test_compare_flat_optimizer_modes(tmp_path):
-    """flatshard.optim.AdamW (zero3f, zero1f) beside torch's AdamW on flatshard: the report
-    has their rows and the same losses as FSDP2's (the flat step is torch's math)."""
-    text = _run_compare(
-        tmp_path, "--modes", "fsdp2,zero3,zero3f,zero1f", "--interleave", "steps", "--rounds", "1"
-    )
-    for name in ("flatshard ZeRO-3 + flat AdamW", "flatshard ZeRO-1 + flat AdamW"):
+    """flatshard.optim.AdamW (zero3f, zero1f; zero3ff fused) beside torch's AdamW on
+    flatshard and FSDP2 (fsdp2-fused): the report has their rows and the same losses as
+    FSDP2's (the flat step is torch's math)."""
+    modes = "fsdp2,zero3,zero3f,zero1f,fsdp2-fused,zero3ff"
+    text = _run_compare(tmp_path, "--modes", modes, "--interleave", "steps", "--rounds", "1")
+    for name in (
+        "flatshard ZeRO-3 + flat AdamW",
+        "flatshard ZeRO-1 + flat AdamW",
+        "FSDP2 + fused AdamW",
+        "flatshard ZeRO-3 + flat fused AdamW",
+    ):
         assert float(_row(text, name)["loss Δ vs FSDP2"]) <= 1e-6, text
 
 

@@ -332,9 +332,10 @@ def test_optimizer_state_per_optimizer(capsys):
         name: plan(capsys, "llama3-8b", "--world-size", 8, "--optimizer", name)["memory"][
             "optimizer"
         ]
-        for name in ("adamw", "torch-adamw", "sgd")
+        for name in ("adamw", "adamw-fused", "torch-adamw", "sgd")
     }
-    assert states["adamw"] == states["torch-adamw"] == 2 * states["sgd"] > 0
+    assert states["adamw"] == states["adamw-fused"] == states["torch-adamw"]
+    assert states["adamw"] == 2 * states["sgd"] > 0
 
 
 def test_muon_plan(capsys, tmp_path):

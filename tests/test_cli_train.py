@@ -392,15 +392,17 @@ def test_compiled_checkpointed_run_trains_like_eager_and_resumes_without(tmp_pat
 @pytest.mark.slow
 def test_flat_and_torch_adamw_train_the_same(tmp_path):
     """`--optimizer adamw` (the default: flatshard.optim.AdamW) and `torch-adamw` give the same
-    losses bit for bit; `sgd` trains too."""
+    losses bit for bit; `adamw-fused` (torch's fused kernel) the same to its rounding; `sgd`
+    trains too."""
     losses = {}
-    for name in ("adamw", "torch-adamw", "sgd"):
+    for name in ("adamw", "torch-adamw", "adamw-fused", "sgd"):
         extra = ["--lr", "0.3"] if name == "sgd" else []
         run = tmp_path / name
         check_ok(flatshard("train", *TINY, "--steps", 4, "--optimizer", name, *extra, "--out", run))
         losses[name] = [r["loss"] for r in metrics(run)]
         assert f'optimizer = "{name}"' in (run / "config.toml").read_text()
     assert losses["adamw"] == losses["torch-adamw"]
+    assert losses["adamw-fused"] == pytest.approx(losses["adamw"], rel=1e-5)
     assert losses["sgd"][-1] < losses["sgd"][0] and losses["sgd"] != losses["adamw"]
 
 

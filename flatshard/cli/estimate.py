@@ -81,7 +81,7 @@ class Setup:
     seq_len: int
     grad_accum: int
     backend: str = "nccl"  # gloo needs a receive buffer per reduce-scatter
-    optimizer: str = "adamw"  # adamw, torch-adamw (two fp32 states), sgd (momentum: one)
+    optimizer: str = "adamw"  # adamw(-fused), torch-adamw (two fp32 states), sgd (momentum: one)
     hpz_group: int = 0  # ZeRO-3: ranks a block stays sharded over after forward (0: all)
     tp: int = 1  # tensor-parallel ranks (innermost)
     ep: int = 1  # expert-parallel ranks (borrowed from dp_shard x tp)
@@ -104,6 +104,7 @@ class Setup:
     @property
     def optimizer_name(self) -> str:
         names = {"sgd": "SGD", "torch-adamw": "torch AdamW", "muon": "Muon + AdamW"}
+        names["adamw-fused"] = "fused AdamW"
         return names.get(self.optimizer, "AdamW")
 
     def __post_init__(self):

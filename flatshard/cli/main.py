@@ -27,7 +27,11 @@ TRAIN_FLAGS = {
     "micro_batch": ("train.micro_batch", "N", "sequences per process per forward"),
     "global_batch": ("train.global_batch", "N", "sequences per optimizer step"),
     "lr": ("train.lr", "LR", "peak learning rate"),
-    "optimizer": ("train.optimizer", "NAME", "adamw (default), sgd, muon or torch-adamw"),
+    "optimizer": (
+        "train.optimizer",
+        "NAME",
+        "adamw (default), adamw-fused, sgd, muon or torch-adamw",
+    ),
     "zero_stage": ("train.zero_stage", "N", "ZeRO stage 1, 2 or 3"),
     "hf": ("model.hf", "PATH", "fine-tune this Hugging Face model directory"),
     "dp_replicate": ("train.dp_replicate", "N", "HSDP: replicas of the sharded model"),

@@ -76,8 +76,9 @@ OPTIONS: tuple[Option, ...] = (
            check=_positive),
     Option("train.optimizer", "adamw", "adamw, sgd or muon: flatshard.optim's (torch's math, "
            "stepped over flat shards; muon: the hidden matrices, AdamW the rest); "
-           "torch-adamw: torch.optim.AdamW",
-           choices=("adamw", "sgd", "muon", "torch-adamw")),
+           "adamw-fused: the flat AdamW on torch's fused kernel (torch's AdamW(fused=True) "
+           "bit for bit, faster); torch-adamw: torch.optim.AdamW",
+           choices=("adamw", "adamw-fused", "sgd", "muon", "torch-adamw")),
     Option("train.muon_split_fused", False, "muon: orthogonalise each component of a fused "
            "weight (SwiGLU's [gate; up]) as its own matrix"),
     Option("train.lr", 3e-3, "peak learning rate", check=_positive),

@@ -80,10 +80,10 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--optimizer",
         default=None,
-        choices=("adamw", "sgd", "muon", "torch-adamw"),
-        help="its state per trained element: AdamW two fp32 values, SGD one, Muon one on the "
-        "hidden matrices (their Newton-Schulz work per rank and exchange bytes shown; default "
-        "adamw)",
+        choices=("adamw", "adamw-fused", "sgd", "muon", "torch-adamw"),
+        help="its state per trained element: AdamW (fused too) two fp32 values, SGD one, Muon "
+        "one on the hidden matrices (their Newton-Schulz work per rank and exchange bytes "
+        "shown; default adamw)",
     )
     parser.add_argument(
         "--muon-split-fused",

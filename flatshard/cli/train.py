@@ -253,9 +253,10 @@ class Trainer:
 
 
 def make_optimizer(train, model) -> torch.optim.Optimizer:
-    """`train.optimizer`: flatshard.optim's AdamW, SGD or Muon (torch's math over flat
-    shards, the same state dict), or torch.optim.AdamW. Muon takes the hidden matrices with
-    Moonlight's learning-rate match, so train.lr and train.weight_decay serve both parts."""
+    """`train.optimizer`: flatshard.optim's AdamW (adamw-fused: on torch's fused kernel), SGD
+    or Muon (torch's math over flat shards, the same state dict), or torch.optim.AdamW. Muon
+    takes the hidden matrices with Moonlight's learning-rate match, so train.lr and
+    train.weight_decay serve both parts."""
     if train.optimizer == "muon":
         muon, rest = flatshard.optim.muon_param_groups(model)
         groups = [{**muon, "weight_decay": train.weight_decay}]
@@ -267,7 +268,8 @@ def make_optimizer(train, model) -> torch.optim.Optimizer:
     if train.optimizer == "sgd":
         return flatshard.optim.SGD(groups, lr=train.lr, momentum=train.momentum)
     make = torch.optim.AdamW if train.optimizer == "torch-adamw" else flatshard.optim.AdamW
-    return make(groups, lr=train.lr, betas=(train.beta1, train.beta2))
+    fused = train.optimizer == "adamw-fused"
+    return make(groups, lr=train.lr, betas=(train.beta1, train.beta2), fused=fused)
 
 
 def _decay_groups(params, train) -> list[dict]:
