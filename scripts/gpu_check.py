@@ -16,7 +16,8 @@ compiled: losses, graph breaks, step times); activation_memory (peak device memo
 --ac mode against `flatshard plan`, and how much of what activation offload moves it
 saves); fsdp2_1b (a ~1B Llama in bf16: flatshard vs FSDP2 step time and MFU, side by side);
 activation_offload_1b (activation offload where compute is large against the bytes moved);
-checkpoint (sync and async saves from the device, a load that trains on bitwise); ac_1b
+fused_adamw (the flat AdamW with fused=True against torch's fused AdamW: bitwise, step
+times); checkpoint (sync and async saves from the device, a load that trains on bitwise); ac_1b
 (step time and peak per activation checkpointing mode at 1b); ac_compiled_1b (the same, blocks
 compiled).
 The sections that compare runs bitwise run with deterministic kernels.
@@ -613,6 +614,37 @@ def _phases(check: Check, model, optimizer, steps: int = 3) -> dict:
     return {key: 1e3 * statistics.median(values) for key, values in timed.items()}
 
 
+def fused_adamw(check: Check) -> dict:
+    """flatshard's flat AdamW with `fused=True` (torch's fused kernel over the flat ranges)
+    against torch's fused AdamW on the same sharded parameters: losses and weights bitwise
+    equal, and each one's optimizer step (milliseconds, median of the last steps)."""
+    import flatshard
+
+    runs = {}
+    for name, make in (("flat", flatshard.optim.AdamW), ("torch", torch.optim.AdamW)):
+        model = check.sharded("35m")
+        optimizer = make(model.parameters(), lr=1e-3, fused=True)
+        losses, step_ms = [], []
+        for tokens in check.data("35m"):
+            tokens = tokens.to(check.device)
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+            loss.backward()
+            check.sync()
+            start = time.perf_counter()
+            optimizer.step()
+            optimizer.zero_grad()
+            check.sync()
+            step_ms.append(1e3 * (time.perf_counter() - start))
+            losses.append(loss.item())
+        runs[name] = (model, losses, statistics.median(step_ms[WARMUP:]))
+    pairs = zip(runs["flat"][0].parameters(), runs["torch"][0].parameters())
+    weights = all(torch.equal(a.to_local(), b.to_local()) for a, b in pairs)
+    losses = runs["flat"][1] == runs["torch"][1]
+    return {"losses_equal": losses, "weights_equal": weights, "ok": losses and weights,
+            "optimizer_ms": {name: run[2] for name, run in runs.items()}}  # fmt: skip
+
+
 def checkpoint(check: Check) -> dict:
     """Checkpoints from the device: a synchronous and an asynchronous save (the layout-planned
     writer staging through pinned waves), GB/s and host staging held; a load into a fresh
@@ -685,13 +717,21 @@ SECTIONS = {
     "compile": compile_blocks,
     "activation_memory": activation_memory,
     "fsdp2_1b": fsdp2_1b,
+    "fused_adamw": fused_adamw,
     "activation_offload_1b": activation_offload_1b,
     "ac_1b": ac_1b,
     "ac_compiled_1b": ac_compiled_1b,
 }
 # the sections that compare runs bitwise get repeatable kernels
 # (not activation_memory: the math attention they need saves the whole attention matrix)
-DETERMINISTIC = ("cpu_parity", "offload", "state_offload", "checkpoint", "activation_offload_1b")
+DETERMINISTIC = (
+    "cpu_parity",
+    "offload",
+    "state_offload",
+    "checkpoint",
+    "activation_offload_1b",
+    "fused_adamw",
+)
 
 
 def _write(report: dict, out: str) -> None:
