@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from distributed import run_distributed
 from reference import adamw, batches, build_model, config, lm_loss, rel_diff, rel_losses
 from torch.distributed.tensor import DTensor
 
 import flatshard
-from flatshard.errors import MeshError
+from flatshard.errors import MeshError, UnevenShardError
 from flatshard.models.llama import check_tp, parallelize_llama
 
 CFG = dict(n_heads=8, n_kv_heads=4, dim=32, ffn_dim=48, attention_bias=True)  # divisible by 4
@@ -106,3 +107,47 @@ def test_fused_parts_gather_and_split_in_torchs_order(world):
             assert torch.equal(gathered, whole)
             assert torch.equal(cut, torch_cut)
             assert torch.equal(grad, expected_grad)
+
+
+def _unequal_parts():
+    """A fused `[q; k; v]` of unequal parts (GQA) split over TP alone: `full_tensor()` of
+    the weight and the bias, the gradient it gives the local part; then a second weight of
+    the same shape with other parts (which of the two a tensor belongs to is then unknown)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from flatshard.parallel.tensor_parallel import FusedColwiseParallel
+
+    rank, ranks = dist.get_rank(), dist_size()
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (ranks,))
+    torch.manual_seed(0)
+    sizes = [8, 4, 4]
+    qkv = torch.nn.Linear(8, 16)
+    parts = [(name, rows) for name, rows in zip("qkv", sizes)]
+    qkv.fused_components = {"weight": parts, "bias": parts}
+    weight, bias = qkv.weight.detach().clone(), qkv.bias.detach().clone()
+    parallelize_module(qkv, mesh, FusedColwiseParallel())
+    scale = torch.randn(16, 8)
+    (qkv.weight.full_tensor() * scale).sum().backward()
+    mine = torch.cat([part.chunk(ranks)[rank] for part in scale.split(sizes)])
+    found = (
+        torch.equal(qkv.weight.full_tensor(), weight),
+        torch.equal(qkv.bias.full_tensor(), bias),
+        torch.equal(qkv.weight.grad.to_local(), mine),
+    )
+    other = torch.nn.Linear(8, 16, bias=False)
+    other.fused_components = {"weight": [("q", 4), ("k", 6), ("v", 6)]}
+    parallelize_module(other, mesh, FusedColwiseParallel())
+    try:
+        other.weight.full_tensor()
+    except UnevenShardError as error:
+        return found, str(error)
+    return found, None
+
+
+def test_fused_parts_of_unequal_sizes_gather_in_place():
+    """torch's `_StridedShard` knows how many parts, not their sizes: with GQA's unequal
+    `[q; k; v]` its chunks put rows in the wrong places (silently). flatshard registers each
+    fused weight's parts, and where two weights of one shape disagree it raises."""
+    for found, ambiguous in run_distributed(_unequal_parts, 2):
+        assert found == (True, True, True)
+        assert ambiguous is not None and "declare different parts" in ambiguous

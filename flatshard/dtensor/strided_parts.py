@@ -4,7 +4,13 @@ moves that placement to and from `Replicate` itself, but torch 2.11 reads any
 `_StridedShard` as a shard order over several mesh dims and raises on a one-dim mesh
 (`full_tensor()` failed there). patches.py routes these two moves here on every torch, so
 the path the CPU tests run is the one users get; the order is torch's own (the dim chunked
-into the parts, each part chunked over the ranks)."""
+into the parts, each part chunked over the ranks).
+
+A placement says how many parts, not their sizes: Phi-3's `[q; k; v]` under GQA has
+unequal ones, which torch's chunks would misplace (`full_tensor()` silently wrong). The TP
+split registers each fused weight's part sizes by what its gradients and optimizer states
+share with it (mesh, dim, part count, global shape); two weights alike in all that but
+with other sizes make that key ambiguous, and moving one then raises."""
 
 from __future__ import annotations
 
@@ -13,6 +19,22 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from flatshard import compat
+from flatshard.errors import UnevenShardError
+
+_AMBIGUOUS = ()
+_part_sizes: dict[tuple, tuple[int, ...]] = {}
+
+
+def _key(mesh, placement: _StridedShard, shape) -> tuple:
+    return (mesh, placement.dim, int(placement.split_factor), tuple(shape))
+
+
+def register(mesh, placement: _StridedShard, shape, sizes: list[int]) -> None:
+    """The sizes of the parts a fused weight of `shape`, placed so, stacks along its dim."""
+    key, sizes = _key(mesh, placement, shape), tuple(int(n) for n in sizes)
+    known = _part_sizes.setdefault(key, sizes)
+    if known != sizes:
+        _part_sizes[key] = _AMBIGUOUS
 
 
 def handles(current_spec, target_spec) -> bool:
@@ -23,9 +45,13 @@ def handles(current_spec, target_spec) -> bool:
     return kinds == {_StridedShard, Replicate}
 
 
-def held_indices(placement: _StridedShard, size: int, ranks: int) -> list[torch.Tensor]:
-    """Which of the dim's `size` global indices each rank holds, in its local order."""
-    parts = torch.arange(size).chunk(int(placement.split_factor))
+def held_indices(
+    placement: _StridedShard, size: int, ranks: int, sizes: tuple[int, ...] | None = None
+) -> list[torch.Tensor]:
+    """Which of the dim's `size` global indices each rank holds, in its local order: of
+    parts of `sizes` if given, else torch's equal chunks."""
+    indices = torch.arange(size)
+    parts = indices.split(list(sizes)) if sizes else indices.chunk(int(placement.split_factor))
     held = []
     for rank in range(ranks):
         pieces = [part.chunk(ranks) for part in parts]  # torch.chunk may make fewer
@@ -39,7 +65,14 @@ def redistribute(local: torch.Tensor, current_spec, target_spec) -> torch.Tensor
     gathering = isinstance(target_spec.placements[0], Replicate)
     placement = current_spec.placements[0] if gathering else target_spec.placements[0]
     dim, size = placement.dim, current_spec.shape[placement.dim]
-    held = held_indices(placement, size, ranks)
+    sizes = _part_sizes.get(_key(mesh, placement, current_spec.shape))
+    if sizes == _AMBIGUOUS:
+        raise UnevenShardError(
+            f"two fused TP weights of shape {tuple(current_spec.shape)} declare different "
+            f"parts: which {placement} this tensor has is unknown (fully_shard the model, "
+            "whose layout keeps each weight's parts, or give them different shapes)"
+        )
+    held = held_indices(placement, size, ranks, sizes)
     if not gathering:  # every rank has the whole tensor: keep its own indices
         return local.index_select(dim, held[rank].to(local.device))
     longest = max(len(h) for h in held)

@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.nn.utils.stateless import _reparametrize_module
 
-from flatshard.dtensor import patches
+from flatshard.dtensor import patches, strided_parts
 
 
 class FusedColwiseParallel(ParallelStyle):
@@ -77,10 +77,11 @@ def split_by_parts(module: nn.Module, name: str, sizes: list[int], device_mesh) 
     rank, size = device_mesh.get_local_rank(), device_mesh.size()
     param = module.get_parameter(name)
     local = torch.cat([part.chunk(size)[rank] for part in param.detach().split(sizes)])
+    placement = _StridedShard(0, split_factor=len(sizes))
+    strided_parts.register(device_mesh, placement, param.shape, sizes)
     sharded = DTensor.from_local(
-        local, device_mesh, [_StridedShard(0, split_factor=len(sizes))],
-        run_check=False, shape=param.shape, stride=param.stride(),
-    )  # fmt: skip
+        local, device_mesh, [placement], run_check=False, shape=param.shape, stride=param.stride()
+    )
     module.register_parameter(name, nn.Parameter(sharded, param.requires_grad))
 
 
