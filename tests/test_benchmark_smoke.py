@@ -130,7 +130,7 @@ def test_gloo_collectives_script():
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     timed = [line for line in proc.stdout.splitlines() if line.startswith("world 2")]
-    assert len(timed) == 5 and all(" ms" in line for line in timed), proc.stdout
+    assert len(timed) == 8 and all(" ms" in line for line in timed), proc.stdout
 
 
 def test_compare_hsdp_and_hpz_modes(tmp_path):
