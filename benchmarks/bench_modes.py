@@ -377,8 +377,9 @@ def make_optimizer(mode: str, model):
     if mode in ("fsdp2-muon", "zero3tm"):
         return _TorchMuonAndAdamW(flatshard.optim.muon_param_groups(model))
     make = flatshard.optim.AdamW if mode in FLAT_OPTIMIZER_MODES else torch.optim.AdamW
-    fused = mode in FUSED_OPTIMIZER_MODES
-    return make(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=fused)
+    # fused only when asked: an explicit fused=False keeps torch from its foreach default
+    fused = {"fused": True} if mode in FUSED_OPTIMIZER_MODES else {}
+    return make(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, **fused)
 
 
 def build_model(cfg: LlamaConfig) -> Llama | MoE:

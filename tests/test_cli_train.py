@@ -429,3 +429,21 @@ def test_muon_trains_and_resumes(tmp_path):
                        "--muon-split-fused", "--out", split))  # fmt: skip
     losses = [r["loss"] for r in metrics(split)]
     assert losses[0] == expected[0] and losses[1:] != expected[1:] and losses[-1] < losses[0]
+
+
+def test_adamw_choices_leave_torch_its_kernel_defaults():
+    """Only `adamw-fused` asks for the fused kernel; the other AdamWs leave `fused` and
+    `foreach` unset, so torch still picks its foreach kernels where it would (on a GPU; an
+    explicit fused=False turns that off)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from flatshard.cli.train import make_optimizer
+
+    model = torch.nn.Linear(4, 4)
+    for name in ("adamw", "torch-adamw", "adamw-fused"):
+        train = SimpleNamespace(optimizer=name, lr=1e-3, beta1=0.9, beta2=0.95, weight_decay=0.1)
+        defaults = make_optimizer(train, model).defaults
+        assert defaults["fused"] is (True if name == "adamw-fused" else None), name
+        assert defaults["foreach"] is None, name

@@ -268,8 +268,9 @@ def make_optimizer(train, model) -> torch.optim.Optimizer:
     if train.optimizer == "sgd":
         return flatshard.optim.SGD(groups, lr=train.lr, momentum=train.momentum)
     make = torch.optim.AdamW if train.optimizer == "torch-adamw" else flatshard.optim.AdamW
-    fused = train.optimizer == "adamw-fused"
-    return make(groups, lr=train.lr, betas=(train.beta1, train.beta2), fused=fused)
+    # fused only when asked: an explicit fused=False keeps torch from its foreach default
+    fused = {"fused": True} if train.optimizer == "adamw-fused" else {}
+    return make(groups, lr=train.lr, betas=(train.beta1, train.beta2), **fused)
 
 
 def _decay_groups(params, train) -> list[dict]:

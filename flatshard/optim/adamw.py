@@ -86,7 +86,8 @@ class AdamW(FlatStepping, torch.optim.AdamW):
             ages: dict[int, torch.Tensor] = {}  # the kernel reads a step count per tensor
             for r in ranges:
                 r.age += 1
-                ages.setdefault(r.age, torch.tensor(float(r.age), device=device))
+                if r.age not in ages:  # float32, as torch's fused AdamW keeps its steps
+                    ages[r.age] = torch.tensor(float(r.age), dtype=torch.float32, device=device)
             torch._fused_adamw_(
                 [self._main(r) for r in ranges],
                 [plan.grad(r) for r in ranges],
