@@ -74,7 +74,7 @@ def fused_tail_unit(device: torch.device, dtype: torch.dtype) -> int | None:
     kernel runs each tensor in vectors of the CPU's width (`Vectorized`) and its last
     numel % width elements in plain scalar code, which rounds differently (no fused
     multiply-add); a GPU kernel computes every element alike (1). None: a CPU whose width
-    flatshard does not know."""
+    flatshard does not know (each piece is then stepped on its own)."""
     if device.type != "cpu":
         return 1
     width = {"AVX512": 64, "AVX2": 32}.get(torch.backends.cpu.get_cpu_capability())

@@ -11,8 +11,8 @@ switches to scalar code for a piece's tail: plan.fused_pieces), so it equals tor
 AdamW on the same pieces bit for bit, at several times the speed. Parameters a flat step
 cannot take (not flatshard's, state in the disk tier, a gradient that is not the reduced
 shard's view) and groups with options it does not implement (amsgrad, capturable,
-differentiable, a tensor lr or betas, fused on a CPU of unknown vector width) go through
-torch's own code.
+differentiable, a tensor lr or betas) go through torch's own code. On a CPU of unknown
+vector width the fused kernel gets each piece on its own (torch's fused AdamW exactly).
 """
 
 from __future__ import annotations
@@ -20,12 +20,10 @@ from __future__ import annotations
 import torch
 from torch.optim.adam import adam
 
-from flatshard import compat
 from flatshard.optim.flat_optimizer import FlatStepping
 from flatshard.optim.plan import FlatPlan
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
-_CPU = torch.device("cpu")
 
 
 class AdamW(FlatStepping, torch.optim.AdamW):
@@ -35,7 +33,6 @@ class AdamW(FlatStepping, torch.optim.AdamW):
             group["amsgrad"]
             or group["capturable"]
             or group["differentiable"]
-            or (group["fused"] and compat.fused_tail_unit(_CPU, torch.float32) is None)
             or any(isinstance(v, torch.Tensor) for v in (group["lr"], *group["betas"]))
         )
 

@@ -117,16 +117,22 @@ class FlatPlan:
         return parts[1 if r.first.host else 0][r.start : r.end]
 
 
-def fused_pieces(r: Range, slots: list[Slot], unit: int) -> list[Range]:
+def fused_pieces(r: Range, slots: list[Slot], unit: int | None) -> list[Range]:
     """`r` cut so that a fused kernel steps each parameter's piece as it does when it steps
     that piece alone: its first numel - numel % unit elements in vectors, the rest in scalar
     code (compat.fused_tail_unit). A cut goes around each such tail, and before a piece that
-    padding put off the vector grid of the cut it is in (padding steps as either: zeros)."""
+    padding put off the vector grid of the cut it is in (padding steps as either: zeros).
+    An unknown unit (None): every piece on its own."""
     pieces, start = [], r.start
 
     def cut(begin: int, end: int) -> None:
         if end > begin:
             pieces.append(Range(r.first, begin, end, r.age, r.params))
+
+    if unit is None:
+        for slot in sorted(slots, key=lambda s: s.start):
+            cut(slot.start, slot.start + slot.numel)
+        return pieces
 
     for slot in sorted(slots, key=lambda s: s.start):
         if (slot.start - start) % unit:
