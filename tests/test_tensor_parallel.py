@@ -73,7 +73,7 @@ def _strided_parts_moves():
     from flatshard.dtensor import patches, strided_parts
 
     patches.install()
-    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (dist_size(),))
+    mesh = flatshard.ParallelDims(dist_size(), tp=dist_size()).build("cpu").tp
     out = []
     for shape, dim, parts in [((8, 3), 0, 2), ((9, 3), 0, 2), ((7,), 0, 3), ((2, 11), 1, 2)]:
         whole = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).view(shape)
@@ -118,7 +118,7 @@ def _unequal_parts():
     from flatshard.parallel.tensor_parallel import FusedColwiseParallel
 
     rank, ranks = dist.get_rank(), dist_size()
-    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (ranks,))
+    mesh = flatshard.ParallelDims(ranks, tp=ranks).build("cpu").tp
     torch.manual_seed(0)
     sizes = [8, 4, 4]
     qkv = torch.nn.Linear(8, 16)

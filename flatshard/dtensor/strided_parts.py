@@ -52,11 +52,10 @@ def held_indices(
     parts of `sizes` if given, else torch's equal chunks."""
     indices = torch.arange(size)
     parts = indices.split(list(sizes)) if sizes else indices.chunk(int(placement.split_factor))
-    held = []
-    for rank in range(ranks):
-        pieces = [part.chunk(ranks) for part in parts]  # torch.chunk may make fewer
-        held.append(torch.cat([p[rank] if rank < len(p) else p[0][:0] for p in pieces]))
-    return held
+    pieces = [part.chunk(ranks) for part in parts]  # torch.chunk may make fewer
+    return [
+        torch.cat([p[rank] if rank < len(p) else p[0][:0] for p in pieces]) for rank in range(ranks)
+    ]
 
 
 def redistribute(local: torch.Tensor, current_spec, target_spec) -> torch.Tensor:

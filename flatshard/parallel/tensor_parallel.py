@@ -76,9 +76,10 @@ def split_by_parts(module: nn.Module, name: str, sizes: list[int], device_mesh) 
     patches.install()  # its full_tensor() goes by strided_parts.py (torch 2.11 raises)
     rank, size = device_mesh.get_local_rank(), device_mesh.size()
     param = module.get_parameter(name)
-    local = torch.cat([part.chunk(size)[rank] for part in param.detach().split(sizes)])
     placement = _StridedShard(0, split_factor=len(sizes))
     strided_parts.register(device_mesh, placement, param.shape, sizes)
+    held = strided_parts.held_indices(placement, param.shape[0], size, tuple(sizes))[rank]
+    local = param.detach().index_select(0, held.to(param.device))
     sharded = DTensor.from_local(
         local, device_mesh, [placement], run_check=False, shape=param.shape, stride=param.stride()
     )
