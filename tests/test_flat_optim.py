@@ -272,3 +272,26 @@ def test_fused_pieces_step_each_parameter_as_torch_steps_it_alone(width):
         _fused_adamw([[b[p.start : p.end] for p in pieces] for b in at_once], steps_at_once)
     for ours, theirs in zip(at_once, alone):
         assert torch.equal(ours, theirs)
+
+
+def _cached_slots_after_a_relayout():
+    from flatshard import registry
+    from flatshard.optim.plan import SlotCache, slot_of
+
+    model = shard(build_model(config(dim=32)), zero_stage=3)
+    cache, params = SlotCache(), list(model.parameters())
+    before = [cache(p) for p in params]
+    assert all(cache(p) is slot for p, slot in zip(params, before))  # looked up once
+    for unit in registry.units_below(model):
+        for bucket in unit.buckets:
+            bucket.shard.place(0, pin_memory=False)  # every piece to the host
+    after = [cache(p) for p in params]
+    assert after == [slot_of(p) for p in params]
+    return sum(b.host != a.host for b, a in zip(before, after))
+
+
+def test_a_cached_slot_follows_its_shard_to_a_new_layout():
+    """An offload placement (or a dtype conversion) reallocates a shard: the optimizer's
+    cached slots are looked up again, not left pointing at the old side and offset."""
+    moved = run_distributed(_cached_slots_after_a_relayout, 1)[0]
+    assert moved > 0

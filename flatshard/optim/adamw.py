@@ -53,11 +53,10 @@ class AdamW(FlatStepping, torch.optim.AdamW):
         torch._foreach_add_(plan.steps, torch.tensor(1.0, device="cpu"), alpha=1.0)
         if plan.fused:
             return self._fused_step(group, plan)
-        for ranges in plan.batches:
-            params = [self._main(r) for r in ranges]
-            grads = [plan.grad(r) for r in ranges]
-            exp_avgs = [self._state(r, "exp_avg") for r in ranges]
-            exp_avg_sqs = [self._state(r, "exp_avg_sq") for r in ranges]
+        parts: dict = {}
+        for index, ranges in enumerate(plan.batches):
+            params, exp_avgs, exp_avg_sqs = self._views(plan, index, _MOMENTS)
+            grads = plan.grads(ranges, parts)
             for r in ranges:
                 r.age += 1
             if group["maximize"]:
@@ -78,7 +77,9 @@ class AdamW(FlatStepping, torch.optim.AdamW):
     def _fused_step(self, group: dict, plan: FlatPlan) -> None:
         """torch's fused AdamW kernel, one call per device over every piece of the plan."""
         beta1, beta2 = group["betas"]
-        for ranges in plan.batches:
+        parts: dict = {}
+        for index, ranges in enumerate(plan.batches):
+            params, exp_avgs, exp_avg_sqs = self._views(plan, index, _MOMENTS)
             device = ranges[0].first.main().device
             ages: dict[int, torch.Tensor] = {}  # the kernel reads a step count per tensor
             for r in ranges:
@@ -86,10 +87,10 @@ class AdamW(FlatStepping, torch.optim.AdamW):
                 if r.age not in ages:  # float32, as torch's fused AdamW keeps its steps
                     ages[r.age] = torch.tensor(float(r.age), dtype=torch.float32, device=device)
             torch._fused_adamw_(
-                [self._main(r) for r in ranges],
-                [plan.grad(r) for r in ranges],
-                [self._state(r, "exp_avg") for r in ranges],
-                [self._state(r, "exp_avg_sq") for r in ranges],
+                params,
+                plan.grads(ranges, parts),
+                exp_avgs,
+                exp_avg_sqs,
                 [],
                 [ages[r.age] for r in ranges],
                 amsgrad=False,

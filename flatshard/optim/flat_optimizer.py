@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from flatshard.optim.flat_state import FlatStates, Range, merge_ranges
-from flatshard.optim.plan import FlatPlan, split_group
+from flatshard.optim.plan import FlatPlan, SlotCache, split_group
 
 
 class FlatStepping:
@@ -22,6 +22,7 @@ class FlatStepping:
         super().__init__(params, *args, **kwargs)  # the torch optimizer's, as it takes them
         self._flat = FlatStates()
         self._plans: dict[int, FlatPlan] = {}
+        self._slots = SlotCache()
 
     def load_state_dict(self, state_dict) -> None:
         super().load_state_dict(state_dict)
@@ -42,7 +43,7 @@ class FlatStepping:
             if not self._flat_options(group) or getattr(self, "grad_scale", None) is not None:
                 self._torch_step(group, with_grad)
                 continue
-            flat, rest = split_group(group)
+            flat, rest = split_group(group, self._slots)
             if rest:
                 self._torch_step(group, rest)
             if flat:
@@ -75,6 +76,18 @@ class FlatStepping:
     def _fused(group: dict) -> bool:
         """Whether the group is stepped by torch's fused kernel (one call per device)."""
         return bool(group.get("fused"))
+
+    def _views(self, plan: FlatPlan, index: int, names: tuple[str, ...]) -> list[list]:
+        """Batch `index`'s main-weight ranges and those of the states `names`: slices of
+        buffers that live as long as the plan, so made once per plan, not per step."""
+        key = (index, names)
+        views = plan.views.get(key)
+        if views is None:
+            ranges = plan.batches[index]
+            views = [[self._main(r) for r in ranges]]
+            views += [[self._state(r, name) for r in ranges] for name in names]
+            plan.views[key] = views
+        return views
 
     def _state(self, r: Range, name: str) -> torch.Tensor:
         return self._flat.range(r.first, name, r.start, r.end)

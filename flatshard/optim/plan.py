@@ -16,7 +16,25 @@ from flatshard.dtensor.row_shard import RowShard
 from flatshard.optim.flat_state import Range, Slot, slot_of
 
 
-def split_group(group: dict) -> tuple[list[tuple[object, Slot]], list]:
+class SlotCache:
+    """Each parameter's slot, looked up once (slot_of walks the registry and the layout):
+    valid while its shard keeps its buffer, which every re-layout (an offload placement, a
+    dtype conversion) allocates anew."""
+
+    def __init__(self):
+        self._slots: dict[int, tuple[object, Slot, torch.Tensor]] = {}
+
+    def __call__(self, param) -> Slot | None:
+        held = self._slots.get(id(param))
+        if held is not None and held[0] is param and held[1].storage.main is held[2]:
+            return held[1]
+        slot = slot_of(param)
+        if slot is not None:
+            self._slots[id(param)] = (param, slot, slot.storage.main)
+        return slot
+
+
+def split_group(group: dict, slots=slot_of) -> tuple[list[tuple[object, Slot]], list]:
     """(the (param, slot) a flat step takes, the other parameters with gradients)."""
     flat, rest = [], []
     grads: dict[int, tuple | None] = {}  # a shard's kept gradient parts, looked up once
@@ -24,7 +42,7 @@ def split_group(group: dict) -> tuple[list[tuple[object, Slot]], list]:
         grad = param.grad
         if grad is None:
             continue
-        slot = slot_of(param)
+        slot = slots(param)
         if slot is None or not _is_the_reduced_view(grad, slot, grads):
             rest.append(param)
         else:
@@ -70,6 +88,7 @@ class FlatPlan:
 
     def __init__(self, ids: tuple, mains: dict, ranges: list[Range], steps: list, slots=None):
         self.ids, self.mains, self.steps, self.fused = ids, mains, steps, slots is not None
+        self.views: dict = {}  # per batch: slices of the weights and states (flat_optimizer)
         by_device: dict[torch.device, list[Range]] = {}
         for r in ranges:
             main = r.first.main()
@@ -111,10 +130,17 @@ class FlatPlan:
         return all(self.mains.get(slot.side) is slot.main() for _, slot in flat)
 
     @staticmethod
-    def grad(r: Range) -> torch.Tensor:
-        """The range of this step's reduced gradient shard."""
-        parts = r.first.storage.grad
-        return parts[1 if r.first.host else 0][r.start : r.end]
+    def grads(ranges: list[Range], parts: dict) -> list[torch.Tensor]:
+        """The ranges of this step's reduced gradient shards (`parts`: each shard's gradient
+        parts, looked up once per step)."""
+        out = []
+        for r in ranges:
+            storage = r.first.storage
+            held = parts.get(id(storage))
+            if held is None:
+                held = parts[id(storage)] = storage.grad
+            out.append(held[1 if r.first.host else 0][r.start : r.end])
+        return out
 
 
 def fused_pieces(r: Range, slots: list[Slot], unit: int | None) -> list[Range]:

@@ -36,15 +36,16 @@ class SGD(FlatStepping, torch.optim.SGD):
 
     def _flat_step(self, group: dict, plan: FlatPlan) -> None:
         lr, decay, momentum = group["lr"], group["weight_decay"], group["momentum"]
-        for ranges in plan.batches:
-            params = [self._main(r) for r in ranges]
-            grads = [plan.grad(r) for r in ranges]
+        parts: dict = {}
+        for index, ranges in enumerate(plan.batches):
+            params, *states = self._views(plan, index, self._state_names(group))
+            grads = plan.grads(ranges, parts)
             if group["maximize"]:
                 grads = torch._foreach_neg(grads)
             if decay != 0:
                 grads = torch._foreach_add(grads, params, alpha=decay)
             if momentum != 0:
-                buffers = [self._state(r, "momentum_buffer") for r in ranges]
+                (buffers,) = states
                 started = [i for i, r in enumerate(ranges) if r.age]
                 if started:
                     torch._foreach_mul_([buffers[i] for i in started], momentum)
