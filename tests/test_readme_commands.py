@@ -84,6 +84,8 @@ def _run(command: str, cwd, places: dict, moe_model: str, dense_model: str):
     args = [places.get(a, a.replace("path/to/model", model)) for a in args[1:]]
     if args[0] == "train" and "--help-config" not in args:
         args += ["--steps", "3" if "--resume" in args else "2", "--set", "run.sample_tokens=0"]
+        if "--seq-len" not in args:
+            args += ["--seq-len", "32"]  # a few steps' worth of tokens, not the default 256
     return subprocess.run(
         [sys.executable, "-m", "flatshard", *args], cwd=cwd, env=cli_env(),
         capture_output=True, text=True, timeout=300,
