@@ -47,13 +47,12 @@ class AdamW(FlatStepping, torch.optim.AdamW):
             state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")
         return int(state["step"].item())
 
-    def _flat_step(self, group: dict, plan: FlatPlan) -> None:
+    def _flat_step(self, group: dict, plan: FlatPlan, parts: dict) -> None:
         beta1, beta2 = group["betas"]
         lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
         torch._foreach_add_(plan.steps, torch.tensor(1.0, device="cpu"), alpha=1.0)
         if plan.fused:
-            return self._fused_step(group, plan)
-        parts: dict = {}
+            return self._fused_step(group, plan, parts)
         for index, ranges in enumerate(plan.batches):
             params, exp_avgs, exp_avg_sqs = self._views(plan, index, _MOMENTS)
             grads = plan.grads(ranges, parts)
@@ -74,10 +73,9 @@ class AdamW(FlatStepping, torch.optim.AdamW):
             torch._foreach_add_(denom, eps)
             torch._foreach_addcdiv_(params, exp_avgs, denom, step_size)
 
-    def _fused_step(self, group: dict, plan: FlatPlan) -> None:
+    def _fused_step(self, group: dict, plan: FlatPlan, parts: dict) -> None:
         """torch's fused AdamW kernel, one call per device over every piece of the plan."""
         beta1, beta2 = group["betas"]
-        parts: dict = {}
         for index, ranges in enumerate(plan.batches):
             params, exp_avgs, exp_avg_sqs = self._views(plan, index, _MOMENTS)
             device = ranges[0].first.main().device

@@ -43,14 +43,15 @@ class FlatStepping:
             if not self._flat_options(group) or getattr(self, "grad_scale", None) is not None:
                 self._torch_step(group, with_grad)
                 continue
-            flat, rest = split_group(group, self._slots)
+            grads: dict = {}  # each shard's gradient parts, looked up once this step
+            flat, rest = split_group(group, self._slots, grads)
             if rest:
                 self._torch_step(group, rest)
             if flat:
                 plan = self._plans.get(index)
                 if plan is None or not plan.fits(flat, self._fused(group)):
                     plan = self._plans[index] = self._plan(flat, group)
-                self._flat_step(group, plan)
+                self._flat_step(group, plan, grads)
         return loss
 
     def _own_step(self, group: dict) -> bool:

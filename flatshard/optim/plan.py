@@ -34,10 +34,13 @@ class SlotCache:
         return slot
 
 
-def split_group(group: dict, slots=slot_of) -> tuple[list[tuple[object, Slot]], list]:
-    """(the (param, slot) a flat step takes, the other parameters with gradients)."""
+def split_group(
+    group: dict, slots: SlotCache, grads: dict
+) -> tuple[list[tuple[object, Slot]], list]:
+    """(the (param, slot) a flat step takes, the other parameters with gradients). `grads`
+    collects each shard's kept gradient parts, looked up once per step (FlatPlan.grads
+    reads them)."""
     flat, rest = [], []
-    grads: dict[int, tuple | None] = {}  # a shard's kept gradient parts, looked up once
     for param in group["params"]:
         grad = param.grad
         if grad is None:
@@ -132,15 +135,10 @@ class FlatPlan:
     @staticmethod
     def grads(ranges: list[Range], parts: dict) -> list[torch.Tensor]:
         """The ranges of this step's reduced gradient shards (`parts`: each shard's gradient
-        parts, looked up once per step)."""
-        out = []
-        for r in ranges:
-            storage = r.first.storage
-            held = parts.get(id(storage))
-            if held is None:
-                held = parts[id(storage)] = storage.grad
-            out.append(held[1 if r.first.host else 0][r.start : r.end])
-        return out
+        parts, as split_group found them)."""
+        return [
+            parts[id(r.first.storage)][1 if r.first.host else 0][r.start : r.end] for r in ranges
+        ]
 
 
 def fused_pieces(r: Range, slots: list[Slot], unit: int | None) -> list[Range]:

@@ -34,9 +34,8 @@ class SGD(FlatStepping, torch.optim.SGD):
         """1 once the piece has a momentum buffer."""
         return int(state.get("momentum_buffer") is not None)
 
-    def _flat_step(self, group: dict, plan: FlatPlan) -> None:
+    def _flat_step(self, group: dict, plan: FlatPlan, parts: dict) -> None:
         lr, decay, momentum = group["lr"], group["weight_decay"], group["momentum"]
-        parts: dict = {}
         for index, ranges in enumerate(plan.batches):
             params, *states = self._views(plan, index, self._state_names(group))
             grads = plan.grads(ranges, parts)
