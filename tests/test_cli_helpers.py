@@ -1,5 +1,5 @@
 """Helpers (no tests) for the CLI tests: run the real `flatshard` command, `python -m flatshard`,
-in a subprocess, and read what it wrote."""
+in a subprocess or in this process, and read what it wrote."""
 
 from __future__ import annotations
 
@@ -34,6 +34,28 @@ def flatshard(*args, cwd=None, timeout=180, env=None) -> subprocess.CompletedPro
         text=True,
         timeout=timeout,
     )
+
+
+def run_in_process(*args) -> int:
+    """`flatshard ARGS` in this process, no interpreter start: for one-process runs (--nproc
+    1; processes forked from here would inherit its torch state). The run's process group
+    and launcher variables are taken down after it, so the next call starts afresh."""
+    import torch.distributed as dist
+
+    from flatshard.cli.launch import LAUNCHER_VARS
+    from flatshard.cli.main import main
+
+    saved = {name: os.environ.get(name) for name in LAUNCHER_VARS}
+    try:
+        return main([str(a) for a in args])
+    finally:
+        if dist.is_initialized() and not all(saved.values()):
+            dist.destroy_process_group()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def check_ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

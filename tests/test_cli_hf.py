@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from test_cli_helpers import check_ok, flatshard, metrics, one_line_error
 
-from flatshard.cli.data import SequenceOrder, load_tokens
+from flatshard.cli.data import load_tokens
 from flatshard.cli.main import main
+from flatshard.cli.sequences import SequenceOrder
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
@@ -28,6 +29,7 @@ SEQ, BATCH, STEPS = 16, 4, 4
 RUN = [
     "--seq-len", SEQ, "--micro-batch", 2, "--global-batch", BATCH, "--set",
     "train.warmup_steps=2", "--set", "run.sample_tokens=0", "--set", "run.log_interval=1",
+    "--set", "data.tokenizer=bytes",  # tiny random models without a tokenizer: bytes, on purpose
 ]  # fmt: skip
 
 

@@ -44,7 +44,7 @@ def test_train_resume_sample_inspect(tmp_path):
     )
     assert re.search(loading, resumed.stdout), resumed.stdout
     # the closing sample says how long it took (it can be the longest part of a short run)
-    assert re.search(r"6 tokens in [0-9.]+ s \([0-9,]+ tokens/s\)", resumed.stderr)
+    assert re.search(r"6 tokens in [0-9.]+ s \([0-9,.]+ tokens/s\)", resumed.stderr)
     assert (split / "sample.txt").read_text().startswith("The ")
     assert [r["step"] for r in metrics(split)] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in metrics(split)] == expected  # bitwise: same world, same order

@@ -5,6 +5,7 @@ the lines of its code blocks and the commands quoted in its text. Placeholders (
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -14,6 +15,7 @@ import sys
 import pytest
 import torch
 from test_cli_helpers import REPO_ROOT, cli_env
+from tiny_tokenizer import make_tokenizer_dir
 
 pytestmark = pytest.mark.slow  # deselect with -m 'not slow' for a quick loop
 transformers = pytest.importorskip("transformers")
@@ -44,7 +46,8 @@ def readme_commands() -> list[str]:
 
 
 def _hf_model(path, moe: bool) -> str:
-    """A tiny Llama (or Qwen3-MoE) directory whose vocabulary holds the byte-level data."""
+    """A tiny Llama (or Qwen3-MoE) directory with a tiny tokenizer of its own (and a
+    vocabulary that also holds byte-level data)."""
     torch.manual_seed(0)
     sizes = dict(
         vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -57,6 +60,7 @@ def _hf_model(path, moe: bool) -> str:
     else:
         config = transformers.LlamaConfig(**sizes)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    make_tokenizer_dir(path)
     return str(path)
 
 
@@ -67,10 +71,17 @@ def _places(tmp_path) -> dict[str, str]:
     (text / "a.txt").write_text(sentence * 400)
     (tmp_path / "my.txt").write_text(sentence * 400)
     (tmp_path / "run.toml").write_text("[train]\nmicro_batch = 2\nglobal_batch = 4\n")
+    turns = [("What is a flat shard?", "A shard of whole rows."), ("Lists?", "Mutable.")] * 4
+    (tmp_path / "chat.jsonl").write_text("".join(
+        json.dumps({"messages": [{"role": "user", "content": q},
+                                 {"role": "assistant", "content": a}]}) + "\n"
+        for q, a in turns
+    ))  # fmt: skip
     return {
         "my_text_dir/": str(text) + "/",
         "my.txt": str(tmp_path / "my.txt"),
         "run.toml": str(tmp_path / "run.toml"),
+        "chat.jsonl": str(tmp_path / "chat.jsonl"),
         "/tmp/optim": str(tmp_path / "optim"),
         "path/to/hf_model": _hf_model(tmp_path / "hf_model", moe=False),
         "ckpt/": str(tmp_path / "ckpt") + "/",

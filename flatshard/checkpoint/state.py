@@ -17,16 +17,18 @@ from flatshard import comm
 from flatshard.dtensor import plain_state
 from flatshard.dtensor.sharded_param import local_data
 
-_group = None
+_group = _made_for = None
 
 
 def checkpoint_group():
-    """A gloo group over all ranks for checkpoint I/O (None without torch.distributed)."""
-    global _group
+    """A gloo group over all ranks for checkpoint I/O (None without torch.distributed);
+    made anew when the default group was (a process that took its group down and joined
+    a new one: a restart in place, or CLI runs one after another)."""
+    global _group, _made_for
     if not dist.is_initialized():
         return None
-    if _group is None:
-        _group = dist.new_group(backend="gloo")
+    if _group is None or _made_for is not dist.group.WORLD:
+        _group, _made_for = dist.new_group(backend="gloo"), dist.group.WORLD
     return _group
 
 

@@ -17,7 +17,14 @@ from collections.abc import Iterable
 from types import SimpleNamespace
 
 from flatshard.cli.errors import ConfigError
-from flatshard.cli.options import BY_KEY, OPTIONS, PRESETS, SECTIONS, Option
+from flatshard.cli.options import (
+    BY_KEY,
+    OPTIONS,
+    PRESETS,
+    SECTIONS,
+    Option,
+    fine_tune_defaults,
+)
 from flatshard.errors import MeshError
 from flatshard.mesh import ParallelDims
 
@@ -224,6 +231,9 @@ def build(
     for name, value in PRESETS[preset].items():
         values[f"model.{name}"] = value
     values.update(given)
+    if values["model.hf"]:  # a fine-tune: its defaults where nothing set a value
+        tuned = fine_tune_defaults(values["train.steps"], given.get("train.lr"))
+        values.update({key: value for key, value in tuned.items() if key not in given})
     config = RunConfig(values)
     check(config)
     return config

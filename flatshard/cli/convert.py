@@ -4,8 +4,9 @@ transformers model for any other causal LM).
 
 In one process the model is plain (unsharded); under torchrun it is sharded over the
 ranks, so each rank reads and writes only its rows. Weights only: a checkpoint made from a
-Hugging Face model has no optimizer state, and an exported one has no tokenizer files; the
-source's config.json fields and generation_config.json come back on export.
+Hugging Face model has no optimizer state; the source's config.json fields (metadata
+included), generation_config.json and tokenizer files (chat template included) come back on
+export, so the directory is a complete model for transformers, vLLM or llama.cpp's converter.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from flatshard import checkpoint, hf
 from flatshard.cli import runs
 from flatshard.cli.errors import RunError
+from flatshard.cli.hf_records import hf_records, source_tokenizer_records
 from flatshard.cli.launch import init_distributed, run, under_launcher
 from flatshard.cli.model import (
     build_plain,
@@ -51,13 +53,9 @@ def hf_to_checkpoint(args, sharded: bool) -> None:
         init_distributed()
     shard = hf.shard_decoder_layers if sharded else None
     model = hf.from_pretrained(args.source, shard=shard)
-    # what the model's config does not hold (token ids, tokenizer and generation settings)
-    # comes back on export; kept as JSON text (a checkpoint flattens a dict into its keys)
-    source = Path(args.source)
-    generation = source / "generation_config.json"
-    kept = {"hf_config": json.dumps(hf.read_hf_config(source))}
-    if generation.is_file():
-        kept["hf_generation_config"] = generation.read_text()
+    # what the weights do not hold (config metadata, generation settings, the tokenizer)
+    # comes back on export
+    kept = {**hf_records(args.source), **source_tokenizer_records(args.source)}
     handle = checkpoint.save(
         args.target, model=model, step=args.step, source=str(args.source), **kept
     )
@@ -94,8 +92,21 @@ def checkpoint_to_hf(args, sharded: bool) -> None:
         source_config=_saved_json(path, "hf_config"),
         generation_config=_saved_json(path, "hf_generation_config"),
     )  # fmt: skip
+    written = _write_tokenizer(path, target) if not sharded or ranks.is_main else []
     count = sum(p.numel() for p in model.parameters())
-    _say(sharded, f"wrote {args.target} from {path} ({count:,} parameters)")
+    with_tokenizer = f", its tokenizer ({', '.join(written)})" if written else ""
+    _say(sharded, f"wrote {args.target} from {path} ({count:,} parameters{with_tokenizer})")
+
+
+def _write_tokenizer(path: str, target: Path) -> list[str]:
+    """The tokenizer files the checkpoint recorded, beside the weights (their names)."""
+    text = runs.saved_extra(path, "tokenizer_files")
+    if text is None:
+        return []
+    files = json.loads(text)
+    for name, data in files.items():
+        (target / name).write_bytes(data.encode("latin-1"))
+    return sorted(files)
 
 
 def _saved_json(path: str, name: str) -> dict | None:

@@ -14,7 +14,6 @@ from tqdm import tqdm
 
 from flatshard import comm
 from flatshard.cli import runs
-from flatshard.cli.tokenizer import tokenizer_for
 from flatshard.models import KVCache
 
 
@@ -31,15 +30,21 @@ def generate(
     device: torch.device | str = "cpu",
     cache: bool = True,
     progress=None,
+    stop_ids=frozenset(),
+    sharded: bool | None = None,
 ) -> list[int]:
-    """`new_tokens` token ids following `prompt` (which must not be empty). `cache`: feed
-    each new token alone against the keys and values kept of the others (the same tokens as
-    without; greedy ones bitwise up to float rounding). `progress(done)`: after each token."""
+    """`new_tokens` token ids following `prompt` (which must not be empty), fewer when one
+    of `stop_ids` (an end of text or of turn) comes: it ends the list. `cache`: feed each
+    new token alone against the keys and values kept of the others (the same tokens as
+    without; greedy ones bitwise up to float rounding). `progress(ids)`: after each token,
+    with the new ids so far. `sharded` (default: a process group of more than one rank):
+    every rank of the group runs the model and takes rank 0's choice of each token."""
     generator = torch.Generator().manual_seed(seed)
-    sharded = dist.is_initialized() and dist.get_world_size() > 1
+    if sharded is None:
+        sharded = dist.is_initialized() and dist.get_world_size() > 1
     feeder = _Feeder(model, max_seq_len, device, cache)
     ids = list(prompt)
-    for done in range(1, new_tokens + 1):
+    for _ in range(new_tokens):
         logits = feeder.next_logits(ids)
         chosen = torch.tensor([_choose(logits, temperature, top_k, generator)])
         if sharded:  # rounding may differ across ranks: rank 0's choice is everyone's
@@ -47,25 +52,62 @@ def generate(
             dist.broadcast(chosen, src=0)
         ids.append(int(chosen.item()))
         if progress is not None:
-            progress(done)
+            progress(ids[len(prompt) :])
+        if ids[-1] in stop_ids:
+            break
     return ids[len(prompt) :]
 
 
-def generate_with_progress(model, prompt: list[int], *, is_main: bool, **options) -> list[int]:
-    """`generate` with a progress bar on rank 0's terminal and, after it, the tokens and
-    how long they took (on stderr: a sample of a sharded model can take a while)."""
+def generate_with_progress(
+    model, prompt: list[int], *, is_main: bool, stream=None, **options
+) -> list[int]:
+    """`generate` with, on rank 0, the text streamed as it comes (`stream`: a
+    `TextStream`) or else a progress bar on its terminal, and after it the tokens and how
+    long they took (on stderr)."""
+    show = is_main and stream is None and sys.stderr.isatty()
     bar = tqdm(
-        total=options["new_tokens"], desc="sampling", unit="token", leave=False,
-        disable=not (is_main and sys.stderr.isatty()),
-    )  # fmt: skip
+        total=options["new_tokens"], desc="sampling", unit="token", leave=False, disable=not show
+    )
     started = time.perf_counter()
-    new = generate(model, prompt, progress=lambda done: bar.update(1), **options)
+
+    def progress(new: list[int]) -> None:
+        bar.update(1)
+        if is_main and stream is not None:
+            stream.show(new)
+
+    new = generate(model, prompt, progress=progress, **options)
     bar.close()
     if is_main:
+        if stream is not None:
+            stream.end()
         seconds = time.perf_counter() - started
         rate = len(new) / max(seconds, 1e-9)
-        print(f"{len(new)} tokens in {seconds:.1f} s ({rate:,.0f} tokens/s)", file=sys.stderr)
+        print(f"{len(new)} tokens in {seconds:.1f} s ({rate:,.1f} tokens/s)", file=sys.stderr)
     return new
+
+
+class TextStream:
+    """Prints generated text as it comes: each time the text decoded so far has grown, the
+    part not yet printed (a character that needs several tokens waits for them all)."""
+
+    def __init__(self, tokenizer, out=None):
+        self.tokenizer, self.out, self.shown = tokenizer, out or sys.stdout, ""
+
+    def show(self, new: list[int]) -> None:
+        shown = [i for i in new if i not in self.tokenizer.stop_ids]
+        text = self.tokenizer.decode(shown)
+        if text.endswith("\ufffd"):  # a character cut between tokens: wait for the rest
+            return
+        self.out.write(text[len(self.shown) :])
+        self.out.flush()
+        self.shown = text
+
+    def end(self) -> None:
+        self.out.write("\n")
+        self.out.flush()
+
+
+PLAIN_SAMPLE_PARAMS = 2_000_000_000  # the closing sample gathers a model this small on rank 0
 
 
 class _Feeder:
@@ -113,27 +155,55 @@ def _choose(logits: torch.Tensor, temperature: float, top_k: int, generator) -> 
     return int(torch.multinomial(probabilities, 1, generator=generator))
 
 
-def sample_at_end(model, tokenizer_name, config, max_seq_len, ranks, run_dir: str) -> None:
-    """`flatshard train`'s closing sample: `run.sample_tokens` tokens after
+def sample_at_end(model, tokenizer, config, max_seq_len, ranks, run_dir: str) -> None:
+    """`flatshard train`'s closing sample: up to `run.sample_tokens` tokens after
     `run.sample_prompt`, printed and written to the run directory by rank 0 (nothing for
     pre-tokenised data, which has no text). `max_seq_len` None: `data.seq_len` (a Hugging
-    Face model: what it was trained on)."""
-    tokenizer = tokenizer_for(tokenizer_name)
+    Face model: what it was trained on). A model of up to `PLAIN_SAMPLE_PARAMS` is gathered
+    into one plain copy on rank 0, which samples alone on every core (no collective per
+    token) while the others wait; a larger one samples sharded on every rank."""
     if tokenizer is None:
         return
     prompt = config.run.sample_prompt
-    ids = tokenizer.encode(prompt) or [tokenizer.end_of_text]
-    new = generate_with_progress(
-        model,
-        ids,
-        is_main=ranks.is_main,
-        new_tokens=config.run.sample_tokens,
-        max_seq_len=max_seq_len or config.data.seq_len,
-        seed=config.train.seed,
-        device=ranks.device,
-    )
+    options = dict(
+        new_tokens=config.run.sample_tokens, max_seq_len=max_seq_len or config.data.seq_len,
+        seed=config.train.seed, stop_ids=tokenizer.stop_ids,
+    )  # fmt: skip
+    ids = prompt_ids(tokenizer, prompt, chat=False)  # text trained on: its continuation
+    if sum(p.numel() for p in model.parameters()) <= PLAIN_SAMPLE_PARAMS:
+        from flatshard.cli.model import plain_copy
+
+        plain = plain_copy(model, to_rank=0)
+        if ranks.is_main:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(os.cpu_count() or threads)
+            new = generate_with_progress(
+                plain, ids, is_main=True, device="cpu", sharded=False, **options
+            )
+            torch.set_num_threads(threads)
+        del plain
+        dist.barrier()
+    else:
+        new = generate_with_progress(model, ids, is_main=ranks.is_main, device=ranks.device,
+                                     **options)  # fmt: skip
     if ranks.is_main:
-        text = prompt + tokenizer.decode(new)
+        text = prompt + answer_text(tokenizer, new)
         with open(os.path.join(run_dir, runs.SAMPLE), "w") as handle:
             handle.write(text + "\n")
         print(f"sample:\n{text}", flush=True)
+
+
+def prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
+    """A prompt's ids: a user's turn through the chat template (with the assistant's turn
+    begun), or the text itself after the tokenizer's BOS (its end of text if it is empty)."""
+    if chat:
+        return tokenizer.chat_ids([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+    return (bos + tokenizer.encode(prompt)) or [tokenizer.eos_id]
+
+
+def answer_text(tokenizer, new: list[int]) -> str:
+    """Generated ids as text, without the token that stopped them."""
+    if new and new[-1] in tokenizer.stop_ids:
+        new = new[:-1]
+    return tokenizer.decode(new)

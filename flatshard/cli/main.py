@@ -123,6 +123,24 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--seed", type=int, default=0)
     sample.add_argument("--nproc", type=int, default=1, help="local processes (sharded model)")
     sample.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    sample.add_argument(
+        "--chat", action="store_true", help="the prompt is a user's turn (the chat template)"
+    )
+
+    chat = commands.add_parser(
+        "chat", help="talk to a fine-tuned model (its chat template, one process)"
+    )
+    chat.add_argument(
+        "--checkpoint",
+        default=None,
+        metavar="DIR",
+        help="run, checkpoints or step-N directory (default: the newest run)",
+    )
+    chat.add_argument("--tokens", type=int, default=256, help="most tokens per answer")
+    chat.add_argument("--temperature", type=float, default=0.7, help="0: greedy")
+    chat.add_argument("--top-k", type=int, default=40)
+    chat.add_argument("--seed", type=int, default=0)
+    chat.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
 
     from flatshard.cli.plan import add_arguments as add_plan_arguments
 
@@ -180,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         return {
             "train": _train,
             "sample": _sample,
+            "chat": _chat,
             "plan": _plan,
             "inspect": _inspect,
             "convert": _convert,
@@ -244,12 +263,13 @@ def _train(args) -> int:
 
 
 def _check_data(config) -> None:
-    from flatshard.cli.data import SequenceOrder, load_tokens
+    """Read (and tokenise, into the cache the ranks then map) the data and check it fits."""
     from flatshard.cli.model import check_hf_vocab, llama_config
+    from flatshard.cli.run_data import open_run_data
+    from flatshard.cli.sequences import SequenceOrder
 
-    source = config.data
-    data = load_tokens(source.path, source.format, source.text_field, source.glob)
-    SequenceOrder(data.tokens, source.seq_len, config.train.seed)
+    data = open_run_data(config).train
+    SequenceOrder(data.tokens, config.data.seq_len, config.train.seed)
     if config.model.hf:
         check_hf_vocab(config.model.hf, data.vocab_size)
     else:
@@ -290,14 +310,30 @@ def _resume_target(given: str, template: str) -> tuple[str, int]:
     return os.path.dirname(root) or ".", step
 
 
-def _sample(args) -> int:
-    from flatshard.cli.sample import SampleRequest, sample_worker
-
-    path = args.checkpoint
+def _checkpoint_or_latest(path: str | None) -> str:
     if path is None:
         path = runs.latest_run(runs.runs_root(run_config.BY_KEY["run.out_dir"].default))
         if path is None:
             raise RunError("no run with a checkpoint under 'runs'; pass --checkpoint DIR")
+    return path
+
+
+def _chat(args) -> int:
+    from flatshard.cli.sample import SampleRequest, chat_worker
+
+    if args.tokens < 1 or args.top_k < 0:
+        raise RunError("--tokens must be >= 1 and --top-k >= 0")
+    path = _checkpoint_or_latest(args.checkpoint)
+    request = SampleRequest(path, "", (), args.tokens, args.temperature, args.top_k, args.seed,
+                            args.device, chat=True)  # fmt: skip
+    chat_worker(request)
+    return 0
+
+
+def _sample(args) -> int:
+    from flatshard.cli.sample import SampleRequest, sample_worker
+
+    path = _checkpoint_or_latest(args.checkpoint)
     try:
         prompt_ids = tuple(int(i) for i in args.prompt_ids.replace(",", " ").split())
     except ValueError:
@@ -306,7 +342,7 @@ def _sample(args) -> int:
         raise RunError("--tokens and --top-k must be >= 0 and --nproc >= 1")
     request = SampleRequest(
         path, args.prompt, prompt_ids, args.tokens, args.temperature, args.top_k, args.seed,
-        args.device,
+        args.device, chat=args.chat,
     )  # fmt: skip
     sharded = launch.under_launcher() or args.nproc > 1
     if not sharded:

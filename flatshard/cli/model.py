@@ -179,6 +179,28 @@ def build_plain(cfg: LlamaConfig, device: torch.device | str = "cpu") -> Llama |
     return model
 
 
+def plain_copy(model, to_rank: int = 0):
+    """An unsharded copy of a sharded run model on rank `to_rank` (None elsewhere), its
+    weights gathered parameter group by parameter group; call on every rank."""
+    from flatshard.checkpoint.manifest import model_config
+
+    receiving = dist.get_rank() == to_rank
+    plain = None
+    if receiving:
+        config = config_from_dict(model_config(model))
+        if is_transformers_config(config):
+            plain = build_transformers(config, sharded=False)
+        else:
+            plain = build_plain(config)
+    weights = {}
+    for name, tensor in flatshard.full_weights(model, "model", to_rank=to_rank):
+        weights[name] = tensor.detach().to("cpu", copy=True)
+    if receiving:
+        plain.load_state_dict(weights)
+        return plain.eval()
+    return None
+
+
 def build_hf(
     path: str,
     *,

@@ -36,6 +36,22 @@ def _unit_interval(value) -> str | None:
     return None if 0 <= value <= 1 else "must be in [0, 1]"
 
 
+def eval_fraction(value: str) -> float | None:
+    """data.eval as a fraction of the training data's sequences, or None (a path or '')."""
+    try:
+        fraction = float(value)
+    except ValueError:
+        return None
+    return fraction
+
+
+def _eval_source(value) -> str | None:
+    fraction = eval_fraction(value)
+    if fraction is not None and not 0 < fraction < 1:
+        return "as a fraction of the data must be in (0, 1)"
+    return None
+
+
 OPTIONS: tuple[Option, ...] = (
     # model: the reference Llama (flatshard.models.Llama)
     Option("model.preset", "small", "model size preset; fills the sizes not set",
@@ -69,6 +85,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("data.text_field", "text", "JSONL field holding each document's text"),
     Option("data.glob", "**/*.txt", "files to read when data.path is a directory"),
     Option("data.seq_len", 256, "tokens per training sequence", check=_positive),
+    Option("data.tokenizer", "auto", "how text becomes tokens: auto (a --hf model's own "
+           "tokenizer, bytes for the reference model), bytes, or a directory with a Hugging "
+           "Face tokenizer (tokenizer.json)"),
+    Option("data.pack", False, "chat data: pack conversations into windows of data.seq_len "
+           "(attention then crosses them) instead of one padded conversation per sequence"),
+    Option("data.eval", "", "held-out data for evaluation: a file or directory read as "
+           "data.path is, or a fraction of data.path's sequences (e.g. 0.05); '': none",
+           check=_eval_source),
     # train
     Option("train.steps", 150, "optimizer steps (the schedule's length)", check=_positive),
     Option("train.micro_batch", 4, "sequences per process per forward pass", check=_positive),
@@ -119,6 +143,10 @@ OPTIONS: tuple[Option, ...] = (
            choices=("none", "full", "selective", "offload")),
     Option("train.compile", False, "torch.compile each block (inductor; flatshard's hooks "
            "stay outside the graphs)"),
+    Option("train.eval_interval", 0, "evaluate on data.eval every N steps (0: only at the "
+           "end)", check=_non_negative),
+    Option("train.eval_sequences", 256, "sequences of data.eval each evaluation reads at "
+           "most (0: all)", check=_non_negative),
     Option("train.seed", 0, "seed of the initial weights and the data order",
            check=_non_negative),
     # checkpoint
@@ -145,6 +173,25 @@ OPTIONS: tuple[Option, ...] = (
 )  # fmt: skip
 
 BY_KEY = {option.key: option for option in OPTIONS}
+
+# What a fine-tune of a pretrained model (model.hf) starts from instead of the defaults above
+# (those of pretraining from scratch): each applies unless set; warmup_steps and min_lr follow
+# the steps and the lr given.
+FINE_TUNE_LR = 2e-5
+FINE_TUNE_MIN_LR_SHARE = 0.1  # cosine to 10% of the peak
+FINE_TUNE_WARMUP_SHARE = 0.03  # of train.steps, at least one step
+
+
+def fine_tune_defaults(steps: int, lr: float | None) -> dict[str, object]:
+    peak = FINE_TUNE_LR if lr is None else lr
+    return {
+        "train.lr": peak,
+        "train.min_lr": float(f"{peak * FINE_TUNE_MIN_LR_SHARE:.6g}"),
+        "train.warmup_steps": max(1, round(steps * FINE_TUNE_WARMUP_SHARE)),
+        "train.weight_decay": 0.0,
+    }
+
+
 SECTIONS = tuple(dict.fromkeys(key.split(".")[0] for key in BY_KEY))
 
 PRESETS = {

@@ -249,7 +249,7 @@ def _uses_cuda(device: str) -> bool:
 def _run_model(config):
     from flatshard.cli.data import load_tokens
     from flatshard.cli.model import llama_config
-    from flatshard.cli.tokenizer import ByteTokenizer
+    from flatshard.data.tokenizer import load_tokenizer
 
     vocab = config.model.vocab_size
     if not vocab:  # the tokenizer's, or the data's largest id + 1
@@ -257,7 +257,7 @@ def _run_model(config):
             data = config.data
             vocab = load_tokens(data.path, data.format, data.text_field, data.glob).vocab_size
         else:
-            vocab = ByteTokenizer.vocab_size
+            vocab = load_tokenizer(config.data.tokenizer).vocab_size
     return llama_config(config, vocab)
 
 

@@ -88,11 +88,16 @@ class Progress:
         if self.tensorboard is not None:
             for name in ("loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_bytes", "comm_bytes"):
                 self.tensorboard.add_scalar(f"train/{name}", record[name], step)
+            for name in ("loss", "perplexity"):
+                if f"eval_{name}" in record:
+                    self.tensorboard.add_scalar(f"eval/{name}", record[f"eval_{name}"], step)
         if self.bar is not None:
             self.bar.set_description_str(
                 f"loss {record['loss']:.4f}, {record['tokens_per_s']:,.0f} tok/s", refresh=False
             )
             self.bar.update(1)
+            if "eval_loss" in record:
+                self.message(f"step {step}: {_eval_text(record)}")
             return
         if step % self.log_interval == 0 or step in (self.start + 1, self.total):
             done = step - self.start
@@ -102,6 +107,8 @@ class Progress:
                 f"lr {record['lr']:.2e} | grad norm {record['grad_norm']:.3f} | "
                 f"{record['tokens_per_s']:,.0f} tok/s | eta {format_duration(remaining)}"
             )
+        if "eval_loss" in record:
+            self.message(f"step {step:>{len(str(self.total))}}/{self.total} | {_eval_text(record)}")
 
     def close(self) -> None:
         if self.bar is not None:
@@ -110,6 +117,13 @@ class Progress:
         self.metrics.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+
+
+def _eval_text(record: dict) -> str:
+    return (
+        f"eval loss {record['eval_loss']:.4f} | perplexity {record['eval_perplexity']:.2f} "
+        f"({record['eval_tokens']:,} tokens)"
+    )
 
 
 def _sized_terminal() -> bool:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from flatshard.cli import runs
 from flatshard.cli.config import toml_value
+from flatshard.cli.options import FINE_TUNE_LR, FINE_TUNE_MIN_LR_SHARE
 from flatshard.hf.transformers_model import model_class
 from flatshard.models import family_of_config
 
@@ -38,6 +39,7 @@ def run_header(trainer) -> str:
         f"batch: {config.train.global_batch} sequences = {tokens_per_step:,} tokens per step "
         f"(micro batch {config.train.micro_batch} x {trainer.dp_world} data-parallel "
         f"rank(s) x {trainer.accumulation} accumulation)",
+        _describe_schedule(config),
         f"run directory: {trainer.run_dir}",
         f"effective config (saved as {os.path.join(trainer.run_dir, runs.CONFIG_TOML)}):",
         effective.rstrip(),
@@ -56,6 +58,20 @@ def _shown(config) -> dict:
     if config.model.hf:
         nested["model"] = {"hf": config.model.hf}
     return nested
+
+
+def _describe_schedule(config) -> str:
+    train = config.train
+    line = (
+        f"schedule: peak lr {train.lr:g}, {train.warmup_steps} warmup step(s), cosine to "
+        f"{train.min_lr:g} over {train.steps} steps, weight decay {train.weight_decay:g}"
+    )
+    if config.model.hf:
+        line += (
+            f" (a fine-tune's defaults for model.hf where not set: lr {FINE_TUNE_LR:g}, "
+            f"min_lr {FINE_TUNE_MIN_LR_SHARE:.0%} of it, no weight decay)"
+        )
+    return line
 
 
 def _describe_mesh(train) -> str:

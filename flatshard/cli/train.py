@@ -23,15 +23,18 @@ from flatshard import checkpoint, comm
 from flatshard.checkpoint import commit
 from flatshard.cli import runs
 from flatshard.cli.config import RunConfig, check, parallel_dims
-from flatshard.cli.data import SequenceOrder, load_tokens
 from flatshard.cli.errors import TrainingStopped
+from flatshard.cli.evaluation import Evaluation
 from flatshard.cli.generate import sample_at_end
+from flatshard.cli.hf_records import hf_records, tokenizer_records
 from flatshard.cli.launch import EXIT_STOPPED, Ranks, init_distributed
 from flatshard.cli.meters import MemoryMeter, share_step, warm_up_runtime
 from flatshard.cli.model import build_run_model, check_hf_vocab, llama_config
 from flatshard.cli.progress import Progress
+from flatshard.cli.run_data import open_run_data
 from flatshard.cli.run_header import run_header
 from flatshard.cli.schedule import learning_rate, schedule_change
+from flatshard.cli.sequences import IGNORE, sequence_order
 from flatshard.cli.stop import StopRequest
 from flatshard.models.registry import training_loss
 from flatshard.runtime.offload import offloaded_bytes
@@ -49,6 +52,14 @@ def train_worker(values: dict, run_dir: str, resume_step: int | None) -> int:
     return Trainer(config, ranks, run_dir, resume_step, stop).run()
 
 
+def on_main_first(ranks: Ranks, make):
+    """`make()` on the main rank, then on the others (which find what it cached)."""
+    if ranks.is_main:
+        made = make()
+    dist.barrier()
+    return made if ranks.is_main else make()
+
+
 def _agree_run_dir(template: str, ranks: Ranks) -> str:
     chosen = [runs.new_run_dir(template) if ranks.is_main else None]
     dist.broadcast_object_list(chosen, src=0)
@@ -59,8 +70,14 @@ class Trainer:
     def __init__(self, config: RunConfig, ranks: Ranks, run_dir: str, resume_step, stop):
         self.config, self.ranks, self.run_dir, self.stop = config, ranks, run_dir, stop
         train, data = config.train, config.data
-        self.data = load_tokens(data.path, data.format, data.text_field, data.glob)
-        self.order = SequenceOrder(self.data.tokens, data.seq_len, train.seed)
+        # rank 0 tokenises text (once, into a cached token file) while the others wait
+        self.run_data = on_main_first(ranks, lambda: open_run_data(config))
+        self.data = self.run_data.train
+        self.order = sequence_order(self.data, data.seq_len, train.seed, data.pack)
+        self.evaluation = None
+        if self.run_data.eval is not None:
+            held_out = sequence_order(self.run_data.eval, data.seq_len, train.seed, data.pack)
+            self.evaluation = Evaluation(held_out, train.eval_sequences)
         if config.model.hf:  # a Hugging Face model: its config.json says what it is
             check_hf_vocab(config.model.hf, self.data.vocab_size)
             self.model_config = None
@@ -128,6 +145,11 @@ class Trainer:
         started = time.perf_counter()
         while self.step < config.train.steps:
             record = self._train_step(started)
+            if self._evaluates_now():
+                record.update(self.evaluation.run(
+                    self.model, config.train.micro_batch, self.dp_rank, self.dp_world,
+                    self.ranks.device,
+                ))  # fmt: skip
             if self.progress is not None:
                 self.progress.step(record)
             if record["stop"]:
@@ -138,6 +160,19 @@ class Trainer:
             if interval and self.step % interval == 0 and self.step < config.train.steps:
                 self._save(async_save=config.checkpoint.async_save)
         return "done"
+
+    def _evaluates_now(self) -> bool:
+        """data.eval: every train.eval_interval steps and after the last."""
+        if self.evaluation is None:
+            return False
+        interval = self.config.train.eval_interval
+        return self.step == self.config.train.steps or bool(interval and self.step % interval == 0)
+
+    def _labelled_tokens(self) -> int | None:
+        """How many targets of this step's global batch carry loss (None: all do)."""
+        global_batch = self.config.train.global_batch
+        labels = self.order.labels(self.position, global_batch)
+        return None if labels is None else int((labels != IGNORE).sum())
 
     def _train_step(self, started: float) -> dict:
         config, ranks = self.config, self.ranks
@@ -151,6 +186,8 @@ class Trainer:
         step_started = time.perf_counter()
         loss_sum = torch.zeros((), dtype=torch.float64, device=ranks.device)
         per_micro = train.micro_batch * self.dp_world
+        # chat data: the labelled tokens of the whole step, every rank's micro-batches
+        labelled = self._labelled_tokens()
         for micro in range(self.accumulation):
             if self.accumulation > 1 and train.zero_stage == 1:
                 # ZeRO-1 keeps unsharded gradients anyway: reduce once, after the last one
@@ -158,7 +195,12 @@ class Trainer:
             first = self.position + micro * per_micro + self.dp_rank * train.micro_batch
             batch = self.order.batch(first, train.micro_batch).to(ranks.device)
             # the model family's loss: an MoE adds its load-balancing loss over every rank
-            loss = training_loss(self.model, batch) / self.accumulation
+            if labelled is None:
+                loss = training_loss(self.model, batch) / self.accumulation
+            else:  # each labelled token of the step weighs alike (gradients average over dp)
+                labels = self.order.labels(first, train.micro_batch).to(ranks.device)
+                share = max(labelled, 1) / self.dp_world
+                loss = training_loss(self.model, batch, labels=labels, divisor=share)
             loss.backward()
             loss_sum += loss.detach().double()
         grad_norm = _clip(self.model, train.grad_clip)
@@ -182,6 +224,7 @@ class Trainer:
             "lr": lr,
             "grad_norm": shared["grad_norm"],
             "tokens": self.step * tokens,
+            **({} if labelled is None else {"loss_tokens": labelled}),
             "tokens_per_s": tokens / elapsed,
             "step_s": elapsed,
             "elapsed_s": time.perf_counter() - started,
@@ -223,9 +266,19 @@ class Trainer:
             staging_bytes=self.config.checkpoint.staging_mib << 20,
             data_position=self.position,
             run_config=self.config.to_json(),
-            tokenizer=self.data.tokenizer,
+            **self._model_records(),
         )
         self.last_saved = self.step
+
+    def _model_records(self) -> dict:
+        """What a checkpoint keeps besides the weights: the tokenizer the data was made with
+        (a model's own: its files, for sampling and export) and a Hugging Face model's
+        config.json and generation_config.json (for a complete export)."""
+        records = {"tokenizer": self.data.tokenizer}
+        records.update(tokenizer_records(self.data.model_tokenizer))
+        if self.config.model.hf:
+            records.update(hf_records(self.config.model.hf))
+        return records
 
     def _finish(self, reason: str) -> None:
         config = self.config
@@ -248,7 +301,7 @@ class Trainer:
         say(f"finished {self.step} steps; {saved}", flush=True)
         if config.run.sample_tokens:
             max_seq_len = self.model_config.max_seq_len if self.model_config else None
-            sample_at_end(self.model, self.data.tokenizer, config, max_seq_len, self.ranks,
+            sample_at_end(self.model, self.data.model_tokenizer, config, max_seq_len, self.ranks,
                           self.run_dir)  # fmt: skip
 
 

@@ -19,12 +19,25 @@ from torch import nn
 from flatshard.plan import ParallelPlan, register_plan
 
 
-def next_token_loss(model: nn.Module, batch: torch.Tensor, group=None) -> torch.Tensor:
+def next_token_loss(
+    model: nn.Module, batch: torch.Tensor, group=None, labels=None, divisor=None
+) -> torch.Tensor:
     """Cross-entropy of each token's prediction of the next (a transformers model's output
-    object included)."""
+    object included); see `token_loss` for `labels` and `divisor`."""
     output = model(batch[:, :-1])
-    logits = getattr(output, "logits", output)
-    return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+    return token_loss(getattr(output, "logits", output), batch, labels, divisor)
+
+
+def token_loss(logits, batch, labels=None, divisor=None) -> torch.Tensor:
+    """The mean cross-entropy of the next-token targets of `batch`; with `labels` (the
+    targets, -100 where a token carries no loss: a chat's prompt), their sum over the
+    labelled tokens divided by `divisor` (the trainer's share of the global batch's labelled
+    tokens, so every labelled token of a step weighs the same)."""
+    logits = logits.float().flatten(0, 1)
+    if labels is None:
+        return F.cross_entropy(logits, batch[:, 1:].flatten())
+    summed = F.cross_entropy(logits, labels.flatten(), ignore_index=-100, reduction="sum")
+    return summed / divisor
 
 
 @dataclass(frozen=True)
@@ -32,7 +45,8 @@ class ModelFamily:
     """name: what `flatshard train` and the docs call it. config_type / model_type: its
     config dataclass and model class (`model_type(config)` builds it). plan: its
     `ParallelPlan` for a model. loss: the training loss of a batch of token ids, averaged
-    over `group` where it has terms shared by the ranks (the MoE's balancing loss).
+    over `group` where it has terms shared by the ranks (the MoE's balancing loss); with
+    `labels=` and `divisor=`, its next-token part as `token_loss` computes it.
     describe: one line for the run header. hf_export: whether `flatshard convert` can write
     it as a Hugging Face checkpoint."""
 
@@ -67,9 +81,14 @@ def family_of_model(model: nn.Module) -> ModelFamily | None:
     return next((f for f in _FAMILIES if isinstance(model, f.model_type)), None)
 
 
-def training_loss(model: nn.Module, batch: torch.Tensor, group=None) -> torch.Tensor:
+def training_loss(
+    model: nn.Module, batch: torch.Tensor, group=None, labels=None, divisor=None
+) -> torch.Tensor:
     family = family_of_model(model)
-    return (family.loss if family else next_token_loss)(model, batch, group)
+    loss = family.loss if family else next_token_loss
+    if labels is None:
+        return loss(model, batch, group)
+    return loss(model, batch, group, labels=labels, divisor=divisor)
 
 
 def config_from_dict(values: dict):

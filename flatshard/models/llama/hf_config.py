@@ -86,6 +86,25 @@ IGNORED_FIELDS = frozenset({
     # Qwen2/3: only meaningful when use_sliding_window is true (checked to be false)
     "sliding_window", "max_window_layers",
 })  # fmt: skip
+
+
+def is_metadata(field: str) -> bool:
+    """Whether a config.json field is metadata that never changes the weights or the forward
+    pass: the fields above, and by their names those transformers and the tools around it
+    write as records (`_name_or_path`, `_model_name_or_path`, `unk_token_id`,
+    `*_version`). Such a field never stops an import."""
+    return (
+        field in IGNORED_FIELDS
+        or field.startswith("_")
+        or field.endswith(("_token_id", "_token_ids", "_version"))
+    )
+
+
+def unknown_fields(hf: dict, known: set[str]) -> list[str]:
+    """The fields of `hf` neither in `known` nor metadata, sorted."""
+    return sorted(name for name in hf if name not in known and not is_metadata(name))
+
+
 # LlamaConfig field -> config.json field, for error messages
 _HF_NAMES = {
     "vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers",
@@ -217,8 +236,7 @@ def _check_fields(hf: dict, model_type: str) -> None:
             )
     # head_dim is read for Qwen2 too: its config class lacks the field, but its attention
     # takes config.head_dim when config.json sets one.
-    known = _READ | set(fixed) | IGNORED_FIELDS
-    unknown = sorted(set(hf) - known)
+    unknown = unknown_fields(hf, _READ | set(fixed))
     if unknown:
         raise HFConfigError(
             f"config.json has field(s) {unknown} that flatshard does not know for {model_type}; "

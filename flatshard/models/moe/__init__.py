@@ -5,7 +5,6 @@ hf_config.py its Hugging Face names and config.json, parallel.py its TP and EP p
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from flatshard.models.moe.balance import update_score_bias
 from flatshard.models.moe.config import MoEConfig
@@ -15,16 +14,18 @@ from flatshard.models.moe.loss import load_balancing_loss
 from flatshard.models.moe.model import GroupedExperts, MoE, MoEBlock, MoELayer
 from flatshard.models.moe.parallel import parallelize_moe, split_experts
 from flatshard.models.moe.router import RouterStats
-from flatshard.models.registry import ModelFamily, register
+from flatshard.models.registry import ModelFamily, register, token_loss
 from flatshard.plan import ParallelPlan
 
 
-def moe_training_loss(model, batch: torch.Tensor, group=None) -> torch.Tensor:
-    """Next-token cross-entropy plus the weighted load-balancing loss, whose router
-    statistics are summed over `group` (default: every rank; each holds another slice of
-    the batch), so the loss and its gradients are the global batch's."""
+def moe_training_loss(
+    model, batch: torch.Tensor, group=None, labels=None, divisor=None
+) -> torch.Tensor:
+    """Next-token cross-entropy (`token_loss`) plus the weighted load-balancing loss, whose
+    router statistics are summed over `group` (default: every rank; each holds another
+    slice of the batch), so the loss and its gradients are the global batch's."""
     logits, stats = model(batch[:, :-1], return_router_stats=True)
-    loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+    loss = token_loss(logits, batch, labels, divisor)
     group = group if group is not None else dist.group.WORLD
     return loss + model.config.aux_loss_coef * load_balancing_loss(stats, group)
 

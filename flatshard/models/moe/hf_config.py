@@ -18,7 +18,7 @@ import re
 import torch
 
 from flatshard.hf.errors import HFConfigError
-from flatshard.models.llama.hf_config import IGNORED_FIELDS, _rope, model_type_of
+from flatshard.models.llama.hf_config import _rope, model_type_of, unknown_fields
 from flatshard.models.moe.config import MoEConfig
 
 ARCHITECTURES = {"Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
@@ -70,7 +70,7 @@ HF_NAMES = {
 def hf_to_moe_config(hf: dict) -> MoEConfig:
     """flatshard's `MoEConfig` for a Qwen3-MoE or Mixtral `config.json` dict."""
     model_type = _model_type(hf)
-    unknown = sorted(set(hf) - _READ[model_type] - set(_FIXED[model_type]) - IGNORED_FIELDS)
+    unknown = unknown_fields(hf, _READ[model_type] | set(_FIXED[model_type]))
     if unknown:
         raise HFConfigError(
             f"config.json has field(s) {unknown} that flatshard does not know for {model_type}; "

@@ -1,0 +1,40 @@
+"""What a checkpoint of a Hugging Face model keeps besides the weights, so that its export is
+a complete model directory: the source's config.json (metadata fields included) and
+generation_config.json, and the tokenizer's files (with the ids that end a generated answer).
+Kept as JSON text: a checkpoint flattens a dict into its keys."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from flatshard import hf
+from flatshard.data.tokenizer import ModelTokenizer, has_tokenizer
+
+
+def hf_records(source: str | Path) -> dict[str, str]:
+    """config.json and generation_config.json of the model directory `source`."""
+    source = Path(source)
+    kept = {"hf_config": json.dumps(hf.read_hf_config(source))}
+    generation = source / "generation_config.json"
+    if generation.is_file():
+        kept["hf_generation_config"] = generation.read_text()
+    return kept
+
+
+def tokenizer_records(tokenizer) -> dict[str, str]:
+    """A model tokenizer's files and stop ids (nothing for bytes or pre-tokenised data)."""
+    if not isinstance(tokenizer, ModelTokenizer):
+        return {}
+    return {
+        "tokenizer": tokenizer.name,
+        "tokenizer_files": tokenizer.record(),
+        "tokenizer_stop_ids": json.dumps(tokenizer.stop_record()),
+    }
+
+
+def source_tokenizer_records(source: str | Path) -> dict[str, str]:
+    """The tokenizer records of a model directory that has a tokenizer."""
+    if not has_tokenizer(str(source)):
+        return {}
+    return tokenizer_records(ModelTokenizer.from_directory(str(source)))
