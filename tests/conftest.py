@@ -22,3 +22,24 @@ def _distributed_pools():
     """Worker pools live for the whole session; stop them when it ends."""
     yield
     shutdown_pools()
+
+
+# FLATSHARD_TEST_TIMES=path: each test file's summed durations (setup, call and teardown of
+# its tests) and test count, written as JSON when the session ends (tests/README.md's table).
+_FILE_TIMES: dict[str, list[float]] = {}
+
+
+def pytest_runtest_logreport(report):
+    entry = _FILE_TIMES.setdefault(report.nodeid.split("::")[0], [0.0, 0])
+    entry[0] += report.duration
+    entry[1] += report.when == "call"
+
+
+def pytest_sessionfinish(session):
+    path = os.environ.get("FLATSHARD_TEST_TIMES")
+    if path:
+        import json
+
+        times = {name: {"seconds": round(s, 2), "tests": n} for name, (s, n) in _FILE_TIMES.items()}
+        with open(path, "w") as handle:
+            json.dump(times, handle, indent=1, sort_keys=True)

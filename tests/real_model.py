@@ -58,3 +58,13 @@ def smollm2_dir() -> str | None:
     shutil.rmtree(target, ignore_errors=True)
     os.replace(partial, target)
     return target
+
+
+def model_dir_or_exit(path: str) -> str:
+    """A benchmark's --model, or this model when none was given."""
+    if path:
+        return path
+    found = smollm2_dir()
+    if found is None:
+        raise SystemExit(f"no --model given and {PACKAGE} is not installed")
+    return found

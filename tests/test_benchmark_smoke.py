@@ -363,3 +363,39 @@ def test_compare_quantized_gather_modes(tmp_path):
     names = ("int8 weight gathers", "fp8 weight gathers", "int8 gradient reduce-scatters")
     for name in (f"flatshard ZeRO-3, {kind}" for kind in names):
         assert 0 < float(_row(text, name)["loss Δ vs FSDP2"]) <= 1e-2, text
+
+
+def _tiny_chat_model(path) -> str:
+    """A tiny Llama directory with a tiny tokenizer and chat template."""
+    import torch
+    import transformers
+    from tiny_tokenizer import make_tokenizer_dir
+
+    tokenizer = make_tokenizer_dir(path)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return str(path)
+
+
+def test_hf_sample_and_tokenize_scripts(tmp_path):
+    """The generation benchmark compares flatshard's tokens with transformers' on the same
+    model; the tokenising one writes, then reuses, the token file with the same ids."""
+    model = _tiny_chat_model(tmp_path / "model")
+    runs = {
+        "hf_sample_speed.py": ["--tokens", "4", "--repeats", "1"],
+        "tokenize_speed.py": ["--mb", "0.2"],
+    }
+    for name, args in runs.items():
+        proc = subprocess.run(
+            [sys.executable, os.path.join(ROOT, "benchmarks", name), "--model", model, *args],
+            cwd=ROOT, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        if name == "hf_sample_speed.py":
+            assert "same tokens: 4 of 4" in proc.stdout and "| flatshard |" in proc.stdout
+        else:
+            assert "same ids: True; reused: True" in proc.stdout

@@ -10,11 +10,11 @@ import pytest
 from test_cli_helpers import flatshard, one_line_error
 
 from flatshard.cli import config as run_config
-from flatshard.cli.data import load_tokens
 from flatshard.cli.errors import ConfigError, DataError
 from flatshard.cli.main import main
 from flatshard.cli.schedule import learning_rate
-from flatshard.cli.sequences import SequenceOrder
+from flatshard.data.sequences import SequenceOrder
+from flatshard.data.tokens import load_tokens
 
 
 def test_unknown_key_and_missing_data_are_one_line_errors_of_the_real_command():

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from test_cli_helpers import check_ok, flatshard, metrics, one_line_error
 
-from flatshard.cli.data import load_tokens
 from flatshard.cli.main import main
-from flatshard.cli.sequences import SequenceOrder
+from flatshard.data.sequences import SequenceOrder
+from flatshard.data.tokens import load_tokens
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")

@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from test_cli_helpers import TINY, check_ok, flatshard, metrics
 
 from flatshard.cli import config as run_config
-from flatshard.cli.data import load_tokens
 from flatshard.cli.model import llama_config, reference_model
 from flatshard.cli.runs import CONFIG_TOML
 from flatshard.cli.schedule import learning_rate
-from flatshard.cli.sequences import SequenceOrder
+from flatshard.data.sequences import SequenceOrder
+from flatshard.data.tokens import load_tokens
 from flatshard.models import MoEConfig, load_balancing_loss
 
 STEPS = 5

@@ -17,11 +17,11 @@ transformers = pytest.importorskip("transformers")
 from tiny_tokenizer import make_tokenizer_dir  # noqa: E402
 
 from flatshard.cli import config as run_config  # noqa: E402
-from flatshard.cli.data import load_tokens  # noqa: E402
 from flatshard.cli.errors import DataError  # noqa: E402
 from flatshard.cli.run_data import open_run_data  # noqa: E402
 from flatshard.data import corpus, token_cache  # noqa: E402
 from flatshard.data.tokenizer import ModelTokenizer, TokenizerError  # noqa: E402
+from flatshard.data.tokens import load_tokens  # noqa: E402
 from flatshard.hf import HFConfigError  # noqa: E402
 from flatshard.models.llama import hf_to_config  # noqa: E402
 

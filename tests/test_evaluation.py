@@ -15,7 +15,7 @@ from test_cli_helpers import TINY, metrics, run_in_process
 
 from flatshard.cli.evaluation import Evaluation
 from flatshard.cli.model import build_sharded, reference_model
-from flatshard.cli.sequences import SequenceOrder
+from flatshard.data.sequences import SequenceOrder
 from flatshard.models import LlamaConfig
 
 CFG = LlamaConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,

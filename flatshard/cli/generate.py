@@ -155,13 +155,17 @@ def _choose(logits: torch.Tensor, temperature: float, top_k: int, generator) -> 
     return int(torch.multinomial(probabilities, 1, generator=generator))
 
 
-def sample_at_end(model, tokenizer, config, max_seq_len, ranks, run_dir: str) -> None:
+def sample_at_end(
+    model, tokenizer, config, max_seq_len, ranks, run_dir: str, chat: bool = False
+) -> None:
     """`flatshard train`'s closing sample: up to `run.sample_tokens` tokens after
-    `run.sample_prompt`, printed and written to the run directory by rank 0 (nothing for
-    pre-tokenised data, which has no text). `max_seq_len` None: `data.seq_len` (a Hugging
-    Face model: what it was trained on). A model of up to `PLAIN_SAMPLE_PARAMS` is gathered
-    into one plain copy on rank 0, which samples alone on every core (no collective per
-    token) while the others wait; a larger one samples sharded on every rank."""
+    `run.sample_prompt` (with `chat`, a run on conversations: the prompt as a user's turn
+    through the chat template, and the answer), printed and written to the run directory
+    by rank 0 (nothing for pre-tokenised data, which has no text). `max_seq_len` None:
+    `data.seq_len` (a Hugging Face model: what it was trained on). A model of up to
+    `PLAIN_SAMPLE_PARAMS` is gathered into one plain copy on rank 0, which samples alone on
+    every core (no collective per token) while the others wait; a larger one samples
+    sharded on every rank."""
     if tokenizer is None:
         return
     prompt = config.run.sample_prompt
@@ -169,7 +173,8 @@ def sample_at_end(model, tokenizer, config, max_seq_len, ranks, run_dir: str) ->
         new_tokens=config.run.sample_tokens, max_seq_len=max_seq_len or config.data.seq_len,
         seed=config.train.seed, stop_ids=tokenizer.stop_ids,
     )  # fmt: skip
-    ids = prompt_ids(tokenizer, prompt, chat=False)  # text trained on: its continuation
+    chat = chat and tokenizer.has_chat_template
+    ids = prompt_ids(tokenizer, prompt, chat=chat)  # else: text trained on, its continuation
     if sum(p.numel() for p in model.parameters()) <= PLAIN_SAMPLE_PARAMS:
         from flatshard.cli.model import plain_copy
 
@@ -187,7 +192,7 @@ def sample_at_end(model, tokenizer, config, max_seq_len, ranks, run_dir: str) ->
         new = generate_with_progress(model, ids, is_main=ranks.is_main, device=ranks.device,
                                      **options)  # fmt: skip
     if ranks.is_main:
-        text = prompt + answer_text(tokenizer, new)
+        text = (f"{prompt}\n-> " if chat else prompt) + answer_text(tokenizer, new)
         with open(os.path.join(run_dir, runs.SAMPLE), "w") as handle:
             handle.write(text + "\n")
         print(f"sample:\n{text}", flush=True)

@@ -23,6 +23,9 @@ TRAIN_FLAGS = {
     "model": ("model.preset", "NAME", "model preset: tiny, small (~11M), medium (~26M), moe-tiny"),
     "data": ("data.path", "PATH", "text file or directory, .jsonl, or token memmap (.npy/.bin)"),
     "seq_len": ("data.seq_len", "N", "tokens per sequence"),
+    "tokenizer": ("data.tokenizer", "T", "auto (a --hf model's own), bytes, or a tokenizer DIR"),
+    "eval": ("data.eval", "PATH|F", "held-out data: a file, or a fraction of the data"),
+    "eval_interval": ("train.eval_interval", "N", "evaluate every N steps (0: at the end)"),
     "steps": ("train.steps", "N", "optimizer steps"),
     "micro_batch": ("train.micro_batch", "N", "sequences per process per forward"),
     "global_batch": ("train.global_batch", "N", "sequences per optimizer step"),
@@ -104,12 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--help-config", action="store_true", help="list every config key")
 
     sample = commands.add_parser("sample", help="generate text from a checkpoint")
-    sample.add_argument(
-        "--checkpoint",
-        default=None,
-        metavar="DIR",
-        help="run, checkpoints or step-N directory (default: the newest run)",
-    )
+    _add_generation_arguments(sample, tokens=200, temperature=0.8, per="tokens to generate")
     sample.add_argument("--prompt", default="The ")
     sample.add_argument(
         "--prompt-ids",
@@ -117,30 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="IDS",
         help="comma-separated token ids (for pre-tokenised data)",
     )
-    sample.add_argument("--tokens", type=int, default=200, help="tokens to generate")
-    sample.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
-    sample.add_argument("--top-k", type=int, default=40)
-    sample.add_argument("--seed", type=int, default=0)
     sample.add_argument("--nproc", type=int, default=1, help="local processes (sharded model)")
-    sample.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     sample.add_argument(
         "--chat", action="store_true", help="the prompt is a user's turn (the chat template)"
     )
-
     chat = commands.add_parser(
         "chat", help="talk to a fine-tuned model (its chat template, one process)"
     )
-    chat.add_argument(
-        "--checkpoint",
-        default=None,
-        metavar="DIR",
-        help="run, checkpoints or step-N directory (default: the newest run)",
-    )
-    chat.add_argument("--tokens", type=int, default=256, help="most tokens per answer")
-    chat.add_argument("--temperature", type=float, default=0.7, help="0: greedy")
-    chat.add_argument("--top-k", type=int, default=40)
-    chat.add_argument("--seed", type=int, default=0)
-    chat.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    _add_generation_arguments(chat, tokens=256, temperature=0.7, per="most tokens per answer")
 
     from flatshard.cli.plan import add_arguments as add_plan_arguments
 
@@ -170,6 +152,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--overwrite", action="store_true", help="replace a previous export in HF_DIR"
     )
     return parser
+
+
+def _add_generation_arguments(parser, *, tokens: int, temperature: float, per: str) -> None:
+    """The options `sample` and `chat` share: which checkpoint and how to decode."""
+    parser.add_argument(
+        "--checkpoint",
+        default=None,
+        metavar="DIR",
+        help="run, checkpoints or step-N directory (default: the newest run)",
+    )
+    parser.add_argument("--tokens", type=int, default=tokens, help=per)
+    parser.add_argument("--temperature", type=float, default=temperature, help="0: greedy")
+    parser.add_argument("--top-k", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
 
 
 def entry() -> None:
@@ -266,7 +263,7 @@ def _check_data(config) -> None:
     """Read (and tokenise, into the cache the ranks then map) the data and check it fits."""
     from flatshard.cli.model import check_hf_vocab, llama_config
     from flatshard.cli.run_data import open_run_data
-    from flatshard.cli.sequences import SequenceOrder
+    from flatshard.data.sequences import SequenceOrder
 
     data = open_run_data(config).train
     SequenceOrder(data.tokens, config.data.seq_len, config.train.seed)

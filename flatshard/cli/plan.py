@@ -247,9 +247,9 @@ def _uses_cuda(device: str) -> bool:
 
 
 def _run_model(config):
-    from flatshard.cli.data import load_tokens
     from flatshard.cli.model import llama_config
     from flatshard.data.tokenizer import load_tokenizer
+    from flatshard.data.tokens import load_tokens
 
     vocab = config.model.vocab_size
     if not vocab:  # the tokenizer's, or the data's largest id + 1

@@ -12,10 +12,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from flatshard.cli.data import TokenData, load_tokens
 from flatshard.cli.errors import DataError
 from flatshard.cli.options import eval_fraction
 from flatshard.data.tokenizer import BYTES, load_tokenizer
+from flatshard.data.tokens import TokenData, load_tokens
 
 
 @dataclass

@@ -36,6 +36,7 @@ def run_header(trainer) -> str:
         _describe_model(trainer),
         f"data: {trainer.data.source}: {len(trainer.data.tokens):,} tokens, "
         f"{trainer.order.windows:,} sequences of {config.data.seq_len}",
+        *_describe_eval(trainer),
         f"batch: {config.train.global_batch} sequences = {tokens_per_step:,} tokens per step "
         f"(micro batch {config.train.micro_batch} x {trainer.dp_world} data-parallel "
         f"rank(s) x {trainer.accumulation} accumulation)",
@@ -58,6 +59,16 @@ def _shown(config) -> dict:
     if config.model.hf:
         nested["model"] = {"hf": config.model.hf}
     return nested
+
+
+def _describe_eval(trainer) -> list[str]:
+    evaluation = trainer.evaluation
+    if evaluation is None:
+        return []
+    interval = trainer.config.train.eval_interval
+    when = f"every {interval} steps and at the end" if interval else "at the end"
+    source = trainer.run_data.eval.source
+    return [f"eval: {source}, {evaluation.windows:,} sequences, {when}"]
 
 
 def _describe_schedule(config) -> str:

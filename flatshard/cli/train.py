@@ -34,8 +34,8 @@ from flatshard.cli.progress import Progress
 from flatshard.cli.run_data import open_run_data
 from flatshard.cli.run_header import run_header
 from flatshard.cli.schedule import learning_rate, schedule_change
-from flatshard.cli.sequences import IGNORE, sequence_order
 from flatshard.cli.stop import StopRequest
+from flatshard.data.sequences import IGNORE, sequence_order
 from flatshard.models.registry import training_loss
 from flatshard.runtime.offload import offloaded_bytes
 
@@ -301,8 +301,9 @@ class Trainer:
         say(f"finished {self.step} steps; {saved}", flush=True)
         if config.run.sample_tokens:
             max_seq_len = self.model_config.max_seq_len if self.model_config else None
+            chat = self.data.starts is not None  # conversations: answer a user's turn
             sample_at_end(self.model, self.data.model_tokenizer, config, max_seq_len, self.ranks,
-                          self.run_dir)  # fmt: skip
+                          self.run_dir, chat=chat)  # fmt: skip
 
 
 def make_optimizer(train, model) -> torch.optim.Optimizer:

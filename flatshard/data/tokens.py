@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flatshard.cli.errors import DataError
 from flatshard.data.chat import is_chat_record, tokenize_records
+from flatshard.data.errors import DataError
 from flatshard.data.token_cache import (
     USER_CACHE,
     array_path,

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from flatshard.cli.data import TokenData
-from flatshard.cli.errors import DataError
+from flatshard.data.errors import DataError
+from flatshard.data.tokens import TokenData
 
 IGNORE = -100  # a label that carries no loss (torch's cross_entropy ignore_index)
 
