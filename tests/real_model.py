@@ -10,6 +10,7 @@ runtime flatshard never uses); tests that need the model skip where it is not in
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import os
 import shutil
@@ -33,8 +34,9 @@ def smollm2_dir() -> str | None:
     source = gguf_path()
     if source is None:
         return None
-    stat = os.stat(source)
-    target = os.path.join(CACHE, f"smollm2-135m-instruct-{stat.st_size}-{int(stat.st_mtime)}")
+    with open(source, "rb") as handle:  # by content, not time: each install is a new file
+        head = hashlib.sha256(handle.read(1 << 20)).hexdigest()[:12]
+    target = os.path.join(CACHE, f"smollm2-135m-instruct-{os.path.getsize(source)}-{head}")
     if os.path.isfile(os.path.join(target, "complete")):
         return target
     import torch
