@@ -31,6 +31,13 @@ class Evaluation:
         self.windows = min(windows, max_sequences) if max_sequences else windows
         self.sequences, self.seq_len = sequences, sequences.seq_len
 
+    @staticmethod
+    def due(step: int, train) -> bool:
+        """Whether to evaluate after `step`: every train.eval_interval steps and after the
+        last."""
+        interval = train.eval_interval
+        return step == train.steps or bool(interval and step % interval == 0)
+
     @torch.no_grad()
     def run(self, model, micro_batch: int, dp_rank: int, dp_world: int, device) -> dict:
         """{"eval_loss", "eval_perplexity", "eval_tokens"}; call on every rank."""

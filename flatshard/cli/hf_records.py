@@ -38,3 +38,11 @@ def source_tokenizer_records(source: str | Path) -> dict[str, str]:
     if not has_tokenizer(str(source)):
         return {}
     return tokenizer_records(ModelTokenizer.from_directory(str(source)))
+
+
+def checkpoint_records(data, model_hf: str) -> dict[str, str]:
+    """What a `flatshard train` checkpoint keeps besides the weights: the name of the
+    tokenizer its data was made with (a model's own: its files too) and, for a Hugging Face
+    model, its config.json and generation_config.json."""
+    records = {"tokenizer": data.tokenizer, **tokenizer_records(data.model_tokenizer)}
+    return {**records, **(hf_records(model_hf) if model_hf else {})}

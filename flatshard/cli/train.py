@@ -26,7 +26,7 @@ from flatshard.cli.config import RunConfig, check, parallel_dims
 from flatshard.cli.errors import TrainingStopped
 from flatshard.cli.evaluation import Evaluation
 from flatshard.cli.generate import sample_at_end
-from flatshard.cli.hf_records import hf_records, tokenizer_records
+from flatshard.cli.hf_records import checkpoint_records
 from flatshard.cli.launch import EXIT_STOPPED, Ranks, init_distributed
 from flatshard.cli.meters import MemoryMeter, share_step, warm_up_runtime
 from flatshard.cli.model import build_run_model, check_hf_vocab, llama_config
@@ -78,6 +78,8 @@ class Trainer:
         if self.run_data.eval is not None:
             held_out = sequence_order(self.run_data.eval, data.seq_len, train.seed, data.pack)
             self.evaluation = Evaluation(held_out, train.eval_sequences)
+        # what checkpoints keep besides the weights, for sampling and a complete export
+        self.records = checkpoint_records(self.data, config.model.hf)
         if config.model.hf:  # a Hugging Face model: its config.json says what it is
             check_hf_vocab(config.model.hf, self.data.vocab_size)
             self.model_config = None
@@ -145,7 +147,7 @@ class Trainer:
         started = time.perf_counter()
         while self.step < config.train.steps:
             record = self._train_step(started)
-            if self._evaluates_now():
+            if self.evaluation is not None and self.evaluation.due(self.step, config.train):
                 record.update(self.evaluation.run(
                     self.model, config.train.micro_batch, self.dp_rank, self.dp_world,
                     self.ranks.device,
@@ -161,19 +163,6 @@ class Trainer:
                 self._save(async_save=config.checkpoint.async_save)
         return "done"
 
-    def _evaluates_now(self) -> bool:
-        """data.eval: every train.eval_interval steps and after the last."""
-        if self.evaluation is None:
-            return False
-        interval = self.config.train.eval_interval
-        return self.step == self.config.train.steps or bool(interval and self.step % interval == 0)
-
-    def _labelled_tokens(self) -> int | None:
-        """How many targets of this step's global batch carry loss (None: all do)."""
-        global_batch = self.config.train.global_batch
-        labels = self.order.labels(self.position, global_batch)
-        return None if labels is None else int((labels != IGNORE).sum())
-
     def _train_step(self, started: float) -> dict:
         config, ranks = self.config, self.ranks
         train = config.train
@@ -184,25 +173,10 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         step_started = time.perf_counter()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=ranks.device)
-        per_micro = train.micro_batch * self.dp_world
-        # chat data: the labelled tokens of the whole step, every rank's micro-batches
-        labelled = self._labelled_tokens()
-        for micro in range(self.accumulation):
-            if self.accumulation > 1 and train.zero_stage == 1:
-                # ZeRO-1 keeps unsharded gradients anyway: reduce once, after the last one
-                self.model.set_requires_gradient_sync(micro == self.accumulation - 1)
-            first = self.position + micro * per_micro + self.dp_rank * train.micro_batch
-            batch = self.order.batch(first, train.micro_batch).to(ranks.device)
-            # the model family's loss: an MoE adds its load-balancing loss over every rank
-            if labelled is None:
-                loss = training_loss(self.model, batch) / self.accumulation
-            else:  # each labelled token of the step weighs alike (gradients average over dp)
-                labels = self.order.labels(first, train.micro_batch).to(ranks.device)
-                share = max(labelled, 1) / self.dp_world
-                loss = training_loss(self.model, batch, labels=labels, divisor=share)
-            loss.backward()
-            loss_sum += loss.detach().double()
+        loss_sum, labelled = accumulate_gradients(
+            self.model, self.order, self.position, train, self.dp_rank, self.dp_world,
+            ranks.device,
+        )  # fmt: skip
         grad_norm = _clip(self.model, train.grad_clip)
         shared = share_step(loss_sum, self.stop, self.memory.peak(), self.ranks.world_size)
         shared["grad_norm"] = grad_norm
@@ -266,19 +240,9 @@ class Trainer:
             staging_bytes=self.config.checkpoint.staging_mib << 20,
             data_position=self.position,
             run_config=self.config.to_json(),
-            **self._model_records(),
+            **self.records,
         )
         self.last_saved = self.step
-
-    def _model_records(self) -> dict:
-        """What a checkpoint keeps besides the weights: the tokenizer the data was made with
-        (a model's own: its files, for sampling and export) and a Hugging Face model's
-        config.json and generation_config.json (for a complete export)."""
-        records = {"tokenizer": self.data.tokenizer}
-        records.update(tokenizer_records(self.data.model_tokenizer))
-        if self.config.model.hf:
-            records.update(hf_records(self.config.model.hf))
-        return records
 
     def _finish(self, reason: str) -> None:
         config = self.config
@@ -304,6 +268,35 @@ class Trainer:
             chat = self.data.starts is not None  # conversations: answer a user's turn
             sample_at_end(self.model, self.data.model_tokenizer, config, max_seq_len, self.ranks,
                           self.run_dir, chat=chat)  # fmt: skip
+
+
+def accumulate_gradients(model, order, position: int, train, dp_rank: int, dp_world: int,
+                         device) -> tuple[torch.Tensor, int | None]:  # fmt: skip
+    """Forward and backward of this rank's micro-batches of the step whose global batch
+    starts at `position`: (the summed loss, how many targets carry loss: None when all
+    do). With chat data every labelled token of the step weighs alike: each micro-batch's
+    summed loss is divided by this rank's share of the step's labelled tokens (gradients
+    average over the data-parallel ranks)."""
+    accumulation = train.global_batch // (train.micro_batch * dp_world)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    step_labels = order.labels(position, train.global_batch)  # every rank's micro-batches
+    labelled = None if step_labels is None else int((step_labels != IGNORE).sum())
+    for micro in range(accumulation):
+        if accumulation > 1 and train.zero_stage == 1:
+            # ZeRO-1 keeps unsharded gradients anyway: reduce once, after the last one
+            model.set_requires_gradient_sync(micro == accumulation - 1)
+        first = position + micro * train.micro_batch * dp_world + dp_rank * train.micro_batch
+        batch = order.batch(first, train.micro_batch).to(device)
+        # the model family's loss: an MoE adds its load-balancing loss over every rank
+        if labelled is None:
+            loss = training_loss(model, batch) / accumulation
+        else:
+            mine = first - position
+            labels = step_labels[mine : mine + train.micro_batch].to(device)
+            loss = training_loss(model, batch, labels=labels, divisor=max(labelled, 1) / dp_world)
+        loss.backward()
+        loss_sum += loss.detach().double()
+    return loss_sum, labelled
 
 
 def make_optimizer(train, model) -> torch.optim.Optimizer:

@@ -143,7 +143,7 @@ def hf_to_config(hf: dict) -> LlamaConfig:
             head_dim=get("head_dim"),  # None: hidden_size // heads, as HF
             ffn_dim=get("intermediate_size"),
             norm_eps=float(get("rms_norm_eps")),
-            **_rope(hf, get("max_position_embeddings")),
+            **rope_fields(hf, get("max_position_embeddings")),
             max_seq_len=get("max_position_embeddings"),
             tie_embeddings=bool(get("tie_word_embeddings")),
             qk_norm=model_type == "qwen3",
@@ -264,7 +264,7 @@ def _rope_parameters(config: LlamaConfig) -> dict:
     return params
 
 
-def _rope(hf: dict, max_position_embeddings: int) -> dict:
+def rope_fields(hf: dict, max_position_embeddings: int) -> dict:
     """LlamaConfig's RoPE fields from `rope_parameters` (transformers 5) or the 4.x
     `rope_scaling`/`rope_theta`: plain RoPE, or Llama 3.1's "llama3" scaling."""
     field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"

@@ -65,10 +65,10 @@ class LlamaConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "max_seq_len"):
-            _check_positive_int(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        _check_positive_int("n_kv_heads", self.n_kv_heads)
+        check_positive_int("n_kv_heads", self.n_kv_heads)
         if self.n_heads % self.n_kv_heads != 0:
             raise ValueError(
                 f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads "
@@ -81,7 +81,7 @@ class LlamaConfig:
                     "set head_dim explicitly"
                 )
             self.head_dim = self.dim // self.n_heads
-        _check_positive_int("head_dim", self.head_dim)
+        check_positive_int("head_dim", self.head_dim)
         if self.head_dim % 2 != 0:
             raise ValueError(
                 f"head_dim ({self.head_dim}) must be even: RoPE rotates pairs of halves"
@@ -106,7 +106,7 @@ class LlamaConfig:
                 f"rope_low_freq_factor ({self.rope_low_freq_factor}) must be > 0 and below "
                 f"rope_high_freq_factor ({self.rope_high_freq_factor})"
             )
-        _check_positive_int("rope_original_max_seq_len", self.rope_original_max_seq_len)
+        check_positive_int("rope_original_max_seq_len", self.rope_original_max_seq_len)
 
     @classmethod
     def tiny(cls, **overrides) -> LlamaConfig:
@@ -137,7 +137,7 @@ class LlamaConfig:
         return total
 
 
-def _check_positive_int(name: str, value) -> None:
+def check_positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 

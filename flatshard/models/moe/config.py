@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flatshard.models.llama.model import LlamaConfig, _check_positive_int
+from flatshard.models.llama.model import LlamaConfig, check_positive_int
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 EXPERT_COMPUTE = ("auto", "loop", "grouped_mm")
@@ -48,7 +48,7 @@ class MoEConfig(LlamaConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("n_experts", "top_k", "expert_ffn_dim", "n_groups", "topk_groups"):
-            _check_positive_int(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         for name in ("n_shared_experts", "first_k_dense"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -18,7 +18,7 @@ import re
 import torch
 
 from flatshard.hf.errors import HFConfigError
-from flatshard.models.llama.hf_config import _rope, model_type_of, unknown_fields
+from flatshard.models.llama.hf_config import model_type_of, rope_fields, unknown_fields
 from flatshard.models.moe.config import MoEConfig
 
 ARCHITECTURES = {"Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
@@ -90,7 +90,7 @@ def hf_to_moe_config(hf: dict) -> MoEConfig:
             f"config.json field 'rope_parameters.rope_type' is {rope_type!r}; flatshard's MoE "
             "model rotates with plain RoPE only (rope_type 'default')"
         )
-    rope = _rope({"rope_parameters": config.rope_parameters}, config.max_position_embeddings)
+    rope = rope_fields({"rope_parameters": config.rope_parameters}, config.max_position_embeddings)
     qwen = model_type == "qwen3_moe"
     try:
         return MoEConfig(
