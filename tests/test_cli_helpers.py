@@ -25,11 +25,20 @@ def cli_env(**extra) -> dict:
 
 
 def flatshard(*args, cwd=None, timeout=180, env=None) -> subprocess.CompletedProcess:
-    """Run `python -m flatshard ARGS`; returns the completed process (never raises on rc)."""
+    """Run `python -m flatshard ARGS`; returns the completed process (never raises on rc).
+    With the default environment the command runs in a process forked from a server that has
+    already imported torch, flatshard and transformers (tests/forked_command.py): the same
+    command, without the two seconds of imports. An `env` of its own (variables read at
+    process start, such as MALLOC_MMAP_THRESHOLD_) takes a fresh interpreter."""
+    args = [str(a) for a in args]
+    if env is None:
+        from forked_command import run_forked
+
+        return run_forked(["flatshard", *args], cwd=cwd or REPO_ROOT, timeout=timeout)
     return subprocess.run(
-        [sys.executable, "-m", "flatshard", *map(str, args)],
+        [sys.executable, "-m", "flatshard", *args],
         cwd=cwd or REPO_ROOT,
-        env=env or cli_env(),
+        env=env,
         capture_output=True,
         text=True,
         timeout=timeout,

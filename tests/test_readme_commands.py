@@ -9,12 +9,11 @@ import json
 import os
 import re
 import shlex
-import subprocess
-import sys
 
 import pytest
 import torch
-from test_cli_helpers import REPO_ROOT, cli_env
+from forked_command import run_forked
+from test_cli_helpers import REPO_ROOT
 from tiny_tokenizer import make_tokenizer_dir
 
 pytestmark = pytest.mark.slow  # deselect with -m 'not slow' for a quick loop
@@ -97,10 +96,7 @@ def _run(command: str, cwd, places: dict, moe_model: str, dense_model: str):
         args += ["--steps", "3" if "--resume" in args else "2", "--set", "run.sample_tokens=0"]
         if "--seq-len" not in args:
             args += ["--seq-len", "32"]  # a few steps' worth of tokens, not the default 256
-    return subprocess.run(
-        [sys.executable, "-m", "flatshard", *args], cwd=cwd, env=cli_env(),
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    return run_forked(["flatshard", *args], cwd=cwd, timeout=300)
 
 
 def test_every_readme_command_runs_as_written(tmp_path):
