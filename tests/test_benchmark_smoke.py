@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from forked_command import run_forked
 
 pytestmark = pytest.mark.slow  # deselect with -m 'not slow' for a quick loop
 
@@ -36,16 +37,20 @@ def _table(text: str) -> tuple[list[str], dict[str, list[str]]]:
     return _cells(lines[0]), {_cells(line)[0]: _cells(line) for line in lines[2:]}
 
 
+def _script(path: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python PATH ARGS` in the repository root; forked from the test server that has
+    imported torch already (tests/forked_command.py) unless it needs variables of its own."""
+    if env is None:
+        return run_forked([path, *args], cwd=ROOT, timeout=600)  # timeout: a hang guard
+    return subprocess.run(
+        [sys.executable, path, *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={**os.environ, **env},
+    )  # fmt: skip
+
+
 def _run_compare(out_dir, *args: str, env: dict | None = None) -> str:
     out = out_dir / "results.md"
-    proc = subprocess.run(
-        [sys.executable, SCRIPT, "--preset", "tiny", "--steps", "2", "--out", str(out), *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,  # a hang guard: a loaded 2-core machine is slow
-        env=None if env is None else {**os.environ, **env},
-    )
+    proc = _script(SCRIPT, "--preset", "tiny", "--steps", "2", "--out", str(out), *args, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out.read_text(encoding="utf-8")
 
@@ -121,13 +126,7 @@ def _kib(cell: str) -> float:
 
 def test_gloo_collectives_script():
     script = os.path.join(ROOT, "benchmarks", "gloo_collectives.py")
-    proc = subprocess.run(
-        [sys.executable, script, "--world", "2", "--elements", "4096", "--repeats", "1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,  # a hang guard: a loaded 2-core machine is slow
-    )
+    proc = _script(script, "--world", "2", "--elements", "4096", "--repeats", "1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     timed = [line for line in proc.stdout.splitlines() if line.startswith("world 2")]
     assert len(timed) == 8 and all(" ms" in line for line in timed), proc.stdout
@@ -230,13 +229,7 @@ def test_compare_offload_modes(tmp_path):
 def test_state_movement_script():
     """The RL state-movement benchmark runs its four comparisons end to end (tiny preset)."""
     script = os.path.join(ROOT, "benchmarks", "state_movement.py")
-    proc = subprocess.run(
-        [sys.executable, script, "--preset", "tiny", "--repeats", "1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,  # a hang guard: a loaded 2-core machine is slow
-    )
+    proc = _script(script, "--preset", "tiny", "--repeats", "1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [_cells(line) for line in proc.stdout.splitlines() if line.startswith("| ")]
     compared = [row for row in rows[1:] if row[0] in ("offload", "reload", "full weights")]
@@ -246,10 +239,7 @@ def test_state_movement_script():
 def test_sample_speed_script():
     """The sampling benchmark runs both ways and they choose the same tokens."""
     script = os.path.join(ROOT, "benchmarks", "sample_speed.py")
-    proc = subprocess.run(
-        [sys.executable, script, "--tokens", "4", "--repeats", "1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    proc = _script(script, "--tokens", "4", "--repeats", "1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "same tokens: True" in proc.stdout and "| KV cache |" in proc.stdout
 
@@ -257,10 +247,7 @@ def test_sample_speed_script():
 def test_host_profile_script():
     """benchmarks/host_profile.py times every hook phase it names, add_reduced included."""
     script = os.path.join(ROOT, "benchmarks", "host_profile.py")
-    proc = subprocess.run(
-        [sys.executable, script, "--preset", "tiny", "--steps", "2", "--warmup", "1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    proc = _script(script, "--preset", "tiny", "--steps", "2", "--warmup", "1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {line[:24].strip(): line[24:].split() for line in proc.stdout.splitlines()[2:]}
     for phase in ("pre_forward", "post_backward", "add_reduced", "optimizer.step"):
@@ -274,14 +261,7 @@ def test_hf_parallel_script():
     script = os.path.join(ROOT, "benchmarks", "hf_parallel.py")
     tiny = ["--world", "2", "--tp", "2", "--steps", "2", "--layers", "1", "--hidden", "64"]
     for attempt in range(2):
-        proc = subprocess.run(
-            [sys.executable, script, *tiny, "--vocab", "256", "--seq", "16"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=600,  # a hang guard: a loaded 2-core machine is slow
-            env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        )
+        proc = _script(script, *tiny, "--vocab", "256", "--seq", "16", env={"HF_HUB_OFFLINE": "1"})
         # A worker of this script has aborted inside gloo twice in about twenty CI runs
         # ("terminate called without an active exception", SIGABRT, not reproduced in 10
         # runs since): run it once more then, and fail on anything else or a second abort.
@@ -390,10 +370,7 @@ def test_hf_sample_and_tokenize_scripts(tmp_path):
         "tokenize_speed.py": ["--mb", "0.2"],
     }
     for name, args in runs.items():
-        proc = subprocess.run(
-            [sys.executable, os.path.join(ROOT, "benchmarks", name), "--model", model, *args],
-            cwd=ROOT, capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
+        proc = _script(os.path.join(ROOT, "benchmarks", name), "--model", model, *args)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         if name == "hf_sample_speed.py":
             assert "same tokens: 4 of 4" in proc.stdout and "| flatshard |" in proc.stdout
