@@ -13,8 +13,31 @@ for _path in (os.path.dirname(_TESTS_DIR), _TESTS_DIR):
 from distributed import shutdown_pools  # noqa: E402  (needs the sys.path set up above)
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--exhaustive",
+        action="store_true",
+        help="also run the tests marked exhaustive: the rest of the cross products that CI "
+        "samples (tests/README.md)",
+    )
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: a long test (deselect with -m 'not slow')")
+    config.addinivalue_line(
+        "markers",
+        "exhaustive: the rest of a cross product whose CI cases sample every axis; run only "
+        "with --exhaustive",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--exhaustive"):
+        return
+    left_out = [item for item in items if item.get_closest_marker("exhaustive")]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if not item.get_closest_marker("exhaustive")]
 
 
 @pytest.fixture(scope="session", autouse=True)
