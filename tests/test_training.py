@@ -74,6 +74,24 @@ def _compare(
     )
 
 
+def pairwise(offset: int, *extra: str):
+    """The (world size, ZeRO stage[, flag]) cases of a feature's test: in CI the half whose
+    sum is odd after `offset` (each stage at two world sizes, each world size at least once;
+    the features' offsets differ, so together they cover every pair), the rest exhaustive
+    (test_gradients.py checks every feature at every pair per tensor)."""
+    names = ", ".join(("world_size", "zero_stage", *extra))
+    flags = [(False,), (True,)] if extra else [()]
+    cases = [
+        pytest.param(
+            w, s, *f, marks=() if (w + s + sum(f) + offset) % 2 else pytest.mark.exhaustive
+        )
+        for w in (1, 2, 3, 4)
+        for s in (1, 2, 3)
+        for f in flags
+    ]
+    return pytest.mark.parametrize(names, cases)
+
+
 def _check(results, looked_up=False):
     for loss_error, weight_error, used_lookup in results:
         assert loss_error <= TOLERANCE, results
@@ -87,9 +105,7 @@ def test_matches_single_process(world_size, zero_stage):
     _check(run_distributed(_compare, world_size, zero_stage))
 
 
-@world_sizes
-@pytest.mark.parametrize("zero_stage", [1, 2, 3])
-@pytest.mark.parametrize("sync_last_only", [False, True])
+@pairwise(0, "sync_last_only")
 def test_gradient_accumulation(world_size, zero_stage, sync_last_only):
     _check(
         run_distributed(
@@ -103,8 +119,7 @@ def test_gradient_accumulation(world_size, zero_stage, sync_last_only):
 LARGE_VOCAB = {"vocab_size": 509}
 
 
-@world_sizes
-@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+@pairwise(1)
 def test_embedding_looked_up_from_shards(world_size, zero_stage):
     results = run_distributed(_compare, world_size, zero_stage, cfg_overrides=LARGE_VOCAB)
     _check(results, looked_up=world_size > 1 and zero_stage != 1)
@@ -132,22 +147,19 @@ def test_frozen_embedding_looked_up_from_shards(zero_stage):
     _check(results, looked_up=True)
 
 
-@world_sizes
-@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+@pairwise(0)
 def test_tied_embeddings(world_size, zero_stage):
     _check(
         run_distributed(_compare, world_size, zero_stage, cfg_overrides={"tie_embeddings": True})
     )
 
 
-@world_sizes
-@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+@pairwise(1)
 def test_frozen_embedding(world_size, zero_stage):
     _check(run_distributed(_compare, world_size, zero_stage, freeze="embed_tokens.weight"))
 
 
-@world_sizes
-@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+@pairwise(1)
 def test_meta_device_init(world_size, zero_stage):
     _check(
         run_distributed(
