@@ -157,18 +157,23 @@ def _count(root: str):
     return totals, moved
 
 
-def test_collectives_per_save_and_load_are_constant_in_the_world_size(tmp_path):
+@pytest.mark.parametrize(
+    "worlds",  # world 8 (eight processes on the CI machine's two cores): exhaustive
+    [(1, 2, 4), pytest.param((1, 2, 4, 8), marks=pytest.mark.exhaustive, id="to-8")],
+)
+def test_collectives_per_save_and_load_are_constant_in_the_world_size(tmp_path, worlds):
     counts, moved = {}, {}
-    for world in (1, 2, 4, 8):
+    for world in worlds:
         counts[world], moved[world] = run_distributed(_count, world, str(tmp_path / f"{world}"))[0]
     print(counts, moved)
     # a save: the step check, the directory, the plan's fingerprint, the files' checksums to
     # rank 0, the commit; a load: the integrity check's agreement
-    assert counts[2]["save"] == counts[4]["save"] == counts[8]["save"] <= 5, counts
-    assert counts[2]["load"] == counts[4]["load"] == counts[8]["load"] <= 1, counts
+    assert len({counts[w]["save"] for w in worlds[1:]}) == 1 and counts[2]["save"] <= 5, counts
+    assert len({counts[w]["load"] for w in worlds[1:]}) == 1 and counts[2]["load"] <= 1, counts
     # what rank 0 receives is a checksum per file, not every rank's plan as DCP's gather
     assert max(moved[w]["save"] for w in moved) < 200, moved  # rank 0's own (CRCs vary)
-    assert moved[8]["save"] * 10 < moved[8]["dcp save"], moved
+    widest = worlds[-1]
+    assert moved[widest]["save"] * 10 < moved[widest]["dcp save"], moved
 
 
 # --- the plan of a run's saves is derived once ----------------------------------------------

@@ -79,7 +79,9 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(  # world 4: the graphs of world 2 (tp2 runs at world 4 too)
+    "case", [pytest.param(c, marks=pytest.mark.exhaustive) if c == "world4" else c for c in CASES]
+)
 def test_compiled_blocks_train_like_eager(case):
     world, options = CASES[case]
     for compiled, eager in run_distributed(_compiled_and_eager, world, timeout=600, **options):
