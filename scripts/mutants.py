@@ -235,6 +235,31 @@ MUTANTS = (
         "slab_offset = tuple(start - c.start if d == dim else 0 for d in range(len(global_shape)))",
         ("tests/test_full_state_paths.py::test_dcp_chunks_of_all_ranks_tile_each_tensor_evenly",),
     ),
+    Mutant(
+        "unsynced-grad-kept",
+        "under set_requires_gradient_sync(False) a held gradient is also left on the parameter "
+        "(counted twice at the sync)",
+        "flatshard/runtime/grad_sync.py",
+        "                        param.unsharded.grad = None",
+        "                        pass",
+        ("tests/test_training.py::test_gradient_accumulation",),
+    ),
+    Mutant(
+        "eval-padding",
+        "the weightless forwards of ranks past the last held-out window count as data",
+        "flatshard/cli/evaluation.py",
+        "                    targets[j] = IGNORE",
+        "                    pass",
+        ("tests/test_evaluation.py",),
+    ),
+    Mutant(
+        "cli-accumulation",
+        "the trainer no longer divides each micro-batch's loss by the accumulation steps",
+        "flatshard/cli/train.py",
+        "loss = training_loss(model, batch) / accumulation",
+        "loss = training_loss(model, batch)",
+        ("tests/test_cli_reference.py",),
+    ),
 )
 
 

@@ -19,6 +19,8 @@ import flatshard
 from flatshard import registry
 from flatshard.models import Llama, MoE, MoEConfig
 
+pytestmark = pytest.mark.slow  # deselect with -m 'not slow' for a quick loop
+
 STEPS = 3
 
 

@@ -416,6 +416,7 @@ def _check_after_kill(root):
     return checkpoint.load(root, model=model, optimizer=optimizer).step
 
 
+@pytest.mark.slow
 def test_sigkill_during_save_keeps_latest_loadable(tmp_path):
     script = tmp_path / "saver.py"
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -28,6 +28,8 @@ from flatshard import checkpoint
 from flatshard.checkpoint import writing
 from flatshard.checkpoint.state import app_state, checkpoint_group
 
+pytestmark = pytest.mark.slow  # deselect with -m 'not slow' for a quick loop
+
 
 def _trained(layout: str):
     """A model and AdamW after one step, wrapped as `layout` says."""

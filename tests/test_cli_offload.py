@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from test_cli_helpers import TINY, check_ok, cli_env, flatshard, metrics, one_line_error
+
+pytestmark = pytest.mark.slow  # deselect with -m 'not slow' for a quick loop
 
 NO_SAVE = ["--set", "checkpoint.interval=0", "--set", "checkpoint.at_end=false"]
 

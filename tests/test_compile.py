@@ -22,6 +22,8 @@ from flatshard import registry
 from flatshard.activation_checkpointing import SAVED_OPS
 from flatshard.models import Llama, MoE, MoEConfig
 
+pytestmark = pytest.mark.slow  # deselect with -m 'not slow' for a quick loop
+
 STEPS = 5
 TOLERANCE = 1e-5
 CONFIG = dict(ffn_dim=48)  # even: splits over tp 2

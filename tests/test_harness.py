@@ -15,6 +15,8 @@ from distributed import (
     world_sizes,
 )
 
+pytestmark = pytest.mark.slow  # deselect with -m 'not slow' for a quick loop
+
 # Task functions live at module level: workers import this module to unpickle them.
 
 

@@ -33,6 +33,8 @@ from test_gradients import _full_grads, _per_tensor_errors
 import flatshard
 from flatshard import registry
 
+pytestmark = pytest.mark.slow  # deselect with -m 'not slow' for a quick loop
+
 BF16 = torch.bfloat16
 TOLERANCE = 2 * 2**-8
 BATCH = 20  # 5 micro-batches of 4 sequences, 2 per rank at world 2

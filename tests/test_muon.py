@@ -31,6 +31,8 @@ from flatshard import collectives, optim
 from flatshard.optim.matrix_owners import assign_owners, newton_schulz_flops
 from flatshard.optim.muon import _tensor_parallel
 
+pytestmark = pytest.mark.slow  # deselect with -m 'not slow' for a quick loop
+
 STEPS = 5
 CONFIG = config(ffn_dim=48)  # splits over TP 2; the rows still split unevenly over 3 ranks
 MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95)

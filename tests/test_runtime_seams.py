@@ -99,5 +99,3 @@ def test_collectives_are_chosen_once_per_group():
 def test_state_of_an_unsharded_module_is_none():
     assert flatshard.state(torch.nn.Linear(2, 2)) is None
     assert flatshard.units(torch.nn.Linear(2, 2)) == []
-
-

@@ -20,6 +20,8 @@ from torch.distributed.tensor import Shard
 
 import flatshard
 
+pytestmark = pytest.mark.slow  # deselect with -m 'not slow' for a quick loop
+
 
 def _by_dim(dim):
     return lambda param: Shard(dim) if param.dim() == 2 else None

@@ -23,6 +23,8 @@ from flatshard.cli.estimate import Setup, plan
 from flatshard.dtensor.sharded_param import local_data
 from flatshard.models import Llama, MoE, MoEConfig
 
+pytestmark = pytest.mark.slow  # deselect with -m 'not slow' for a quick loop
+
 STEPS = 7  # 5 more after the first reload
 
 

@@ -20,6 +20,8 @@ import flatshard
 from flatshard import checkpoint, registry
 from flatshard.errors import WrappingError
 
+pytestmark = pytest.mark.slow  # deselect with -m 'not slow' for a quick loop
+
 # DIM and HIDDEN rows split evenly at worlds 2 and 3: FSDP2 (and so the protocol) asks a
 # subclass whose inputs are not the padded shard's size (here the scales) for even chunks
 DIM, HIDDEN, BLOCKS, CLASSES, BATCH, STEPS = 12, 24, 2, 3, 12, 5

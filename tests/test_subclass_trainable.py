@@ -19,6 +19,8 @@ from reference import hsdp_mesh
 import flatshard
 from flatshard import checkpoint
 
+pytestmark = pytest.mark.slow  # deselect with -m 'not slow' for a quick loop
+
 DIM, HIDDEN, BLOCKS, STEPS = 12, 24, 2, 4
 
 

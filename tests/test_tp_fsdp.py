@@ -35,6 +35,8 @@ from flatshard.errors import CheckpointError
 from flatshard.models.llama import parallelize_llama
 from flatshard.runtime.flat_bucket import FlatBucket
 
+pytestmark = pytest.mark.slow  # deselect with -m 'not slow' for a quick loop
+
 CFG = dict(n_heads=8, n_kv_heads=4, dim=32, ffn_dim=48, attention_bias=True)  # tp | 4
 STEPS = 5
 TOLERANCE = 1e-6
