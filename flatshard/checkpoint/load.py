@@ -50,6 +50,7 @@ def load(
     step: int | None = None,
     strict: bool = True,
     verify: bool = True,
+    trainable_only: bool = False,
     **extra,
 ) -> LoadResult:
     """Load `step` (default: `latest`) from `directory` into `model`/`optimizer` (call on every
@@ -58,6 +59,7 @@ def load(
     strict: missing or unexpected keys and shape/dtype mismatches raise one error naming them
         all; with strict=False they are skipped and listed in the result.
     verify: check every file's size and CRC-32 first (each rank checks a share of them).
+    trainable_only: load only the trainable parameters (a checkpoint saved with it).
     """
     wait_for_pending_save()
     group = checkpoint_group()
@@ -74,14 +76,16 @@ def load(
             f"{path} was saved from a model with a different config: " + "; ".join(differences)
         )
 
-    state = app_state(model, optimizer, extra)
+    state = app_state(model, optimizer, extra, trainable_only)
     reader = dcp.FileSystemReader(path)
     skipped = _mismatches(state, reader.read_metadata(), strict, path)
     # each rank plans its own reads from the metadata: no plan crosses the network
     with warnings.catch_warnings():  # no_dist's "assuming ... a single process": not so
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         dcp.load(state, storage_reader=reader, no_dist=True)
-    options = StateDictOptions(strict=not skipped)
+    # trainable_only: the frozen parameters are not in the state, not missing from it
+    options = StateDictOptions(strict=not skipped and not trainable_only,
+                               ignore_frozen_params=trainable_only)  # fmt: skip
     if optimizer is not None:
         # the loaded values are in the optimizer's own tensors: plain ones stay plain
         plain_state.unwrap(state["optim"])

@@ -80,6 +80,7 @@ def save(
     async_save: bool = False,
     keep_last: int | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
+    trainable_only: bool = False,
     **extra,
 ) -> SaveHandle:
     """Save a checkpoint of `step` under `directory` (call on every rank).
@@ -93,6 +94,8 @@ def save(
         half of it, the write of one overlapping the copy of the next; a larger tensor
         piece is a wave of its own).
     keep_last: after committing, delete all but the newest `keep_last` checkpoints.
+    trainable_only: leave the frozen parameters out (a LoRA run saves its adapters; its
+        base comes from the pretrained files); load with the same.
 
     A failed write (a full disk: "no space left on device while saving step N") raises one
     `CheckpointError` on every rank, removes the partial directory and leaves `latest` and
@@ -120,7 +123,7 @@ def save(
     _agree_on_failure(failure, group, directory, step)  # also the barrier: the directory exists
 
     started = time.perf_counter()
-    state = app_state(model, optimizer, extra)
+    state = app_state(model, optimizer, extra, trainable_only)
     prepared = writing.prepare(state, group, rank, world)
     copied = guard = None
     if async_save and prepared.planned is None:  # DCP writes it: one whole host copy now

@@ -9,7 +9,11 @@ import random
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+)
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
@@ -52,15 +56,18 @@ def gather_to_rank0(value, group) -> list | None:
     return gathered
 
 
-def app_state(model, optimizer, extra: dict) -> dict:
-    """{"model": ..., "optim": ..., "extra": {...}} keyed by the unwrapped model's FQNs."""
+def app_state(model, optimizer, extra: dict, trainable_only: bool = False) -> dict:
+    """{"model": ..., "optim": ..., "extra": {...}} keyed by the unwrapped model's FQNs.
+    trainable_only: the model's frozen parameters left out (LoRA: its base comes from the
+    pretrained files, the checkpoint holds the adapters)."""
+    options = StateDictOptions(ignore_frozen_params=trainable_only)
     if optimizer is not None:
-        model_state, optim_state = get_state_dict(model, optimizer)
+        model_state, optim_state = get_state_dict(model, optimizer, options=options)
         # plain-tensor optimizer states as DTensor views: DCP then sees their global shape
         plain_state.as_dtensors(model, optim_state)
         state = {"model": model_state, "optim": optim_state}
     else:
-        state = {"model": get_model_state_dict(model)}
+        state = {"model": get_model_state_dict(model, options=options)}
     if extra:
         # DCP only expands Stateful objects at the top level: expand ours here
         state["extra"] = {name: _expand(value) for name, value in extra.items()}

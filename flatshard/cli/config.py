@@ -232,7 +232,8 @@ def build(
         values[f"model.{name}"] = value
     values.update(given)
     if values["model.hf"]:  # a fine-tune: its defaults where nothing set a value
-        tuned = fine_tune_defaults(values["train.steps"], given.get("train.lr"))
+        lora = bool(values["train.lora_rank"])
+        tuned = fine_tune_defaults(values["train.steps"], given.get("train.lr"), lora)
         values.update({key: value for key, value in tuned.items() if key not in given})
     config = RunConfig(values)
     check(config)
@@ -340,6 +341,15 @@ def check(config: RunConfig, world_size: int | None = None) -> None:
                 + _batch_fixes(train.global_batch, train.micro_batch, dims.dp)
             )
     model, seq_len = config.model, config.data.seq_len
+    if train.lora_rank and not model.hf:
+        raise ConfigError(
+            "train.lora_rank needs a pretrained model to adapt: set model.hf (--hf DIR)"
+        )
+    if train.lora_rank and (train.tp > 1 or train.ep > 1):
+        raise ConfigError(
+            "LoRA (train.lora_rank) runs data-parallel only for now: set train.tp=1 and "
+            "train.ep=1 (the adapters are small; ZeRO shards the frozen base already)"
+        )
     if model.max_seq_len and model.max_seq_len < seq_len:
         raise ConfigError(
             f"model.max_seq_len ({model.max_seq_len}) is shorter than data.seq_len ({seq_len})"

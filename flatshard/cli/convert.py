@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from flatshard import checkpoint, hf
 from flatshard.cli import runs
@@ -22,13 +23,16 @@ from flatshard.cli.errors import RunError
 from flatshard.cli.hf_records import hf_records, source_tokenizer_records
 from flatshard.cli.launch import init_distributed, run, under_launcher
 from flatshard.cli.model import (
+    build_lora_model,
     build_plain,
     build_sharded,
     build_transformers,
     is_transformers_config,
+    lora_of_checkpoint,
     saved_model_config,
 )
 from flatshard.models import family_of_config
+from flatshard.models.lora import merge_adapters, peft_adapter
 
 HF_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -79,13 +83,26 @@ def checkpoint_to_hf(args, sharded: bool) -> None:
             f"{path} holds an MoE model; exporting it to Hugging Face is not supported yet "
             "(only Llama, Qwen2 and Qwen3 are)"
         )
-    if is_transformers_config(cfg):
+    lora = lora_of_checkpoint(path)  # (base, adapters): the checkpoint holds the adapters
+    if lora is not None:
+        if sharded:
+            raise RunError(f"{path} holds LoRA adapters: export it in one process (no torchrun)")
+        model = build_lora_model(*lora, sharded=False, device="cpu")
+    elif is_transformers_config(cfg):
         model = build_transformers(cfg, sharded=sharded, device=ranks.device if sharded else "cpu")
     elif sharded:
         model = build_sharded(cfg, zero_stage=3, precision="fp32", seed=0, device=ranks.device)
     else:
         model = build_plain(cfg)
-    checkpoint.load(root, model=model, step=step, verify=False)  # verified above
+    checkpoint.load(root, model=model, step=step, verify=False,  # verified above
+                    trainable_only=lora is not None)  # fmt: skip
+    if args.peft:
+        if lora is None:
+            raise RunError(f"{path} is not a LoRA run's checkpoint: --peft exports adapters")
+        _write_peft(model, lora[0], path, target)
+        return
+    if lora is not None:
+        merge_adapters(model)  # the export is the fine-tuned model, whole
     dtype = HF_DTYPES[args.dtype] if args.dtype else None
     hf.save_pretrained(
         model, args.target, dtype=dtype, max_shard_size=args.max_shard_size,
@@ -96,6 +113,21 @@ def checkpoint_to_hf(args, sharded: bool) -> None:
     count = sum(p.numel() for p in model.parameters())
     with_tokenizer = f", its tokenizer ({', '.join(written)})" if written else ""
     _say(sharded, f"wrote {args.target} from {path} ({count:,} parameters{with_tokenizer})")
+
+
+def _write_peft(model, base: str, path: str, target: Path) -> None:
+    """A PEFT adapter directory: adapter_model.safetensors, adapter_config.json (its base:
+    `base`) and the tokenizer files, for `peft.PeftModel.from_pretrained(base_model, target)`."""
+    tensors, config = peft_adapter(model, base)
+    target.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(target / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (target / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    written = _write_tokenizer(path, target)
+    size = sum(t.numel() for t in tensors.values())
+    modules = ", ".join(config["target_modules"])
+    tokenizer = ", its tokenizer" if written else ""
+    print(f"wrote {target} from {path}: LoRA adapters of {base} ({size:,} parameters, rank "
+          f"{config['r']} on {modules}){tokenizer}", flush=True)  # fmt: skip
 
 
 def _write_tokenizer(path: str, target: Path) -> list[str]:

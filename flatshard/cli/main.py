@@ -47,6 +47,7 @@ TRAIN_FLAGS = {
     "quantize_weights": ("train.quantize_weights", "F", "all-gather weights as int8 or fp8 (qwZ)"),
     "quantize_grads": ("train.quantize_grads", "F", "reduce-scatter gradients in int8/fp8 (qgZ)"),
     "ac": ("train.ac", "MODE", "activation checkpointing: none, full, selective or offload"),
+    "lora": ("train.lora_rank", "R", "LoRA adapters of rank R, the base frozen (with --hf)"),
     "seed": ("train.seed", "N", "seed of the weights and the data order"),
     "checkpoint_interval": ("checkpoint.interval", "N", "save every N steps (0: only at the end)"),
     "out": ("run.out_dir", "DIR", "run directory (default runs/{time})"),
@@ -150,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--max-shard-size", default="5GB")
     to_hf.add_argument(
         "--overwrite", action="store_true", help="replace a previous export in HF_DIR"
+    )
+    to_hf.add_argument(
+        "--peft",
+        action="store_true",
+        help="a LoRA run: write its adapters as a PEFT adapter directory (default: the base "
+        "with the adapters merged in)",
     )
     return parser
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,7 @@ from flatshard.errors import MeshError
 from flatshard.mesh import ParallelDims
 from flatshard.models import Llama, LlamaConfig, MoE, MoEConfig, family_of_config
 from flatshard.models.llama import check_tp
+from flatshard.models.lora import LoRAError, LoRASpec, add_lora, init_adapters
 from flatshard.models.registry import config_from_dict as family_config_from_dict
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -108,7 +110,12 @@ def build_run_model(
     )
     warn_eager_selective(train, device)
     if config.model.hf:
-        model = build_hf(config.model.hf, load=load, **sharding)
+        lora = lora_spec(train.lora_rank, train.lora_alpha, train.lora_dropout,
+                         train.lora_targets)  # fmt: skip
+        # a LoRA run's checkpoints hold its adapters: the base is read from its files anyway
+        model = build_hf(config.model.hf, load=load or lora is not None, lora=lora, **sharding)
+        if lora is not None:
+            init_adapters(model, train.seed)  # a resume's checkpoint overwrites them
     else:
         model = build_sharded(model_config, seed=train.seed, **sharding)
     chosen = {k: getattr(train, k) for k in ("quantize_weights", "quantize_grads")}
@@ -116,6 +123,43 @@ def build_run_model(
         quantized = {k: None if value == "none" else value for k, value in chosen.items()}
         model.set_comm_policy(flatshard.CommPolicy(**quantized))
     return model
+
+
+def lora_spec(rank: int, alpha: float, dropout: float, targets: str) -> LoRASpec | None:
+    """The LoRA adapters train.lora_* ask for (None: rank 0, train every weight)."""
+    if not rank:
+        return None
+    names = tuple(name.strip() for name in targets.split(",") if name.strip())
+    return LoRASpec(rank, alpha or 2.0 * rank, dropout, names)
+
+
+def lora_of_checkpoint(step_path: str) -> tuple[str, LoRASpec] | None:
+    """(the base model directory, the adapters) of a LoRA run's checkpoint, whose files hold
+    the adapters only; None for any other checkpoint."""
+    saved = runs.saved_run_config(step_path) or {}
+    train, base = saved.get("train", {}), saved.get("model", {}).get("hf", "")
+    if not train.get("lora_rank"):
+        return None
+    if not os.path.isfile(os.path.join(base, "config.json")):
+        raise RunError(
+            f"{step_path} holds LoRA adapters of the model in {base!r}, which is not there any "
+            "more: the base weights come from it. Put the model directory back at that path"
+        )
+    spec = lora_spec(train["lora_rank"], train.get("lora_alpha", 0.0),
+                     train.get("lora_dropout", 0.0), train["lora_targets"])  # fmt: skip
+    return base, spec
+
+
+def build_lora_model(base: str, spec: LoRASpec, *, sharded: bool, device):
+    """The base model of `base` with `spec`'s adapters (to be filled from a checkpoint):
+    sharded by decoder layer, or plain in one process."""
+
+    def shard(model):
+        add_lora(model, spec)
+        if sharded:
+            hf.shard_decoder_layers(model)
+
+    return hf.from_pretrained(base, shard=shard, device=device)
 
 
 def build_sharded(
@@ -212,18 +256,29 @@ def build_hf(
     offload: flatshard.OffloadPolicy | None = None,
     activations: dict | None = None,
     load: bool = True,
+    lora: LoRASpec | None = None,
 ):
     """The Hugging Face model at `path` (config.json + safetensors), split by
     `flatshard.parallelize` over `dims` as build_sharded does (TP and EP by the model's
     plan: transformers' own for a transformers model), each rank reading only its slices:
     flatshard's Llama for Llama/Qwen2/Qwen3 checkpoints, the transformers model otherwise.
-    load False: allocated only (a checkpoint will fill it)."""
-    shard = functools.partial(
+    load False: allocated only (a checkpoint will fill it). lora: adapters added before
+    the model is split (init_adapters draws them)."""
+    parallelize = functools.partial(
         flatshard.parallelize,
         dims=dims.build(device.type),
         mp_policy=mixed_precision(precision),
         **_stage(zero_stage, hpz_group, offload, activations),
     )
+
+    def shard(model):
+        if lora is not None:
+            try:
+                add_lora(model, lora)
+            except LoRAError as error:
+                raise ConfigError(f"train.lora_*: {error}") from None
+        return parallelize(model)
+
     with _as_config_error(f"train.tp={dims.tp}, train.ep={dims.ep}"):
         if load:
             return hf.from_pretrained(path, shard=shard, device=device)

@@ -143,6 +143,15 @@ OPTIONS: tuple[Option, ...] = (
            choices=("none", "full", "selective", "offload")),
     Option("train.compile", False, "torch.compile each block (inductor; flatshard's hooks "
            "stay outside the graphs)"),
+    Option("train.lora_rank", 0, "LoRA: train adapters of this rank on the model's "
+           "projections, every other weight frozen (model.hf runs; 0: off)",
+           check=_non_negative),
+    Option("train.lora_alpha", 0.0, "LoRA: the adapters' output is scaled by alpha / rank "
+           "(0: twice the rank)", check=_non_negative),
+    Option("train.lora_dropout", 0.0, "LoRA: dropout on the adapters' input", check=_fraction),
+    Option("train.lora_targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+           "LoRA: the linear modules adapted, by the last part of their names (Llama and "
+           "Qwen names by default)"),
     Option("train.eval_interval", 0, "evaluate on data.eval every N steps (0: only at the "
            "end)", check=_non_negative),
     Option("train.eval_sequences", 256, "sequences of data.eval each evaluation reads at "
@@ -178,12 +187,13 @@ BY_KEY = {option.key: option for option in OPTIONS}
 # (those of pretraining from scratch): each applies unless set; warmup_steps and min_lr follow
 # the steps and the lr given.
 FINE_TUNE_LR = 2e-5
+FINE_TUNE_LORA_LR = 2e-4  # adapters that start at zero take a larger step
 FINE_TUNE_MIN_LR_SHARE = 0.1  # cosine to 10% of the peak
 FINE_TUNE_WARMUP_SHARE = 0.03  # of train.steps, at least one step
 
 
-def fine_tune_defaults(steps: int, lr: float | None) -> dict[str, object]:
-    peak = FINE_TUNE_LR if lr is None else lr
+def fine_tune_defaults(steps: int, lr: float | None, lora: bool = False) -> dict[str, object]:
+    peak = (FINE_TUNE_LORA_LR if lora else FINE_TUNE_LR) if lr is None else lr
     return {
         "train.lr": peak,
         "train.min_lr": float(f"{peak * FINE_TUNE_MIN_LR_SHARE:.6g}"),

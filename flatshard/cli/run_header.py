@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from flatshard.cli import runs
 from flatshard.cli.config import toml_value
-from flatshard.cli.options import FINE_TUNE_LR, FINE_TUNE_MIN_LR_SHARE
+from flatshard.cli.options import FINE_TUNE_LORA_LR, FINE_TUNE_LR, FINE_TUNE_MIN_LR_SHARE
 from flatshard.hf.transformers_model import model_class
 from flatshard.models import family_of_config
 
@@ -78,8 +78,9 @@ def _describe_schedule(config) -> str:
         f"{train.min_lr:g} over {train.steps} steps, weight decay {train.weight_decay:g}"
     )
     if config.model.hf:
+        lr = FINE_TUNE_LORA_LR if train.lora_rank else FINE_TUNE_LR
         line += (
-            f" (a fine-tune's defaults for model.hf where not set: lr {FINE_TUNE_LR:g}, "
+            f" (a fine-tune's defaults for model.hf where not set: lr {lr:g}, "
             f"min_lr {FINE_TUNE_MIN_LR_SHARE:.0%} of it, no weight decay)"
         )
     return line
@@ -114,7 +115,16 @@ def _describe_model(trainer) -> str:
     if model is None:
         kind = model_class(trainer.model).__name__  # not fully_shard's subclass
         count = sum(p.numel() for p in trainer.model.parameters())
-        return f"model: {kind} from {trainer.config.model.hf}, {count:,} parameters"
+        line = f"model: {kind} from {trainer.config.model.hf}, {count:,} parameters"
+        train = trainer.config.train
+        if train.lora_rank:
+            trained = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+            alpha = train.lora_alpha or 2 * train.lora_rank
+            line += (
+                f"; LoRA rank {train.lora_rank} (alpha {alpha:g}) on {train.lora_targets}: "
+                f"{trained:,} trained, the rest frozen"
+            )
+        return line
     return (
         f"model: {_kind(model)}, {model.num_params() / 1e6:.1f}M parameters (dim "
         f"{model.dim}, {model.n_layers} layers, {model.n_heads} heads, ffn {model.ffn_dim}, "

@@ -143,9 +143,10 @@ def _describe_saved(path: str) -> str:
     return f": {size:,.1f} MiB saved by {saved.get('world_size', '?')} process(es),"
 
 
-def resume(root: str, model, optimizer, step: int, ranks):
+def resume(root: str, model, optimizer, step: int, ranks, trainable_only: bool = False):
     """Load a run's checkpoint `step` into the model and optimizer (the load's result);
-    the main rank first removes what an interrupted save left (no save runs yet)."""
+    the main rank first removes what an interrupted save left (no save runs yet).
+    trainable_only: a LoRA run's checkpoint (its adapters)."""
     path = os.path.join(root, commit.step_dir_name(step))
     if ranks.is_main:
         for name in commit.remove_partials(root):
@@ -153,7 +154,8 @@ def resume(root: str, model, optimizer, step: int, ranks):
         described = _describe_saved(path)
         print(f"loading {path}{described} into {ranks.world_size} process(es)...", flush=True)
     started = time.perf_counter()
-    result = checkpoint.load(root, model=model, optimizer=optimizer, step=step, data_position=None)
+    result = checkpoint.load(root, model=model, optimizer=optimizer, step=step,
+                             data_position=None, trainable_only=trainable_only)  # fmt: skip
     if ranks.is_main:
         print(f"loaded step {step} in {time.perf_counter() - started:.1f} s", flush=True)
     return result

@@ -23,10 +23,12 @@ from flatshard.cli.errors import RunError
 from flatshard.cli.generate import TextStream, answer_text, generate_with_progress, prompt_ids
 from flatshard.cli.launch import init_distributed
 from flatshard.cli.model import (
+    build_lora_model,
     build_plain,
     build_sharded,
     build_transformers,
     is_transformers_config,
+    lora_of_checkpoint,
     max_seq_len,
     saved_model_config,
     vocab_size,
@@ -63,9 +65,12 @@ class LoadedModel:
         group = dist.group.WORLD if sharded else None
         root, step, self.path, self.cfg = saved_model_config(request.checkpoint, group)
         self.tokenizer = saved_tokenizer(self.path)
+        lora = lora_of_checkpoint(self.path)  # (base, adapters): the files hold the adapters
         if sharded:
             self.device, self.is_main = ranks.device, ranks.is_main
-            if is_transformers_config(self.cfg):
+            if lora is not None:
+                model = build_lora_model(*lora, sharded=True, device=self.device)
+            elif is_transformers_config(self.cfg):
                 model = build_transformers(self.cfg, sharded=True, device=self.device)
             else:
                 model = build_sharded(
@@ -74,11 +79,14 @@ class LoadedModel:
         else:
             use_cuda = request.device == "cuda" or (request.device == "auto" and cuda_available())
             self.device, self.is_main = ("cuda" if use_cuda else "cpu"), True
-            if is_transformers_config(self.cfg):
+            if lora is not None:
+                model = build_lora_model(*lora, sharded=False, device=self.device)
+            elif is_transformers_config(self.cfg):
                 model = build_transformers(self.cfg, sharded=False, device=self.device)
             else:
                 model = build_plain(self.cfg, self.device)
-        checkpoint.load(root, model=model, step=step, verify=False)  # verified above
+        checkpoint.load(root, model=model, step=step, verify=False,  # verified above
+                        trainable_only=lora is not None)  # fmt: skip
         self.model = model.eval()
         self.request = request
 

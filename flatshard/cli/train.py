@@ -110,7 +110,8 @@ class Trainer:
 
     # --- set-up ----------------------------------------------------------------------------
     def _resume(self, step: int) -> None:
-        result = runs.resume(self.checkpoints, self.model, self.optimizer, step, self.ranks)
+        result = runs.resume(self.checkpoints, self.model, self.optimizer, step, self.ranks,
+                             trainable_only=bool(self.config.train.lora_rank))  # fmt: skip
         self.step = self.last_saved = self.resumed_step = result.step
         self.resumed_from = result.path
         if self.ranks.is_main:  # what the header says of a changed schedule
@@ -240,6 +241,7 @@ class Trainer:
             staging_bytes=self.config.checkpoint.staging_mib << 20,
             data_position=self.position,
             run_config=self.config.to_json(),
+            trainable_only=bool(self.config.train.lora_rank),  # LoRA: the adapters
             **self.records,
         )
         self.last_saved = self.step
@@ -323,7 +325,7 @@ def make_optimizer(train, model) -> torch.optim.Optimizer:
 def _decay_groups(params, train) -> list[dict]:
     """Weight decay on matrices (and embeddings), none on norm weights."""
     decay, no_decay = [], []
-    for param in params:
+    for param in (p for p in params if p.requires_grad):  # LoRA: the adapters only
         (decay if param.ndim >= 2 else no_decay).append(param)
     return [
         {"params": decay, "weight_decay": train.weight_decay},

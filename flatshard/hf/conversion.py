@@ -18,14 +18,14 @@ from torch import nn
 
 from flatshard.dtensor.sharded_param import param_spec
 from flatshard.hf.errors import HFCheckpointError
-from flatshard.hf.names import TensorMapping, natural_key
+from flatshard.hf.names import TensorMapping, is_adapter_name, natural_key
 from flatshard.hf.tiles import Tiled
 
 
 def model_tensors(model: nn.Module) -> dict[str, object]:
     """What a checkpoint of `model` stores: parameters (tied ones once, under their first
     name, as transformers omits the tied copy) and persistent buffers."""
-    tensors = dict(model.named_parameters())
+    tensors = {n: p for n, p in model.named_parameters() if not is_adapter_name(n)}
     non_persistent = {
         f"{prefix}{'.' if prefix else ''}{name}"
         for prefix, module in model.named_modules()

@@ -23,6 +23,14 @@ from flatshard.hf.errors import HFCheckpointError
 from flatshard.hf.tiles import Tile
 from flatshard.layout import ParamInfo
 
+# Parameters of LoRA adapters (flatshard.models.lora) are in no base checkpoint: the HF
+# files of a model with adapters are its base's (the adapters export on their own).
+ADAPTER_MARKERS = (".lora_A.", ".lora_B.")
+
+
+def is_adapter_name(name: str) -> bool:
+    return any(marker in name for marker in ADAPTER_MARKERS)
+
 
 @dataclass(frozen=True)
 class NameRule:
@@ -79,6 +87,8 @@ def plan_tensors(
     """
     mappings, unmapped = [], []
     for name, param in model.named_parameters():
+        if is_adapter_name(name):
+            continue
         if rules is None:
             shape = param_spec(model, name, param).info.global_shape
             mappings.append(TensorMapping(name, name, None, shape))

@@ -87,9 +87,7 @@ def build_unit(members, mesh: ShardMesh, settings: UnitSettings, first_use_of=No
         found, shard_dims = [found[i] for i in kept], [shard_dims[i] for i in kept]
 
     rank, world_size = mesh.shard_rank, mesh.shard_size
-    infos = [
-        _param_info(fqn, p, places, dim) for (fqn, p, places), dim in zip(found, shard_dims)
-    ]
+    infos = [_param_info(fqn, p, places, dim) for (fqn, p, places), dim in zip(found, shard_dims)]
     layout = plan_unit_layout(infos, world_size, needs_bucket_per_param(offload.fraction))
     if found and layout.empty_ranks():
         # Legal (e.g. 8 experts over 64 ranks) but wasteful: say so, with the fix.
@@ -126,7 +124,12 @@ def build_unit(members, mesh: ShardMesh, settings: UnitSettings, first_use_of=No
         sharded = sharded_parameter(bucket, index, mesh, original.requires_grad, placement)
         managed.append(
             ManagedParam(
-                fqn, occurrences, bucket_index, index, sharded, tp_placement=placement,
+                fqn,
+                occurrences,
+                bucket_index,
+                index,
+                sharded,
+                tp_placement=placement,
                 shard_dim=bucket.specs[index].info.shard_dim,
             )  # fmt: skip
         )

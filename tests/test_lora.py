@@ -1,0 +1,151 @@
+"""LoRA in the trainer (`flatshard train --hf DIR --lora R`): a tiny random Llama with a tiny
+tokenizer built in the test. The adapters start at zero (the first loss is the base model's),
+train the same at world 1 and 2, are all the optimizer and the checkpoint hold, resume at
+another world size as if never stopped, and export two ways that agree with each other and
+with transformers + peft: the base with the adapters merged in (transformers loads it) and a
+PEFT adapter directory (`peft.PeftModel` loads it on the base)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from test_cli_helpers import check_ok, flatshard, metrics, one_line_error, run_in_process
+from tiny_tokenizer import TRAINING_TEXT, make_tokenizer_dir
+
+from flatshard.checkpoint import commit
+from flatshard.cli import runs
+from flatshard.data import token_cache
+from flatshard.data.sequences import SequenceOrder
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+STEPS, SEQ = 4, 16
+TRAIN = ["--steps", STEPS, "--seq-len", SEQ, "--micro-batch", 2, "--global-batch", 4,
+         "--lora", 4, "--lr", "1e-2", "--set", "run.sample_tokens=0",
+         "--set", "run.log_interval=1", "--set", "checkpoint.interval=0"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """(model directory, text file): a tiny random Llama with its own tokenizer."""
+    path = tmp_path_factory.mktemp("base")
+    tokenizer = make_tokenizer_dir(path)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(path)
+    text = path.parent / "text.txt"
+    text.write_text("\n".join(TRAINING_TEXT * 20))
+    return str(path), str(text)
+
+
+@pytest.fixture(scope="module")
+def runs_at(base, tmp_path_factory):
+    """The same LoRA fine-tune at world 1 (this process) and 2: run directories."""
+    path, text = base
+    root = tmp_path_factory.mktemp("lora-runs")
+    one, two = root / "one", root / "two"
+    assert run_in_process("train", "--hf", path, "--data", text, *TRAIN, "--nproc", 1,
+                          "--out", one) == 0  # fmt: skip
+    check_ok(flatshard("train", "--hf", path, "--data", text, *TRAIN, "--nproc", 2, "--out", two))
+    return one, two
+
+
+def _base_loss(path: str, text: str, run) -> float:
+    """The base model's loss on the run's first batch (transformers, the run's token file)."""
+    step_dir = commit.latest_dir(runs.checkpoint_root(str(run)))
+    tokens = np.load(token_cache.cache_file(text, runs.saved_extra(step_dir, "tokenizer")))
+    batch = SequenceOrder(tokens, SEQ, 0).batch(0, 4)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(batch[:, :-1]).logits
+    return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
+
+
+def test_lora_trains_the_same_at_world_1_and_2_from_the_base_models_loss(base, runs_at):
+    one, two = (metrics(run) for run in runs_at)
+    losses = [[r["loss"] for r in records] for records in (one, two)]
+    assert len(losses[0]) == STEPS
+    assert all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(*losses)), losses
+    assert losses[0][-1] < losses[0][0]  # it learns
+    # the adapters start at zero: step 1 is the base model's own loss on the same tokens
+    path, text = base
+    assert abs(losses[0][0] - _base_loss(path, text, runs_at[0])) <= 1e-4 * losses[0][0]
+
+
+def test_the_checkpoint_holds_the_adapters_and_their_optimizer_state(runs_at):
+    step_dir = commit.latest_dir(runs.checkpoint_root(str(runs_at[1])))
+    keys = [k for k in runs.stored_keys(step_dir) if k.startswith(("model.", "optim."))]
+    weights = [k for k in keys if k.startswith("model.")]
+    assert weights and all(".lora_A." in k or ".lora_B." in k for k in weights), weights
+    # 2 layers x (q, k, v, o, down + gate and up in the fused projection) x (A, B)
+    assert len(weights) == 2 * 7 * 2
+    moments = [k for k in keys if k.startswith("optim.state.")]
+    assert moments and all(".lora_A." in k or ".lora_B." in k for k in moments)
+
+
+def test_a_resume_at_another_world_size_goes_on_as_if_never_stopped(base, runs_at, tmp_path):
+    path, text = base
+    run = tmp_path / "stopped"
+    check_ok(flatshard("train", "--hf", path, "--data", text, *TRAIN, "--nproc", 2,
+                       "--out", run, "--set", "run.stop_at_step=2"))  # fmt: skip
+    assert run_in_process("train", "--resume", run, "--nproc", 1) == 0
+    resumed = [r["loss"] for r in metrics(run)][-2:]
+    straight = [r["loss"] for r in metrics(runs_at[1])][-2:]
+    assert all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(resumed, straight)), (resumed, straight)
+
+
+def test_merged_and_peft_exports_load_in_transformers_and_peft_alike(
+    base, runs_at, tmp_path, capsys
+):
+    path, _ = base
+    run = runs_at[1]
+    merged, adapters = tmp_path / "merged", tmp_path / "adapters"
+    assert run_in_process("convert", "checkpoint-to-hf", run, merged) == 0
+    assert run_in_process("convert", "checkpoint-to-hf", run, adapters, "--peft") == 0
+    config = json.loads((adapters / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8.0
+    assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj",
+                                             "gate_proj", "up_proj", "down_proj"}  # fmt: skip
+    saved = load_file(adapters / "adapter_model.safetensors")
+    assert "base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight" in saved
+
+    tokens = torch.randint(0, 200, (2, 12))
+    load = lambda where: transformers.AutoModelForCausalLM.from_pretrained(where).float().eval()
+    tuned, untouched = load(merged), load(path)
+    with_adapters = peft.PeftModel.from_pretrained(load(path), str(adapters)).eval()
+    with torch.no_grad():
+        want, got = with_adapters(tokens).logits, tuned(tokens).logits
+        before = untouched(tokens).logits
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert (got - before).abs().max() > 1e-3  # the adapters changed the model
+    # what LoRA leaves frozen comes back bitwise
+    tuned_state, base_state = tuned.state_dict(), untouched.state_dict()
+    for name in ("model.embed_tokens.weight", "model.norm.weight"):
+        assert torch.equal(tuned_state[name], base_state[name]), name
+
+    # flatshard sample on the LoRA checkpoint (base + adapters) decodes as the merged model
+    capsys.readouterr()
+    assert run_in_process("sample", "--checkpoint", run, "--prompt-ids", "5,6,7",
+                          "--temperature", 0, "--tokens", 6) == 0  # fmt: skip
+    sampled = [int(i) for i in capsys.readouterr().out.split()]
+    greedy = tuned.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=6, do_sample=False)
+    assert sampled == greedy[0, : len(sampled)].tolist() and len(sampled) > 3
+
+
+def test_lora_settings_that_cannot_apply_are_one_line_errors(base):
+    path, text = base
+    no_hf = one_line_error(flatshard("train", "--lora", 4, "--steps", 1))
+    assert "set model.hf" in no_hf
+    wrong = one_line_error(flatshard("train", "--hf", path, "--data", text, *TRAIN, "--nproc", 1,
+                                     "--set", "train.lora_targets=wq,wk"))  # fmt: skip
+    assert "no Linear of the model is named as a lora target (wq, wk)" in wrong
