@@ -19,6 +19,7 @@ from tiny_tokenizer import TRAINING_TEXT, make_tokenizer_dir
 
 from flatshard.checkpoint import commit
 from flatshard.cli import runs
+from flatshard.cli.main import main
 from flatshard.data import token_cache
 from flatshard.data.sequences import SequenceOrder
 
@@ -149,3 +150,19 @@ def test_lora_settings_that_cannot_apply_are_one_line_errors(base):
     wrong = one_line_error(flatshard("train", "--hf", path, "--data", text, *TRAIN, "--nproc", 1,
                                      "--set", "train.lora_targets=wq,wk"))  # fmt: skip
     assert "no Linear of the model is named as a lora target (wq, wk)" in wrong
+
+
+def test_the_plan_counts_gradients_and_optimizer_state_of_the_adapters_only(capsys):
+    """`flatshard plan --lora 16` on Llama-3-8B at 8 ranks: AdamW's two fp32 states and the
+    fp32 gradient shards of the adapters alone (r x in + out x r per projection)."""
+    plans = {}
+    for lora in ((), ("--lora", 16)):
+        assert main(["plan", "llama3-8b", "--world-size", "8", *map(str, lora), "--json"]) == 0
+        plans[bool(lora)] = json.loads(capsys.readouterr().out)["memory"]
+    d, kv, ffn, r = 4096, 1024, 14336, 16
+    per_layer = 2 * r * (d + d) + 2 * r * (d + kv) + 3 * r * (d + ffn)  # q, o; k, v; MLP
+    adapters = 32 * per_layer
+    assert plans[True]["optimizer"] == 2 * 4 * adapters // 8
+    assert plans[True]["grads"] == 4 * adapters // 8
+    assert plans[False]["grads"] > 100 * plans[True]["grads"]
+    assert plans[True]["params"] >= plans[False]["params"]  # the base is all still there

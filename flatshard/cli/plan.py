@@ -12,7 +12,9 @@ from flatshard.cli import config as run_config
 from flatshard.cli import zoo
 from flatshard.cli.errors import ConfigError, warn
 from flatshard.cli.estimate import Plan, Setup, plan
+from flatshard.cli.model import lora_spec
 from flatshard.cli.muon_plan import muon_lines
+from flatshard.cli.options import BY_KEY
 from flatshard.errors import MeshError
 from flatshard.mesh import ParallelDims
 
@@ -156,6 +158,10 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="training config override"
     )
+    parser.add_argument(
+        "--lora", type=int, default=None, metavar="R",
+        help="LoRA adapters of rank R on the projections, the base frozen (train --lora)",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="machine-readable output")  # fmt: skip
 
 
@@ -199,6 +205,9 @@ def plan_command(args) -> int:
     return 0
 
 
+LORA_TARGETS = BY_KEY["train.lora_targets"].default
+
+
 def _model_and_defaults(args):
     defaults = dict(
         world_size=8, dp_shard=None, zero_stage=3, param_dtype="bf16", reduce_dtype="fp32",
@@ -207,7 +216,7 @@ def _model_and_defaults(args):
         quantize_weights="none", quantize_grads="none", muon_split_fused=False,
     )  # fmt: skip
     if args.model is not None:
-        return zoo.resolve(args.model), defaults
+        return zoo.resolve(args.model, lora_spec(args.lora or 0, 0.0, 0.0, LORA_TARGETS)), defaults
     config = run_config.build(args.config, args.set)
     world = args.world_size or config.run.nproc
     train = config.train
@@ -234,7 +243,11 @@ def _model_and_defaults(args):
         backend="nccl" if _uses_cuda(config.run.device) else "gloo",
     )
     if config.model.hf:  # the Hugging Face model train --hf would fine-tune
-        return zoo.resolve(config.model.hf), defaults
+        rank = train.lora_rank if args.lora is None else args.lora
+        lora = lora_spec(rank, train.lora_alpha, train.lora_dropout, train.lora_targets)
+        return zoo.resolve(config.model.hf, lora), defaults
+    if args.lora:
+        raise ConfigError("--lora plans a Hugging Face model: name one, or --set model.hf=DIR")
     return zoo.from_llama_config(_run_model(config), "the training config's model"), defaults
 
 

@@ -22,6 +22,7 @@ from flatshard.cli.activations import Activations, Saved
 from flatshard.cli.errors import ConfigError
 from flatshard.layout import ParamInfo
 from flatshard.models import Llama, LlamaConfig, MoEConfig, family_of_config
+from flatshard.models.lora import LoRAError, LoRASpec, add_lora
 
 FP32 = 4  # bytes of an fp32 element; main weights are kept in fp32
 
@@ -106,10 +107,11 @@ ZOO: dict[str, dict] = {
 }  # fmt: skip
 
 
-def resolve(name_or_path: str) -> ModelSpec:
-    """A zoo name, or a path to a Hugging Face config.json (or the directory holding it)."""
+def resolve(name_or_path: str, lora: LoRASpec | None = None) -> ModelSpec:
+    """A zoo name, or a path to a Hugging Face config.json (or the directory holding it);
+    lora: its projections adapted, the rest frozen (what `train --lora` trains)."""
     if name_or_path in ZOO:
-        return from_hf_config(ZOO[name_or_path], name_or_path)
+        return from_hf_config(ZOO[name_or_path], name_or_path, lora)
     path = name_or_path
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
@@ -123,11 +125,13 @@ def resolve(name_or_path: str) -> ModelSpec:
             hf = json.load(handle)
     except ValueError as error:
         raise ConfigError(f"{path} is not valid JSON: {error}") from None
-    return from_hf_config(hf, path)
+    return from_hf_config(hf, path, lora)
 
 
-def from_hf_config(hf: dict, name: str) -> ModelSpec:
+def from_hf_config(hf: dict, name: str, lora: LoRASpec | None = None) -> ModelSpec:
     model_type = hf.get("model_type")
+    if lora is not None and model_type in ("qwen3_moe", "mixtral", "deepseek_v3"):
+        raise ConfigError(f"{name}: LoRA plans are for dense models so far (not {model_type})")
     if model_type == "qwen3_moe":  # transformers 5 writes num_local_experts, 4.x num_experts
         experts = hf.get("num_local_experts", hf.get("num_experts"))
         return _moe(hf, name, experts=experts, ffn=hf["moe_intermediate_size"], qk_norm=True)
@@ -143,18 +147,19 @@ def from_hf_config(hf: dict, name: str) -> ModelSpec:
     if model_type not in (None, *ARCHITECTURES.values()):  # the transformers model itself
         from flatshard.cli.zoo_transformers import from_transformers_config
 
-        return from_transformers_config(hf, name)
-    return from_llama_config(hf_to_config(hf), name)
+        return from_transformers_config(hf, name, lora)
+    return from_llama_config(hf_to_config(hf), name, lora)
 
 
 # --- dense: the reference Llama on the meta device ----------------------------------------
 
 
-def from_llama_config(cfg: LlamaConfig, name: str) -> ModelSpec:
+def from_llama_config(cfg: LlamaConfig, name: str, lora: LoRASpec | None = None) -> ModelSpec:
     """The reference model of the config's family (the Llama, or the MoE for a MoEConfig)."""
     family = family_of_config(cfg)
     with torch.device("meta"):
         model = family.model_type(cfg)
+    adapt(model, lora, name)
     units = _layer_units(model)
     if cfg.tie_embeddings:  # embedding and head are one parameter: the root keeps it
         parts = [("root", ("embed_tokens.",), False), ("norm", ("norm.",), False)]
@@ -165,6 +170,17 @@ def from_llama_config(cfg: LlamaConfig, name: str) -> ModelSpec:
     activations = ACTIVATIONS[family.name]
     top_k = getattr(cfg, "top_k", 0)
     return ModelSpec(name, units, cfg.n_layers, lambda a: activations(cfg, a), top_k=top_k)
+
+
+def adapt(model, lora: LoRASpec | None, name: str) -> None:
+    """LoRA adapters on the meta model: its base frozen, so the plan counts gradients and
+    optimizer state for the adapters only."""
+    if lora is None:
+        return
+    try:
+        add_lora(model, lora)
+    except LoRAError as error:
+        raise ConfigError(f"{name}: {error}") from None
 
 
 def _layer_units(model) -> tuple[UnitSpec, ...]:

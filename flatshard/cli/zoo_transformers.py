@@ -15,7 +15,7 @@ from flatshard.cli.errors import ConfigError
 from flatshard.errors import MeshError
 
 
-def from_transformers_config(hf_config: dict, name: str) -> zoo.ModelSpec:
+def from_transformers_config(hf_config: dict, name: str, lora=None) -> zoo.ModelSpec:
     from flatshard.hf import HFConfigError, build_causal_lm
     from flatshard.hf.transformers_model import decoder_layers
 
@@ -25,6 +25,7 @@ def from_transformers_config(hf_config: dict, name: str) -> zoo.ModelSpec:
         layers = decoder_layers(model)
     except HFConfigError as error:
         raise ConfigError(f"{name}: {error}") from None
+    zoo.adapt(model, lora, name)
     names = {id(m): n for n, m in model.named_modules()}
     runs: list[tuple] = []  # (first layer, last layer, its ParamInfos, its shapes)
     for index, layer in enumerate(layers):
