@@ -376,3 +376,18 @@ def test_hf_sample_and_tokenize_scripts(tmp_path):
             assert "same tokens: 4 of 4" in proc.stdout and "| flatshard |" in proc.stdout
         else:
             assert "same ids: True; reused: True" in proc.stdout
+
+
+def test_lora_step_script():
+    """benchmarks/lora_step.py at its smallest: flatshard's LoRA and FSDP2 + PEFT, given the
+    same adapters, take the same steps; the adapters' state is a fraction of the full one."""
+    pytest.importorskip("peft")
+    tiny = ["--world", "2", "--steps", "3", "--hidden", "64", "--layers", "2", "--vocab", "256"]
+    proc = _script(os.path.join(ROOT, "benchmarks", "lora_step.py"), *tiny, "--seq", "16")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    agree = re.search(r"LoRA losses agree to (\S+) \(relative\)", proc.stdout)
+    assert agree and float(agree.group(1)) <= 1e-5, proc.stdout
+    _, rows = _table(proc.stdout)
+    state = {mode: float(rows[mode][4]) for mode in ("flatshard-lora", "flatshard-full")}
+    assert rows["flatshard-lora"][3] == rows["fsdp2-peft"][3]  # the same trainable count
+    assert 0 < state["flatshard-lora"] < state["flatshard-full"] / 2, proc.stdout

@@ -1,0 +1,212 @@
+"""LoRA fine-tuning of a Hugging Face Llama: flatshard against FSDP2 + PEFT.
+
+Both adapt the same `LlamaForCausalLM` (random weights saved once with save_pretrained; or
+--model DIR) with rank-R adapters on every attention and MLP projection, AdamW on the
+adapters alone, on the same data, inside one set of spawned gloo worker processes:
+
+    fsdp2-peft      transformers' from_pretrained, peft.get_peft_model, then FSDP2's
+                    fully_shard of every decoder layer and the root
+    flatshard-lora  what `flatshard train --hf DIR --lora R` builds: flatshard's Llama on
+                    meta, the adapters added, each decoder layer and the root fully_shard-ed,
+                    each rank reading only its rows of the base
+    flatshard-full  the same model, every weight trained (what LoRA saves)
+
+The flatshard adapters' A matrices are copied into PEFT's (B starts at zero in both), so
+the two LoRA runs take the same steps: their losses must agree (printed as their largest
+relative difference). Modes alternate step by step, the order reversed every step, so a
+drift of the shared machine hits all alike. Printed per rank 0: median seconds per step,
+trainable parameters, the AdamW state and gradient bytes a rank holds.
+
+    python benchmarks/lora_step.py --world 2 --rank 16 --steps 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [p for p in (_ROOT, os.path.dirname(os.path.abspath(__file__))) if p not in sys.path]
+
+from compare import free_port  # noqa: E402
+
+from flatshard import hf  # noqa: E402
+from flatshard.dtensor.sharded_param import local_data  # noqa: E402
+from flatshard.models.lora import (  # noqa: E402
+    DEFAULT_TARGETS,
+    LoRASpec,
+    add_lora,
+    init_adapters,
+)
+
+MODES = ("fsdp2-peft", "flatshard-lora", "flatshard-full")
+
+
+def flatshard_model(path: str, spec: LoRASpec | None):
+    def shard(model):
+        if spec is not None:
+            add_lora(model, spec)
+        hf.shard_decoder_layers(model)
+
+    model = hf.from_pretrained(path, shard=shard)
+    if spec is not None:
+        init_adapters(model, seed=0)
+    return model
+
+
+def peft_model(path: str, spec: LoRASpec, ours):
+    """FSDP2 + PEFT, with the A matrices of `ours` (flatshard's) copied in."""
+    import peft
+    import transformers
+    from torch.distributed.fsdp import fully_shard
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    config = peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0,
+                             target_modules=list(spec.targets))  # fmt: skip
+    model = peft.get_peft_model(model, config)
+    a_matrices = _hf_a_matrices(ours)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_A." in name:
+                key = name.removeprefix("base_model.model.").replace(".lora_A.default.weight", "")
+                param.copy_(a_matrices[key])
+            elif ".lora_B." in name:
+                param.zero_()
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _hf_a_matrices(ours) -> dict[str, torch.Tensor]:
+    """Every A matrix of flatshard's model, whole, by the HF module it adapts."""
+    from flatshard.models.lora import peft_adapter
+
+    tensors, _ = peft_adapter(ours, "")
+    prefix, suffix = "base_model.model.", ".lora_A.weight"
+    return {k[len(prefix) : -len(suffix)]: v for k, v in tensors.items() if k.endswith(suffix)}
+
+
+def _held_bytes(model, optimizer) -> tuple[int, int]:
+    """(AdamW state bytes, gradient bytes) this rank holds."""
+    state = sum(
+        local_data(t).nbytes if hasattr(t, "to_local") else t.nbytes
+        for s in optimizer.state.values()
+        for t in s.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    )
+    grads = sum(
+        (local_data(p.grad) if hasattr(p.grad, "to_local") else p.grad).nbytes
+        for p in model.parameters()
+        if p.grad is not None
+    )
+    return state, grads
+
+
+def worker(rank: int, world: int, port: int, args, path: str, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    spec = LoRASpec(args.rank, 2.0 * args.rank, 0.0, DEFAULT_TARGETS)
+    runs = {}
+    ours = flatshard_model(path, spec)
+    runs["flatshard-lora"] = {"model": ours}
+    runs["fsdp2-peft"] = {"model": peft_model(path, spec, ours)}
+    runs["flatshard-full"] = {"model": flatshard_model(path, None)}
+    for run in runs.values():
+        trainable = [p for p in run["model"].parameters() if p.requires_grad]
+        run.update(opt=torch.optim.AdamW(trainable, lr=args.lr), times=[], losses=[])
+        run["trainable"] = sum(p.numel() for p in trainable)
+    torch.manual_seed(1)
+    vocab = runs["fsdp2-peft"]["model"].config.vocab_size
+    data = torch.randint(0, vocab, (args.steps, world * args.micro_batch, args.seq + 1))
+    for step in range(args.steps):
+        mine = data[step, rank * args.micro_batch : (rank + 1) * args.micro_batch]
+        order = MODES if step % 2 == 0 else MODES[::-1]
+        for mode in order:
+            run = runs[mode]
+            dist.barrier()
+            started = time.perf_counter()
+            output = run["model"](mine[:, :-1])
+            logits = getattr(output, "logits", output)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), mine[:, 1:].flatten())
+            loss.backward()
+            run["opt"].step()
+            if step == args.steps - 1:
+                run["held"] = _held_bytes(run["model"], run["opt"])
+            run["opt"].zero_grad()
+            elapsed = time.perf_counter() - started
+            value = torch.tensor([loss.item() / world])
+            dist.all_reduce(value)
+            if step >= args.warmup:
+                run["times"].append(elapsed)
+            run["losses"].append(value.item())
+    if rank == 0:
+        out.put({
+            mode: dict(seconds=statistics.median(run["times"]), losses=run["losses"],
+                       trainable=run["trainable"], held=run["held"])
+            for mode, run in runs.items()
+        })  # fmt: skip
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="a Llama directory (default: random)")
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    args = parser.parse_args()
+    import transformers
+
+    path = args.model
+    if path is None:
+        config = transformers.LlamaConfig(
+            vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
+            num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
+            max_position_embeddings=args.seq, bos_token_id=0, eos_token_id=1,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        path = tempfile.mkdtemp(prefix="lora-step-")
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    out = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(worker, (args.world, free_port(), args, path, out), nprocs=args.world)
+    result = out.get()
+    reference = result["fsdp2-peft"]
+    agree = max(
+        abs(a - b) / abs(b) for a, b in zip(result["flatshard-lora"]["losses"], reference["losses"])
+    )
+    total = result["flatshard-full"]["trainable"]
+    print(f"LoRA rank {args.rank} (alpha {2 * args.rank}) on {', '.join(DEFAULT_TARGETS)}; "
+          f"a Llama of {total / 1e6:.1f}M parameters, world {args.world} (gloo, CPU), micro "
+          f"batch {args.micro_batch} x {args.seq} tokens, {args.steps - args.warmup} timed "
+          f"steps (median), torch {torch.__version__}; LoRA losses agree to {agree:.1e} "
+          "(relative)\n")  # fmt: skip
+    print("| mode | s/step | vs FSDP2+PEFT | trainable | AdamW state MB/rank | grads MB/rank "
+          "| loss first -> last |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for mode, r in result.items():
+        state, grads = (b / 1e6 for b in r["held"])
+        print(f"| {mode} | {r['seconds']:.3f} | {r['seconds'] / reference['seconds']:.2f} | "
+              f"{r['trainable']:,} | {state:.2f} | {grads:.2f} | "
+              f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
