@@ -53,6 +53,7 @@ class LoRASpec:
 class LoRAMixin:
     """The forward of a Linear with adapters (a class made per Linear class, see _lora_class)."""
 
+    base_class: type  # the Linear class this one adapts
     lora_spec: LoRASpec
     lora_parts: tuple[tuple[str, int], ...]  # (part, output rows) in dim-0 order
 
@@ -79,7 +80,7 @@ _CLASSES: dict[type, type] = {}
 def _lora_class(cls: type) -> type:
     """`LoRA<cls>`: cls with LoRAMixin's forward (made once per class)."""
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"LoRA{cls.__name__}", (LoRAMixin, cls), {})
+        _CLASSES[cls] = type(f"LoRA{cls.__name__}", (LoRAMixin, cls), {"base_class": cls})
     return _CLASSES[cls]
 
 
@@ -178,7 +179,7 @@ def merge_adapters(model: nn.Module) -> None:
             raise LoRAError("merge the adapters of an unsharded model (one process)")
         module.weight.copy_(module.merged_weight(module.weight))
         del module.lora_A, module.lora_B, module.lora_spec, module.lora_parts
-        module.__class__ = type(module).__mro__[2]  # LoRA<cls> -> cls
+        module.__class__ = type(module).base_class
 
 
 def peft_adapter(model: nn.Module, base_path: str) -> tuple[dict[str, torch.Tensor], dict]:
