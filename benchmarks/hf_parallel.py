@@ -123,6 +123,21 @@ def worker(rank: int, world: int, port: int, args, path: str, out) -> None:
     dist.destroy_process_group()
 
 
+def random_llama_dir(args, prefix: str):
+    """A random transformers Llama of args' sizes saved in a new directory: (config, path)."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
+        num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
+        max_position_embeddings=args.seq, bos_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    path = tempfile.mkdtemp(prefix=prefix)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return config, path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=4)
@@ -137,14 +152,7 @@ def main() -> None:
     args = parser.parse_args()
     import transformers
 
-    config = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
-        num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
-        max_position_embeddings=args.seq, bos_token_id=0, eos_token_id=1,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    path = tempfile.mkdtemp(prefix="hf-parallel-")
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    config, path = random_llama_dir(args, "hf-parallel-")
     out = mp.get_context("spawn").SimpleQueue()
     mp.spawn(worker, (args.world, free_port(), args, path, out), nprocs=args.world)
     result = out.get()

@@ -26,7 +26,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -38,6 +37,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [p for p in (_ROOT, os.path.dirname(os.path.abspath(__file__))) if p not in sys.path]
 
 from compare import free_port  # noqa: E402
+from hf_parallel import random_llama_dir  # noqa: E402
 
 from flatshard import hf  # noqa: E402
 from flatshard.dtensor.sharded_param import local_data  # noqa: E402
@@ -173,18 +173,7 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-3)
     args = parser.parse_args()
-    import transformers
-
-    path = args.model
-    if path is None:
-        config = transformers.LlamaConfig(
-            vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
-            num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
-            max_position_embeddings=args.seq, bos_token_id=0, eos_token_id=1,
-        )  # fmt: skip
-        torch.manual_seed(0)
-        path = tempfile.mkdtemp(prefix="lora-step-")
-        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    path = args.model or random_llama_dir(args, "lora-step-")[1]
     out = mp.get_context("spawn").SimpleQueue()
     mp.spawn(worker, (args.world, free_port(), args, path, out), nprocs=args.world)
     result = out.get()

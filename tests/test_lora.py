@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 from test_cli_helpers import check_ok, flatshard, metrics, one_line_error, run_in_process
-from tiny_tokenizer import TRAINING_TEXT, make_tokenizer_dir
+from tiny_tokenizer import TRAINING_TEXT, make_llama_dir
 
 from flatshard.checkpoint import commit
 from flatshard.cli import runs
@@ -36,14 +36,7 @@ TRAIN = ["--steps", STEPS, "--seq-len", SEQ, "--micro-batch", 2, "--global-batch
 def base(tmp_path_factory):
     """(model directory, text file): a tiny random Llama with its own tokenizer."""
     path = tmp_path_factory.mktemp("base")
-    tokenizer = make_tokenizer_dir(path)
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
-    transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(path)
+    make_llama_dir(path, intermediate_size=48, max_position_embeddings=64)
     text = path.parent / "text.txt"
     text.write_text("\n".join(TRAINING_TEXT * 20))
     return str(path), str(text)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from test_cli_helpers import check_ok, flatshard, metrics, run_in_process
-from tiny_tokenizer import make_tokenizer_dir
+from tiny_tokenizer import make_llama_dir, make_tokenizer_dir
 
 from flatshard.data.chat import record_ids
 from flatshard.data.sequences import IGNORE, RecordOrder, SequenceOrder
@@ -37,15 +37,7 @@ CONVERSATIONS = [
 def model_dir(tmp_path_factory):
     """A tiny Llama with a ChatML tokenizer: (directory, transformers model, tokenizer)."""
     path = tmp_path_factory.mktemp("chat-model")
-    tokenizer = make_tokenizer_dir(path)
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
-    model = transformers.AutoModelForCausalLM.from_config(config).float()
-    model.save_pretrained(path)
+    model, tokenizer = make_llama_dir(path)
     return path, model, tokenizer
 
 

@@ -47,3 +47,21 @@ def make_tokenizer_dir(path, *, vocab_size: int = 300, bos: bool = False, chat: 
     os.makedirs(path, exist_ok=True)
     wrapped.save_pretrained(path)
     return wrapped
+
+
+def make_llama_dir(path, **sizes):
+    """A tiny random transformers Llama with a tiny tokenizer of its own, saved in `path`
+    (created): returns (the model, the tokenizer)."""
+    import torch
+    import transformers
+
+    tokenizer = make_tokenizer_dir(path)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{
+        "vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 256, "eos_token_id": tokenizer.eos_token_id, **sizes,
+    })  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    model.save_pretrained(path)
+    return model, tokenizer
