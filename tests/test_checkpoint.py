@@ -482,7 +482,7 @@ def test_full_weights_export_and_sharded_import(tmp_path):
 def _export_peak(path):
     import ctypes
 
-    from test_features import _rss_kib
+    from test_features import rss_kib
 
     ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # freed buffers leave RSS at once
     layers = [torch.nn.Linear(1024, 1024, bias=False) for _ in range(32)]
@@ -490,9 +490,9 @@ def _export_peak(path):
     checkpoint.export_full(model, path + ".warmup")  # loads code paths first
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")
-    before = _rss_kib("VmRSS")
+    before = rss_kib("VmRSS")
     checkpoint.export_full(model, path)
-    return _rss_kib("VmHWM") - before
+    return rss_kib("VmHWM") - before
 
 
 def test_full_weights_export_memory_is_bounded_by_largest_tensor(tmp_path):

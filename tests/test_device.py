@@ -40,14 +40,14 @@ def test_gloo_stays_on_cpu_when_cuda_is_visible():
 def test_root_moves_forward_inputs_to_the_parameters_device():
     """The root's pre-forward moves every tensor input (token ids included) to the mesh's
     device, leaving other values alone; `meta` stands in for a GPU here."""
-    from flatshard.runtime.hooks import _to_device
+    from flatshard.runtime.hooks import inputs_to_device
 
     args = (torch.arange(4), {"mask": torch.ones(2, dtype=torch.bool), "n": 3})
-    moved_args, moved_kwargs = _to_device((args, {"x": torch.zeros(1)}), torch.device("meta"))
+    moved_args, moved_kwargs = inputs_to_device((args, {"x": torch.zeros(1)}), torch.device("meta"))
     assert moved_args[0].device.type == "meta" and moved_args[1]["mask"].device.type == "meta"
     assert moved_args[1]["n"] == 3 and moved_kwargs["x"].device.type == "meta"
     same = torch.zeros(2)
-    assert _to_device(same, torch.device("cpu")) is same  # already there: no copy
+    assert inputs_to_device(same, torch.device("cpu")) is same  # already there: no copy
 
 
 def test_nccl_beside_gloo_is_a_cuda_group(monkeypatch):

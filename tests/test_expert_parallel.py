@@ -22,7 +22,7 @@ from reference import (
     rel_losses,
     train,
 )
-from test_gradients import _full_grads, _per_tensor_errors
+from test_gradients import full_grads, per_tensor_errors
 from test_moe_training import moe_loss
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -116,7 +116,7 @@ def _first_gradients(ep):
     model = ep_model(ep)
     tokens = batches(_config("qwen3_moe"), 1)[0]
     moe_loss(model, rank_slice(tokens, rank, world), group=dist.group.WORLD).backward()
-    return _full_grads(model)
+    return full_grads(model)
 
 
 @pytest.mark.parametrize("world, ep", [(4, 4), (4, 2), (2, 2)], ids=str)
@@ -127,7 +127,7 @@ def test_expert_gradients_equal_one_process_per_tensor(world, ep):
     moe_loss(reference, data[0]).backward()
     expected = {name: p.grad for name, p in reference.named_parameters()}
     for grads in run_distributed(_first_gradients, world, ep):
-        errors = _per_tensor_errors(grads, expected)
+        errors = per_tensor_errors(grads, expected)
         assert max(errors.values()) <= 2e-6, errors
 
 
@@ -190,7 +190,7 @@ def _clip_norm(ep):
     tokens = batches(_config("qwen3_moe"), 1)[0]
     moe_loss(model, rank_slice(tokens, rank, world), group=dist.group.WORLD).backward()
     norm = flatshard.clip_grad_norm_(model.parameters(), max_norm=0.5)
-    return norm.item(), _full_grads(model)
+    return norm.item(), full_grads(model)
 
 
 def test_clip_grad_norm_over_dense_and_expert_parameters():
@@ -202,7 +202,7 @@ def test_clip_grad_norm_over_dense_and_expert_parameters():
     expected = {name: p.grad for name, p in reference.named_parameters()}
     for norm, grads in run_distributed(_clip_norm, 4, 2):
         assert abs(norm - ref_norm) <= 1e-6 * ref_norm
-        assert max(_per_tensor_errors(grads, expected).values()) <= 2e-6
+        assert max(per_tensor_errors(grads, expected).values()) <= 2e-6
 
 
 def _bad_router_index():

@@ -231,7 +231,7 @@ def test_fsdp_module_methods(world_size):
 
 
 # --- meta-device init: memory bounded by the largest unit -------------------------------------
-def _rss_kib(field: str) -> int:
+def rss_kib(field: str) -> int:
     with open("/proc/self/status") as status:
         for line in status:
             if line.startswith(field):
@@ -256,13 +256,13 @@ def _meta_init_peak():
 def _measure_meta_init(cfg):
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")  # reset the peak-RSS mark
-    before = _rss_kib("VmRSS")
+    before = rss_kib("VmRSS")
     with torch.device("meta"):
         model = Llama(cfg)
     shard(model)
     torch.manual_seed(0)
     flatshard.materialize(model)
-    peak = _rss_kib("VmHWM") - before
+    peak = rss_kib("VmHWM") - before
     units = registry.units_below(model)
     sharded_kib = sum(b.shard.main.numel() for u in units for b in u.buckets) * 4 // 1024
     largest_unit_kib = max(sum(b.layout.used_size for b in u.buckets) for u in units) * 4 // 1024

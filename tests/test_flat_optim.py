@@ -166,17 +166,17 @@ COMPOSED = {  # name: (world, ParallelDims keywords, MoE)
 
 
 def _train_composed(kind: str, dims_keywords: dict, moe: bool):
-    from test_full_state_paths import _build, _loss
+    from test_full_state_paths import build_case_model, case_loss
 
     world = dist.get_world_size()
     dims = flatshard.ParallelDims(world, **dims_keywords)
-    model = flatshard.parallelize(_build("moe" if moe else "llama", seed=0), dims)
+    model = flatshard.parallelize(build_case_model("moe" if moe else "llama", seed=0), dims)
     make = optim.AdamW if kind == "flat" else torch.optim.AdamW
     optimizer = make(model.parameters(), lr=1e-3, weight_decay=0.1)
     data_rank, data_world = dims.build().dp_rank, dims.dp
     for tokens in batches(model.config, STEPS):
         per_rank = tokens.shape[0] // data_world
-        _loss(model, tokens[data_rank * per_rank : (data_rank + 1) * per_rank]).backward()
+        case_loss(model, tokens[data_rank * per_rank : (data_rank + 1) * per_rank]).backward()
         optimizer.step()
         optimizer.zero_grad()
     flat = sum(len(plan.ids) for plan in getattr(optimizer, "_plans", {}).values())

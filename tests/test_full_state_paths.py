@@ -18,6 +18,7 @@ every EP rank, and no other test saw it).
 from __future__ import annotations
 
 import copy
+import shutil
 import tempfile
 
 import pytest
@@ -51,11 +52,14 @@ CASES = {  # name: (world, model, ParallelDims keywords, parallelize keywords)
 }
 
 
-def _build(kind: str, seed: int):
+def build_case_model(kind: str, seed: int):
     torch.manual_seed(seed)
     if kind == "llama":
         return Llama(LlamaConfig.tiny(ffn_dim=48))  # even rows: splits over tp 2
     return MoE(MoEConfig.tiny(n_experts=2 if kind == "moe-2-experts" else 4))
+
+
+_DISK_TIERS: list[str] = []  # this worker's disk-tier folder of the last case
 
 
 def _composition(dims_keywords: dict, keywords: dict):
@@ -65,12 +69,17 @@ def _composition(dims_keywords: dict, keywords: dict):
 
     dims = flatshard.ParallelDims(dist.get_world_size(), **dims_keywords)
     if keywords.get("offload_policy") == "disk":
+        # the previous case's folder goes (its model with it): pooled workers end by
+        # SIGKILL, so at most the last one per worker stays behind in the temp directory
+        while _DISK_TIERS:
+            shutil.rmtree(_DISK_TIERS.pop(), ignore_errors=True)
         folder = tempfile.mkdtemp(prefix=f"disk-tier-{dist.get_rank()}-")
+        _DISK_TIERS.append(folder)
         keywords = dict(offload_policy=flatshard.OffloadPolicy(1.0, path=folder))
     return dims, keywords
 
 
-def _loss(model, tokens):
+def case_loss(model, tokens):
     if isinstance(model, MoE):
         return moe_loss(model, tokens)
     logits = model(tokens[:, :-1])
@@ -82,10 +91,10 @@ def full_states():
     """kind -> (full model state, full optimizer state) after one AdamW step, one process."""
     out = {}
     for kind in ("llama", "moe", "moe-2-experts"):
-        model = _build(kind, seed=0)
+        model = build_case_model(kind, seed=0)
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
         tokens = torch.randint(0, model.config.vocab_size, (4, 9), generator=torch.Generator())
-        _loss(model, tokens).backward()
+        case_loss(model, tokens).backward()
         optimizer.step()
         out[kind] = (
             get_model_state_dict(model, options=FULL),
@@ -104,7 +113,7 @@ def _load(kind: str, dims_keywords: dict, keywords: dict, model_state, optim_sta
     """Every entry that reads back other than loaded, as 'path: key' (none: all exact)."""
 
     dims, keywords = _composition(dims_keywords, keywords)
-    model = flatshard.parallelize(_build(kind, seed=5), dims, **keywords)
+    model = flatshard.parallelize(build_case_model(kind, seed=5), dims, **keywords)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     # torch puts the loaded (sharded) values into the dicts it is given: give it copies
     set_model_state_dict(model, copy.deepcopy(model_state), options=FULL)
@@ -114,7 +123,7 @@ def _load(kind: str, dims_keywords: dict, keywords: dict, model_state, optim_sta
     for key, states in optim_state["state"].items():
         wrong += _differences(ours[key], states, f"optimizer {key}")
 
-    again = flatshard.parallelize(_build(kind, seed=6), dims, **keywords)
+    again = flatshard.parallelize(build_case_model(kind, seed=6), dims, **keywords)
     again.load_state_dict(copy.deepcopy(model_state))  # full tensors into the shards
     wrong += _differences(get_model_state_dict(again, options=FULL), model_state, "load_state_dict")
     return wrong
@@ -140,9 +149,9 @@ def _chunk_lists(kind: str, dims_keywords: dict, keywords: dict) -> dict:
     from torch.distributed.tensor import DTensor
 
     dims, keywords = _composition(dims_keywords, keywords)
-    model = flatshard.parallelize(_build(kind, seed=5), dims, **keywords)
+    model = flatshard.parallelize(build_case_model(kind, seed=5), dims, **keywords)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    _loss(model, torch.arange(36).reshape(4, 9) % model.config.vocab_size).backward()
+    case_loss(model, torch.arange(36).reshape(4, 9) % model.config.vocab_size).backward()
     optimizer.step()
     names = {param: name for name, param in model.named_parameters()}
     tensors = dict(model.state_dict())
@@ -184,7 +193,7 @@ def one_process_files(full_states, tmp_path_factory):
     out = {}
     for kind, (model_state, _) in full_states.items():
         folder = tmp_path_factory.mktemp(f"one-process-{kind}")
-        model = _build(kind, seed=5)
+        model = build_case_model(kind, seed=5)
         model.load_state_dict(model_state)
         hf.save_pretrained(model, folder / "hf")
         checkpoint.export_full(model, str(folder / "full.safetensors"))
@@ -200,12 +209,12 @@ def _through_files(kind, dims_keywords, keywords, model_state, hf_dir, full_file
     import functools
 
     dims, keywords = _composition(dims_keywords, keywords)
-    model = flatshard.parallelize(_build(kind, seed=5), dims, **keywords)
+    model = flatshard.parallelize(build_case_model(kind, seed=5), dims, **keywords)
     set_model_state_dict(model, copy.deepcopy(model_state), options=FULL)
     hf.save_pretrained(model, f"{out}/hf")
     checkpoint.export_full(model, f"{out}/full.safetensors")
 
-    fresh = flatshard.parallelize(_build(kind, seed=6), dims, **keywords)
+    fresh = flatshard.parallelize(build_case_model(kind, seed=6), dims, **keywords)
     checkpoint.load_full(fresh, full_file)
     wrong = _differences(get_model_state_dict(fresh, options=FULL), model_state, "load_full")
     shard = functools.partial(flatshard.parallelize, dims=dims, **keywords)
@@ -251,7 +260,7 @@ def indexed_files(full_states, tmp_path_factory):
     out = {}
     for kind, (model_state, _) in full_states.items():
         folder = tmp_path_factory.mktemp(f"indexed-{kind}")
-        model = _build(kind, seed=5)
+        model = build_case_model(kind, seed=5)
         state = _indexed(model_state)
         model.load_state_dict(state)
         hf.save_pretrained(model, folder)
@@ -272,7 +281,7 @@ def _elements_held(kind, dims_keywords, keywords, state, hf_dir):
         local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
         return torch.cat([t.detach().reshape(-1).cpu() for t in local]).long()
 
-    model = flatshard.parallelize(_build(kind, seed=5), dims, **keywords)
+    model = flatshard.parallelize(build_case_model(kind, seed=5), dims, **keywords)
     set_model_state_dict(model, copy.deepcopy(state), options=FULL)
     shard = functools.partial(flatshard.parallelize, dims=dims, **keywords)
     return held(model), held(hf.from_pretrained(hf_dir, shard=shard))

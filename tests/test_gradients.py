@@ -46,13 +46,13 @@ PAIRS = [
 REST = [case for case in CASES if case not in PAIRS]
 
 
-def _data(variant: str, steps: int = 1) -> list[torch.Tensor]:
+def variant_data(variant: str, steps: int = 1) -> list[torch.Tensor]:
     vocab = config(**VARIANTS[variant]).vocab_size
     generator = torch.Generator().manual_seed(5)
     return [torch.randint(0, vocab, (BATCH, SEQ), generator=generator) for _ in range(steps)]
 
 
-def _model(variant: str):
+def variant_model(variant: str):
     model = build_model(config(**VARIANTS[variant]))
     if variant == "frozen":
         model.embed_tokens.weight.requires_grad_(False)
@@ -60,13 +60,13 @@ def _model(variant: str):
 
 
 def _sharded_model(variant: str, stage: int):
-    model = shard(_model(variant), zero_stage=stage)
+    model = shard(variant_model(variant), zero_stage=stage)
     if variant == "divide":
         model.set_gradient_divide_factor(DIVIDE_FACTOR)
     return model
 
 
-def _backward(model, tokens, microbatches, sync_last_only, rank=0, world=1):
+def backward_micro_batches(model, tokens, microbatches, sync_last_only, rank=0, world=1):
     pieces = tokens.chunk(microbatches)
     for i, piece in enumerate(pieces):
         if sync_last_only:
@@ -74,7 +74,7 @@ def _backward(model, tokens, microbatches, sync_last_only, rank=0, world=1):
         (lm_loss(model, rank_slice(piece, rank, world)) / microbatches).backward()
 
 
-def _full_grads(model) -> dict[str, torch.Tensor | None]:
+def full_grads(model) -> dict[str, torch.Tensor | None]:
     out = {}
     for name, param in model.named_parameters():
         grad = param.grad
@@ -94,7 +94,7 @@ def _full_weights(model) -> dict[str, torch.Tensor]:
 def _sgd_steps(model, data, microbatches, sync_last_only, rank=0, world=1, scale=1.0):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     for tokens in data:
-        _backward(model, tokens, microbatches, sync_last_only, rank, world)
+        backward_micro_batches(model, tokens, microbatches, sync_last_only, rank, world)
         for param in model.parameters():
             if param.grad is not None and scale != 1.0:
                 param.grad.mul_(scale)  # the reference's stand-in for a divide factor
@@ -108,17 +108,21 @@ def _sharded_run(cases):
     out = []
     for variant, stage, (microbatches, sync_last_only) in cases:
         model = _sharded_model(variant, stage)
-        _backward(model, _data(variant)[0], microbatches, sync_last_only, rank, world)
-        grads = _full_grads(model)
+        backward_micro_batches(
+            model, variant_data(variant)[0], microbatches, sync_last_only, rank, world
+        )
+        grads = full_grads(model)
         unit = registry.unit_of(model.embed_tokens)
         looked_up = unit is not None and unit.looked_up_from_shards()
         model = _sharded_model(variant, stage)
-        weights = _sgd_steps(model, _data(variant, 2), microbatches, sync_last_only, rank, world)
+        weights = _sgd_steps(
+            model, variant_data(variant, 2), microbatches, sync_last_only, rank, world
+        )
         out.append((grads, looked_up, weights) if rank == 0 else None)
     return out
 
 
-def _per_tensor_errors(ours: dict, reference: dict) -> dict[str, float]:
+def per_tensor_errors(ours: dict, reference: dict) -> dict[str, float]:
     assert ours.keys() == reference.keys()
     errors = {}
     for name, expected in reference.items():
@@ -135,11 +139,11 @@ def _reference(variant: str, microbatches: int, world: int):
     """One process, the whole global batch: first gradients, weights after two SGD steps
     (a divide factor f scales the mean's gradients by world / f)."""
     scale = world / DIVIDE_FACTOR if variant == "divide" else 1.0
-    model = _model(variant)
-    _backward(model, _data(variant)[0], microbatches, False)
-    grads = {n: None if g is None else g * scale for n, g in _full_grads(model).items()}
-    data = _data(variant, 2)
-    return grads, _sgd_steps(_model(variant), data, microbatches, False, scale=scale)
+    model = variant_model(variant)
+    backward_micro_batches(model, variant_data(variant)[0], microbatches, False)
+    grads = {n: None if g is None else g * scale for n, g in full_grads(model).items()}
+    data = variant_data(variant, 2)
+    return grads, _sgd_steps(variant_model(variant), data, microbatches, False, scale=scale)
 
 
 @pytest.mark.parametrize(
@@ -153,10 +157,10 @@ def test_gradients_and_sgd_weights_equal_one_process_per_tensor(world_size, case
     for (variant, stage, (micro, last_only)), (grads, looked_up, weights) in zip(cases, results):
         case = f"{variant} ZeRO-{stage} micro={micro} sync_last_only={last_only}"
         ref_grads, ref_weights = _reference(variant, micro, world_size)
-        for name, error in _per_tensor_errors(grads, ref_grads).items():
+        for name, error in per_tensor_errors(grads, ref_grads).items():
             if error > TOLERANCE:
                 failures.append(f"{case}: grad {name} rel {error:.2e}")
-        for name, error in _per_tensor_errors(weights, ref_weights).items():
+        for name, error in per_tensor_errors(weights, ref_weights).items():
             if error > TOLERANCE:
                 failures.append(f"{case}: SGD weight {name} rel {error:.2e}")
         expect_lookup = variant == "lookup" and stage != 1 and world_size > 1

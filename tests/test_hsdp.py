@@ -26,7 +26,13 @@ from reference import (
     shard,
     train,
 )
-from test_gradients import _backward, _data, _full_grads, _model, _per_tensor_errors
+from test_gradients import (
+    backward_micro_batches,
+    full_grads,
+    per_tensor_errors,
+    variant_data,
+    variant_model,
+)
 
 from flatshard import checkpoint, registry
 
@@ -71,14 +77,14 @@ def _gradients(variant, replicas, hold_all_reduce):
     """First gradients, with micro-batches accumulated without the replica all-reduce
     (set_requires_all_reduce(False)) until the last when `hold_all_reduce`."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = shard(_model(variant), 3, mesh=hsdp_mesh(replicas))
-    tokens = _data(variant)[0]
+    model = shard(variant_model(variant), 3, mesh=hsdp_mesh(replicas))
+    tokens = variant_data(variant)[0]
     pieces = tokens.chunk(3)
     for i, piece in enumerate(pieces):
         if hold_all_reduce:
             model.set_requires_all_reduce(i == len(pieces) - 1)
-        _backward(model, piece, 1, False, rank, world)
-    grads = _full_grads(model)
+        backward_micro_batches(model, piece, 1, False, rank, world)
+    grads = full_grads(model)
     unit = registry.unit_of(model.embed_tokens)
     return grads, unit.looked_up_from_shards()
 
@@ -87,12 +93,12 @@ def _gradients(variant, replicas, hold_all_reduce):
 def test_hsdp_gradients_per_tensor(replicas):
     for variant in ("plain", "lookup"):
         for hold in (False, True):
-            reference = _model(variant)
-            for piece in _data(variant)[0].chunk(3):
-                _backward(reference, piece, 1, False)
-            expected = _full_grads(reference)
+            reference = variant_model(variant)
+            for piece in variant_data(variant)[0].chunk(3):
+                backward_micro_batches(reference, piece, 1, False)
+            expected = full_grads(reference)
             grads, looked_up = run_distributed(_gradients, 4, variant, replicas, hold)[0]
-            errors = _per_tensor_errors(grads, expected)
+            errors = per_tensor_errors(grads, expected)
             assert max(errors.values()) <= 2e-6, (variant, hold, errors)
             if variant == "lookup":  # (the small plain batches may look up too)
                 assert looked_up == (4 // replicas > 1), (variant, replicas, looked_up)

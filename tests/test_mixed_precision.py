@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from distributed import run_distributed
 from reference import SEQ, build_model, config, lm_loss, rank_slice, shard
-from test_gradients import _full_grads, _per_tensor_errors
+from test_gradients import full_grads, per_tensor_errors
 
 import flatshard
 from flatshard import registry
@@ -67,7 +67,7 @@ def _tokens(vocab):
     return torch.randint(0, vocab, (BATCH, SEQ), generator=generator)
 
 
-def _backward(model, vocab, microbatches, last_only, rank, world):
+def backward_micro_batches(model, vocab, microbatches, last_only, rank, world):
     pieces = _tokens(vocab).chunk(microbatches)
     for i, piece in enumerate(pieces):
         if last_only:
@@ -83,8 +83,8 @@ def _sharded(cases):
         model = shard(build_model(cfg), 3, mp_policy=_policy(reduce, output))
         if factor is not None:
             model.set_gradient_divide_factor(factor)
-        _backward(model, vocab, micro, last_only, rank, world)
-        grads = _full_grads(model)  # a collective: every rank gathers
+        backward_micro_batches(model, vocab, micro, last_only, rank, world)
+        grads = full_grads(model)  # a collective: every rank gathers
         looked_up = registry.unit_of(model.embed_tokens).looked_up_from_shards()
         out.append((grads, looked_up) if rank == 0 else None)
     return out
@@ -157,7 +157,7 @@ def test_bf16_gradients_match_a_reference_with_the_same_casts(world_size):
         if case[-1] == LOOKUP_VOCAB and not looked_up:  # (small batches of 61 rows may too)
             failures.append(f"{case}: not looked up from the shards")
         reference = _reference(world_size, *case)
-        for name, error in _per_tensor_errors(grads, reference).items():
+        for name, error in per_tensor_errors(grads, reference).items():
             if error > TOLERANCE:
                 failures.append(f"{case}: {name} rel {error:.2e}")
     assert not failures, "\n".join(failures)

@@ -29,7 +29,7 @@ from reference import shard as shard_model
 import flatshard
 from flatshard import collectives, optim
 from flatshard.optim.matrix_owners import assign_owners, newton_schulz_flops
-from flatshard.optim.muon import _tensor_parallel
+from flatshard.optim.muon import tensor_parallel_of
 
 pytestmark = pytest.mark.slow  # deselect with -m 'not slow' for a quick loop
 
@@ -103,14 +103,14 @@ def _sharded(zero_stage: int, variant: str = "", torch_muon: bool = False, split
     rank, world = dist.get_rank(), dist.get_world_size()
     loss_fn = lm_loss
     if variant in ("tp2", "ep2", "finer"):  # TP: the TP-global matrices, as one process
-        from test_full_state_paths import _build, _loss
+        from test_full_state_paths import build_case_model, case_loss
 
         dims = flatshard.ParallelDims(world, **({} if variant == "finer" else {variant[:2]: 2}))
         kind = {"ep2": "moe", "finer": "moe-2-experts"}.get(variant)  # finer: 2 experts, 4 ranks
-        built = build_model(CONFIG) if variant == "tp2" else _build(kind, seed=0)
+        built = build_model(CONFIG) if variant == "tp2" else build_case_model(kind, seed=0)
         model = flatshard.parallelize(built, dims, zero_stage=zero_stage)
         rank, world = dims.build().dp_rank, dims.dp  # a TP group trains on one slice
-        loss_fn = lm_loss if variant == "tp2" else _loss
+        loss_fn = lm_loss if variant == "tp2" else case_loss
     else:
         settings = {
             "hsdp": dict(mesh=hsdp_mesh(2) if variant == "hsdp" else None),  # per replica
@@ -149,7 +149,7 @@ def _sharded(zero_stage: int, variant: str = "", torch_muon: bool = False, split
         losses.append(mean_over_ranks(loss.item(), dist.get_world_size()))
     sent = collectives.traffic.optimizer / STEPS
     matrix_bytes = sum(p.numel() * 4 for p in groups[0]["params"])  # fp32, global
-    tp_matrices = sum(_tensor_parallel(p)[0] is not None for p in groups[0]["params"])
+    tp_matrices = sum(tensor_parallel_of(p)[0] is not None for p in groups[0]["params"])
     experts = sum(p.ndim == 3 for p in groups[0]["params"])  # grouped, a matrix per expert
     return losses, full_state(model), sent, matrix_bytes, same_gradients, (tp_matrices, experts)
 

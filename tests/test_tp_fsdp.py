@@ -25,7 +25,7 @@ from reference import (
 )
 from reference import shard as shard_model
 from reference import train as train_ranks
-from test_gradients import _backward, _full_grads, _per_tensor_errors
+from test_gradients import backward_micro_batches, full_grads, per_tensor_errors
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
@@ -120,8 +120,8 @@ def _qk_norm_run(layout):
     model, dp_rank = tp_model(replicate, shard, tp, qk_norm=True)
     cfg = config(**CFG, qk_norm=True)
     tokens = batches(cfg, 1, batch=12)[0]
-    _backward(model, tokens, 1, False, dp_rank, replicate * shard)
-    grads = _full_grads(model)
+    backward_micro_batches(model, tokens, 1, False, dp_rank, replicate * shard)
+    grads = full_grads(model)
     model.zero_grad()
     losses = train_ranks(model, batches(cfg, STEPS), rank=dp_rank, world=replicate * shard)
     counted = tp if replicate * shard > 1 else 1
@@ -136,12 +136,12 @@ def test_q_and_k_norms_under_tp(layout):
     and Adam scales their rounding noise to full steps)."""
     cfg = config(**CFG, qk_norm=True)
     reference = build_model(cfg)
-    _backward(reference, batches(cfg, 1, batch=12)[0], 1, False)
+    backward_micro_batches(reference, batches(cfg, 1, batch=12)[0], 1, False)
     expected = {name: p.grad.clone() for name, p in reference.named_parameters()}
     reference.zero_grad()
     ref_losses = train_ranks(reference, batches(cfg, STEPS))
     for grads, losses in run_distributed(_qk_norm_run, layout[1] * layout[2], layout):
-        errors = _per_tensor_errors(grads, expected)
+        errors = per_tensor_errors(grads, expected)
         assert max(errors.values()) <= GRAD_TOLERANCE, errors
         assert rel_losses(losses, ref_losses) <= TOLERANCE
 
@@ -167,8 +167,8 @@ def _first_gradients(layout, microbatches, sync_last_only):
     replicate, shard, tp = layout
     model, dp_rank = tp_model(replicate, shard, tp)
     tokens = batches(config(**CFG), 1, batch=12 * microbatches)[0]
-    _backward(model, tokens, microbatches, sync_last_only, dp_rank, replicate * shard)
-    grads = _full_grads(model)
+    backward_micro_batches(model, tokens, microbatches, sync_last_only, dp_rank, replicate * shard)
+    grads = full_grads(model)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)
     norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
     return grads, norm.item()
@@ -178,12 +178,12 @@ def _first_gradients(layout, microbatches, sync_last_only):
 def test_tp_gradients_and_clip_norm_equal_one_process(layout):
     reference = build_model(config(**CFG))
     tokens = batches(config(**CFG), 1, batch=36)[0]
-    _backward(reference, tokens, 3, False)
+    backward_micro_batches(reference, tokens, 3, False)
     ref_grads = {name: p.grad for name, p in reference.named_parameters()}
     ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=1e9).item()
     world = layout[0] * layout[1] * layout[2]
     for grads, norm in run_distributed(_first_gradients, world, layout, 3, True):
-        errors = _per_tensor_errors(grads, ref_grads)
+        errors = per_tensor_errors(grads, ref_grads)
         assert max(errors.values()) <= GRAD_TOLERANCE, errors
         # every element counted once over dp x tp, replicated parameters included
         assert abs(norm - ref_norm) <= 1e-6 * ref_norm

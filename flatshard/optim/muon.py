@@ -245,7 +245,7 @@ def _rebuilt_from_rows(param) -> bool:
         return False
     found = registry.managed_of(param)
     experts = found is not None and found[0].mesh.expert_parallel
-    tp_mesh, _ = _tensor_parallel(param)
+    tp_mesh, _ = tensor_parallel_of(param)
     if len(info.shape) == 3 and tp_mesh is not None:
         return False
     if tp_mesh is None and not experts and tuple(info.shape) != tuple(info.global_shape):
@@ -254,7 +254,7 @@ def _rebuilt_from_rows(param) -> bool:
     return sum(not isinstance(p, Replicate) for p in others) <= (tp_mesh is not None or experts)
 
 
-def _tensor_parallel(param) -> tuple:
+def tensor_parallel_of(param) -> tuple:
     """(TP mesh, the parameter's placement on it) of a flatshard parameter, or (None, None)."""
     found = registry.managed_of(param)
     if found is None or found[1].tp_placement is None or found[0].mesh.tp_mesh is None:
@@ -269,7 +269,7 @@ def _one_process_shape(param, matrix) -> tuple[int, int]:
     if matrix.component is None:
         return tuple(param.shape) if param.ndim == 2 else matrix.shape
     shape = list(matrix.shape)
-    tp_mesh, placement = _tensor_parallel(param)
+    tp_mesh, placement = tensor_parallel_of(param)
     if tp_mesh is not None:
         shape[placement.dim] *= tp_mesh.size()
     return tuple(shape)
@@ -279,7 +279,7 @@ def _splittable(param) -> bool:
     """Whether each fused component of `param` is a block of this rank's matrix: always
     without TP; under TP where the parameter holds a part of every component (`[gate_r;
     up_r]`) or TP splits the columns."""
-    tp_mesh, placement = _tensor_parallel(param)
+    tp_mesh, placement = tensor_parallel_of(param)
     info = param._local_tensor.spec.info
     return tp_mesh is None or info.split_by_components or placement.dim == 1
 
@@ -289,7 +289,7 @@ def _whole(param, orthogonalise, shape: tuple[int, int]):
     process): `orthogonalise`; under TP, on the TP-global matrix (the TP group's blocks
     joined, each owner of the group computing it, as torch's Muon sees the parameter in one
     process), keeping its block."""
-    tp_mesh, placement = _tensor_parallel(param)
+    tp_mesh, placement = tensor_parallel_of(param)
     if tp_mesh is None:
         return orthogonalise
     shape, stride = torch.Size(shape), (shape[1], 1)

@@ -66,7 +66,7 @@ def pre_forward(unit, args, kwargs):
             context.start_forward()
             # as FSDP2's root: inputs go where the parameters are (CPU token ids reach a
             # CUDA model, and NCCL collectives only ever see device tensors)
-            args, kwargs = _to_device((args, kwargs), unit.mesh.device)
+            args, kwargs = inputs_to_device((args, kwargs), unit.mesh.device)
         context.ran_pre_forward(unit)
     unit.unshard()
     unit.register("unsharded")
@@ -226,7 +226,7 @@ def _cast_output(unit, output):
     return output
 
 
-def _to_device(tree, device: torch.device):
+def inputs_to_device(tree, device: torch.device):
     return tree_map_only(
         torch.Tensor, lambda t: t if t.device == device else t.to(device, non_blocking=True), tree
     )
