@@ -50,7 +50,23 @@ def runs_at(base, tmp_path_factory):
     one, two = root / "one", root / "two"
     assert run_in_process("train", "--hf", path, "--data", text, *TRAIN, "--nproc", 1,
                           "--out", one) == 0  # fmt: skip
-    check_ok(flatshard("train", "--hf", path, "--data", text, *TRAIN, "--nproc", 2, "--out", two))
+    check_ok(
+        flatshard(
+            "train",
+            "--hf",
+            path,
+            "--data",
+            text,
+            *TRAIN,
+            "--nproc",
+            2,
+            "--out",
+            two,
+            "--set",
+            "run.sample_tokens=4",
+        )
+    )  # the closing sample: base + adapters
+    assert (two / "sample.txt").read_text().strip()
     return one, two
 
 

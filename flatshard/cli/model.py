@@ -21,7 +21,14 @@ from flatshard.errors import MeshError
 from flatshard.mesh import ParallelDims
 from flatshard.models import Llama, LlamaConfig, MoE, MoEConfig, family_of_config
 from flatshard.models.llama import check_tp
-from flatshard.models.lora import LoRAError, LoRASpec, add_lora, init_adapters
+from flatshard.models.lora import (
+    LoRAError,
+    LoRASpec,
+    add_lora,
+    init_adapters,
+    lora_spec_of,
+    merge_adapters,
+)
 from flatshard.models.registry import config_from_dict as family_config_from_dict
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -229,18 +236,22 @@ def plain_copy(model, to_rank: int = 0):
     from flatshard.checkpoint.manifest import model_config
 
     receiving = dist.get_rank() == to_rank
-    plain = None
+    plain, lora = None, lora_spec_of(model)
     if receiving:
         config = config_from_dict(model_config(model))
         if is_transformers_config(config):
             plain = build_transformers(config, sharded=False)
         else:
             plain = build_plain(config)
+        if lora is not None:
+            add_lora(plain, lora)  # the same names, so the gathered adapters load
     weights = {}
     for name, tensor in flatshard.full_weights(model, "model", to_rank=to_rank):
         weights[name] = tensor.detach().to("cpu", copy=True)
     if receiving:
         plain.load_state_dict(weights)
+        if lora is not None:
+            merge_adapters(plain)  # one matmul a projection while sampling
         return plain.eval()
     return None
 

@@ -30,7 +30,7 @@ from flatshard.errors import FlatShardError
 from flatshard.hf.names import is_adapter_name
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-__all__ = ["LoRASpec", "add_lora", "init_adapters", "is_adapter_name", "has_lora"]
+__all__ = ["LoRASpec", "add_lora", "init_adapters", "is_adapter_name", "lora_spec_of"]
 PLAIN = "default"  # the adapter name PEFT gives a module's only adapter
 
 
@@ -142,8 +142,9 @@ def adapted_modules(model: nn.Module) -> dict[str, LoRAMixin]:
     return {name: m for name, m in model.named_modules() if isinstance(m, LoRAMixin)}
 
 
-def has_lora(model: nn.Module) -> bool:
-    return any(isinstance(m, LoRAMixin) for m in model.modules())
+def lora_spec_of(model: nn.Module) -> LoRASpec | None:
+    """The spec `add_lora` gave `model` (None: no adapters)."""
+    return next((m.lora_spec for m in model.modules() if isinstance(m, LoRAMixin)), None)
 
 
 @torch.no_grad()
