@@ -57,7 +57,7 @@ def test_resume_with_another_model_is_refused(run):
         flatshard("train", "--resume", run, "--set", "model.n_heads=2", "--seed", "1")
     )
     assert "model.n_heads: run 4, given 2; train.seed: run 0, given 1" in line, line
-    assert "only train.* (except train.seed), checkpoint.* and run.* may change" in line
+    assert "only train.* (except train.seed and train.lora_*), checkpoint.* and run.* may" in line
     # what may change: the steps, the lr schedule, checkpointing; restating the model is fine
     resumed = check_ok(
         flatshard("train", "--resume", run, "--model", "tiny", "--steps", 5, "--lr", "1e-3",

@@ -152,13 +152,15 @@ def test_merged_and_peft_exports_load_in_transformers_and_peft_alike(
     assert sampled == greedy[0, : len(sampled)].tolist() and len(sampled) > 3
 
 
-def test_lora_settings_that_cannot_apply_are_one_line_errors(base):
+def test_lora_settings_that_cannot_apply_are_one_line_errors(base, runs_at):
     path, text = base
     no_hf = one_line_error(flatshard("train", "--lora", 4, "--steps", 1))
     assert "set model.hf" in no_hf
     wrong = one_line_error(flatshard("train", "--hf", path, "--data", text, *TRAIN, "--nproc", 1,
                                      "--set", "train.lora_targets=wq,wk"))  # fmt: skip
     assert "no Linear of the model is named as a lora target (wq, wk)" in wrong
+    other = one_line_error(flatshard("train", "--resume", runs_at[1], "--lora", 8))
+    assert "train.lora_rank: run 4, given 8" in other  # its checkpoints hold rank-4 adapters
 
 
 def test_the_plan_counts_gradients_and_optimizer_state_of_the_adapters_only(capsys):

@@ -241,9 +241,10 @@ def build(
 
 
 # What a resumed run keeps from its own config: the model and the data (its order and the
-# position in it). Everything else (train.steps, the lr schedule, the batch split, ZeRO
-# stage, precision, checkpoint.*, run.*) may change on --resume.
-FIXED_ON_RESUME = ("model.", "data.", "train.seed")
+# position in it), the LoRA adapters its checkpoints hold. Everything else (train.steps, the
+# lr schedule, the batch split, ZeRO stage, precision, checkpoint.*, run.*) may change on
+# --resume.
+FIXED_ON_RESUME = ("model.", "data.", "train.seed", "train.lora_")
 
 
 def resume_conflicts(
@@ -316,7 +317,8 @@ def check(config: RunConfig, world_size: int | None = None) -> None:
             f"train.global_batch ({train.global_batch}) must be a multiple of train.micro_batch "
             f"({train.micro_batch})"
         )
-    if world_size is not None:
+    if world_size is not None:  # the run's whole config (a resume's merged with its own)
+        _check_lora(config)
         dims = parallel_dims(config, world_size)
         if train.hpz_group and (
             train.zero_stage != 3
@@ -341,15 +343,6 @@ def check(config: RunConfig, world_size: int | None = None) -> None:
                 + _batch_fixes(train.global_batch, train.micro_batch, dims.dp)
             )
     model, seq_len = config.model, config.data.seq_len
-    if train.lora_rank and not model.hf:
-        raise ConfigError(
-            "train.lora_rank needs a pretrained model to adapt: set model.hf (--hf DIR)"
-        )
-    if train.lora_rank and (train.tp > 1 or train.ep > 1):
-        raise ConfigError(
-            "LoRA (train.lora_rank) runs data-parallel only for now: set train.tp=1 and "
-            "train.ep=1 (the adapters are small; ZeRO shards the frozen base already)"
-        )
     if model.max_seq_len and model.max_seq_len < seq_len:
         raise ConfigError(
             f"model.max_seq_len ({model.max_seq_len}) is shorter than data.seq_len ({seq_len})"
@@ -360,6 +353,19 @@ def check(config: RunConfig, world_size: int | None = None) -> None:
         )
     if "{" in config.run.out_dir.replace("{time}", ""):
         raise ConfigError(f"run.out_dir {config.run.out_dir!r}: only {{time}} may be substituted")
+
+
+def _check_lora(config: RunConfig) -> None:
+    train = config.train
+    if train.lora_rank and not config.model.hf:
+        raise ConfigError(
+            "train.lora_rank needs a pretrained model to adapt: set model.hf (--hf DIR)"
+        )
+    if train.lora_rank and (train.tp > 1 or train.ep > 1):
+        raise ConfigError(
+            "LoRA (train.lora_rank) runs data-parallel only for now: set train.tp=1 and "
+            "train.ep=1 (the adapters are small; ZeRO shards the frozen base already)"
+        )
 
 
 def describe_options() -> str:

@@ -244,7 +244,8 @@ def _train(args) -> int:
                 f"--resume {run_dir}: a run's model and data cannot change, but "
                 + "; ".join(conflicts)
                 + ". Drop these settings to continue the run, or start a new one (--out DIR); "
-                "on resume only train.* (except train.seed), checkpoint.* and run.* may change"
+                "on resume only train.* (except train.seed and train.lora_*), checkpoint.* and "
+                "run.* may change"
             )
         config = run_config.build(args.config, overrides, base=base)
         config = config.replace(run__out_dir=run_dir)
