@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from flatshard.checkpoint import global_plan  # noqa: E402
-from flatshard.checkpoint.writing import _storage_of_other_ranks  # noqa: E402
+from flatshard.checkpoint.writing import storage_of_other_ranks  # noqa: E402
 from flatshard.layout import ParamInfo  # noqa: E402
 from flatshard.layout.planner import plan_unit_layout  # noqa: E402
 
@@ -88,9 +88,7 @@ def plan_of(cfg: dict, ranks: int, shard: int) -> global_plan.GlobalPlan:
 def measure(cfg: dict, ranks: int, shard: int) -> dict:
     started = time.perf_counter()
     planned = plan_of(cfg, ranks, shard)
-    metadata = Metadata(
-        planned.state_dict_metadata(), storage_data=_storage_of_other_ranks(planned)
-    )
+    metadata = Metadata(planned.state_dict_metadata(), storage_data=storage_of_other_ranks(planned))
     blob = pickle.dumps(metadata)
     seconds = time.perf_counter() - started
     # DCP: every rank's local plan (its own chunks, replicas' too, before dedup) to rank 0,

@@ -87,7 +87,7 @@ def write_files(
         staged=staged,
     )
     if rank == 0:
-        storage = _storage_of_other_ranks(planned)
+        storage = storage_of_other_ranks(planned)
         storage.update(where)
         metadata = Metadata(
             planned.state_dict_metadata(),
@@ -100,7 +100,7 @@ def write_files(
     return peak, checksums
 
 
-def _storage_of_other_ranks(planned: global_plan.GlobalPlan) -> dict:
+def storage_of_other_ranks(planned: global_plan.GlobalPlan) -> dict:
     """Where every other rank's chunks sit in its file: back to back, in plan order."""
     storage, offsets = {}, [0] * planned.world
     for item in planned.items:
