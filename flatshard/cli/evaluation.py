@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from flatshard import comm
 from flatshard.data.sequences import IGNORE
+from flatshard.models.registry import position_kwargs
 
 
 class Evaluation:
@@ -47,15 +48,17 @@ class Evaluation:
         sums = torch.zeros(2, dtype=torch.float64)  # loss sum, tokens
         for first in range(0, self.windows, per_round):
             indices = [first + dp_rank * micro_batch + j for j in range(micro_batch)]
-            rows = [self.sequences.row(i if i < self.windows else 0) for i in indices]
+            indices = [i if i < self.windows else -1 for i in indices]  # -1: weightless
+            rows = [self.sequences.row(max(i, 0)) for i in indices]
             batch = torch.from_numpy(np.stack([tokens for tokens, _ in rows])).to(device)
             targets = [batch[j, 1:].cpu() if rows[j][1] is None else torch.from_numpy(rows[j][1])
                        for j in range(len(rows))]  # fmt: skip
             targets = torch.stack(targets)
             for j, index in enumerate(indices):
-                if index >= self.windows:  # a weightless forward: the others gather with it
+                if index < 0:  # a weightless forward: the others gather with it
                     targets[j] = IGNORE
-            output = model(batch[:, :-1])
+            positions = position_kwargs(model, self._positions(indices, device))  # packed
+            output = model(batch[:, :-1], **positions)
             logits = getattr(output, "logits", output)  # transformers: an output object
             losses = F.cross_entropy(
                 logits.float().flatten(0, 1), targets.to(device).flatten(),
@@ -73,6 +76,11 @@ class Evaluation:
             "eval_perplexity": math.exp(min(loss, 700.0)),
             "eval_tokens": round(float(sums[1])) // _replicas(dp_world),
         }
+
+    def _positions(self, indices: list[int], device) -> torch.Tensor | None:
+        """The position ids of these rows (packed conversations), None for plain positions."""
+        rows = [self.sequences.row_positions(max(i, 0)) for i in indices]
+        return None if rows[0] is None else torch.from_numpy(np.stack(rows)).to(device)
 
 
 def _replicas(dp_world: int) -> int:

@@ -89,7 +89,8 @@ OPTIONS: tuple[Option, ...] = (
            "tokenizer, bytes for the reference model), bytes, or a directory with a Hugging "
            "Face tokenizer (tokenizer.json)"),
     Option("data.pack", False, "chat data: pack conversations into windows of data.seq_len "
-           "(attention then crosses them) instead of one padded conversation per sequence"),
+           "instead of one padded conversation per sequence (each still attends only to "
+           "itself: positions restart per conversation)"),
     Option("data.eval", "", "held-out data for evaluation: a file or directory read as "
            "data.path is, or a fraction of data.path's sequences (e.g. 0.05); '': none",
            check=_eval_source),

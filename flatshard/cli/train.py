@@ -289,13 +289,16 @@ def accumulate_gradients(model, order, position: int, train, dp_rank: int, dp_wo
             model.set_requires_gradient_sync(micro == accumulation - 1)
         first = position + micro * train.micro_batch * dp_world + dp_rank * train.micro_batch
         batch = order.batch(first, train.micro_batch).to(device)
+        positions = order.positions(first, train.micro_batch)  # packed conversations
+        positions = None if positions is None else positions.to(device)
         # the model family's loss: an MoE adds its load-balancing loss over every rank
         if labelled is None:
-            loss = training_loss(model, batch) / accumulation
+            loss = training_loss(model, batch, position_ids=positions) / accumulation
         else:
             mine = first - position
             labels = step_labels[mine : mine + train.micro_batch].to(device)
-            loss = training_loss(model, batch, labels=labels, divisor=max(labelled, 1) / dp_world)
+            loss = training_loss(model, batch, labels=labels, divisor=max(labelled, 1) / dp_world,
+                                 position_ids=positions)  # fmt: skip
         loss.backward()
         loss_sum += loss.detach().double()
     return loss_sum, labelled

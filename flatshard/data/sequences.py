@@ -1,7 +1,9 @@
 """How a run cuts its data into sequences, in a seeded order that depends only on (seed,
 number of sequences), so a batch depends only on its position: windows of seq_len + 1
 tokens over the token stream (inputs and shifted targets), or one padded record per
-sequence for chat data. With a loss mask, `labels` gives the targets that carry loss."""
+sequence for chat data. With a loss mask, `labels` gives the targets that carry loss; chat
+data packed into windows gives each token its position in its conversation (`positions`),
+so the model attends within conversations only."""
 
 from __future__ import annotations
 
@@ -34,9 +36,11 @@ class SequenceOrder:
     """Windows of seq_len + 1 tokens (inputs and shifted targets), in a seeded order. With a
     loss mask (chat data packed into windows), `labels` masks the targets that carry none."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, loss_mask=None):
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, loss_mask=None, starts=None):
         self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
         self.loss_mask = loss_mask
+        # packed documents (chat records): where each starts, for per-document positions
+        self.starts = None if starts is None else np.asarray(starts, dtype=np.int64)
         self.windows = (len(tokens) - 1) // seq_len
         if self.windows < 1:
             raise DataError(
@@ -56,6 +60,27 @@ class SequenceOrder:
             return tokens, None
         keep = np.asarray(self.loss_mask[start + 1 : start + self.seq_len + 1], dtype=bool)
         return tokens, np.where(keep, tokens[1:], IGNORE)
+
+    def row_positions(self, index: int) -> np.ndarray | None:
+        """The position ids of window `index`'s inputs (see `positions`)."""
+        return self._positions(index * self.seq_len)
+
+    def positions(self, position: int, count: int) -> torch.Tensor | None:
+        """The inputs' position ids of `batch(position, count)` [count, seq_len] with packed
+        documents: each token's offset from the start of its document (or of the window, for
+        one that began before it), so a model attends within documents only. None: one
+        stream of text, positions 0..seq_len-1."""
+        if self.starts is None:
+            return None
+        rows = [self._positions(self._start(position + i)) for i in range(count)]
+        return torch.from_numpy(np.stack(rows))
+
+    def _positions(self, start: int) -> np.ndarray | None:
+        if self.starts is None:
+            return None
+        where = np.arange(start, start + self.seq_len, dtype=np.int64)
+        document = self.starts[np.maximum(np.searchsorted(self.starts, where, "right") - 1, 0)]
+        return where - np.maximum(document, start)
 
     def window(self, position: int) -> np.ndarray:
         """The window at `position` in the endless sequence of epochs."""
@@ -122,6 +147,12 @@ class RecordOrder:
     def batch(self, position: int, count: int) -> torch.Tensor:
         return torch.from_numpy(np.stack([self._row(position + i)[0] for i in range(count)]))
 
+    def positions(self, position: int, count: int) -> None:
+        return None  # one record per sequence: plain positions
+
+    def row_positions(self, index: int) -> None:
+        return None
+
     def labels(self, position: int, count: int) -> torch.Tensor:
         rows = []
         for i in range(count):
@@ -136,4 +167,4 @@ def sequence_order(data: TokenData, seq_len: int, seed: int, pack: bool):
     if data.starts is not None and not pack:
         pad = getattr(data.model_tokenizer, "eos_id", 0)
         return RecordOrder(data, seq_len, seed, pad)
-    return SequenceOrder(data.tokens, seq_len, seed, data.loss_mask)
+    return SequenceOrder(data.tokens, seq_len, seed, data.loss_mask, data.starts)

@@ -8,6 +8,7 @@ family = one folder + one `register(...)` line in its `__init__.py`.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
@@ -20,12 +21,26 @@ from flatshard.plan import ParallelPlan, register_plan
 
 
 def next_token_loss(
-    model: nn.Module, batch: torch.Tensor, group=None, labels=None, divisor=None
-) -> torch.Tensor:
+    model: nn.Module, batch: torch.Tensor, group=None, labels=None, divisor=None,
+    position_ids=None,
+) -> torch.Tensor:  # fmt: skip
     """Cross-entropy of each token's prediction of the next (a transformers model's output
-    object included); see `token_loss` for `labels` and `divisor`."""
-    output = model(batch[:, :-1])
+    object included); see `token_loss` for `labels` and `divisor`. `position_ids` [B, T]:
+    packed documents (see `position_kwargs`)."""
+    output = model(batch[:, :-1], **position_kwargs(model, position_ids))
     return token_loss(getattr(output, "logits", output), batch, labels, divisor)
+
+
+def position_kwargs(model: nn.Module, position_ids) -> dict:
+    """The keywords that make `model` read packed documents' positions, which restart where
+    a document starts, so it attends within documents only. A transformers model does so
+    only without a KV cache (given one, even an empty one, it builds a plain causal mask):
+    `use_cache=False`. Nothing without positions, so the plain call stays as it was."""
+    if position_ids is None:
+        return {}
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        return {"position_ids": position_ids, "use_cache": False}
+    return {"position_ids": position_ids}
 
 
 def token_loss(logits, batch, labels=None, divisor=None) -> torch.Tensor:
@@ -82,13 +97,15 @@ def family_of_model(model: nn.Module) -> ModelFamily | None:
 
 
 def training_loss(
-    model: nn.Module, batch: torch.Tensor, group=None, labels=None, divisor=None
-) -> torch.Tensor:
+    model: nn.Module, batch: torch.Tensor, group=None, labels=None, divisor=None,
+    position_ids=None,
+) -> torch.Tensor:  # fmt: skip
     family = family_of_model(model)
     loss = family.loss if family else next_token_loss
+    extra = {} if position_ids is None else {"position_ids": position_ids}
     if labels is None:
-        return loss(model, batch, group)
-    return loss(model, batch, group, labels=labels, divisor=divisor)
+        return loss(model, batch, group, **extra)
+    return loss(model, batch, group, labels=labels, divisor=divisor, **extra)
 
 
 def config_from_dict(values: dict):

@@ -224,7 +224,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, H, T, D] by position; cos/sin [T, D] broadcast over batch and heads."""
+    """Rotate x [B, H, T, D] by position; cos/sin [T, D] broadcast over batch and heads
+    ([B, T, D] with a position per token: packed documents)."""
+    if cos.dim() == 3:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return x * cos + _rotate_half(x) * sin
 
@@ -245,8 +248,10 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None, layer: int = 0
-    ) -> torch.Tensor:
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None, layer: int = 0,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """`mask` [B, 1, T, T] (True: attend), for packed documents: in place of causal."""
         b, t, _ = x.shape
         # heads from the projections' widths (-1), not the config: under tensor
         # parallelism each rank's projections hold its share of the heads
@@ -257,7 +262,6 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # -> [B, heads, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        mask = None
         if cache is not None:  # generation: attend to every token seen so far
             k, v = cache.extend(layer, k, v)
             mask = cache.attention_mask(t, k.shape[2], x.device)
@@ -305,17 +309,45 @@ class TransformerBlock(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None, layer: int = 0
-    ) -> torch.Tensor:
-        # the cache only when generating: a TP style on `attn` expects (x, cos, sin)
-        extra = () if cache is None else (cache, layer)
-        h = x + self.attn(self.attn_norm(x), cos, sin, *extra)
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None, layer: int = 0,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        args, kwargs = attention_extras(cache, layer, mask)
+        h = x + self.attn(self.attn_norm(x), cos, sin, *args, **kwargs)
         return h + self.mlp(self.mlp_norm(h))
 
 
-def rope_at(cfg, tokens: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_extras(cache, layer: int, mask) -> tuple[tuple, dict]:
+    """What a block and its attention take after (x, cos, sin), as (args, kwargs): the cache
+    only when generating, a mask (by keyword) only for packed documents, so a TP style on
+    `attn` still sees (x, cos, sin) and the default path stays as it was."""
+    if cache is not None and mask is not None:
+        raise ValueError("a KV cache (generation) and position_ids (packed documents) do not mix")
+    return (() if cache is None else (cache, layer)), ({} if mask is None else {"mask": mask})
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, 1, T, T] bool, True where a token may attend: earlier tokens of its own document.
+    A document starts where a position does not follow the one before (as transformers reads
+    packed position ids), so packed documents never attend to each other."""
+    first = position_ids[:, :1] - 1
+    document = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+    length = position_ids.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
+    return ((document[:, :, None] == document[:, None, :]) & causal).unsqueeze(1)
+
+
+def rope_at(cfg, tokens: torch.Tensor, cache, position_ids=None):
     """cos and sin for `tokens` [B, T], at the positions after what `cache` holds (None:
-    from 0); the sequence, seen tokens included, must fit max_seq_len."""
+    from 0): [T, head_dim] each; with `position_ids` [B, T], at those: [B, T, head_dim].
+    The sequence, seen tokens included, must fit max_seq_len."""
+    if position_ids is not None:
+        length = int(position_ids.max()) + 1
+        if length > cfg.max_seq_len:
+            raise ValueError(f"position {length - 1} exceeds max_seq_len ({cfg.max_seq_len})")
+        inv_freq = rope_inv_freq(cfg, tokens.device)
+        cos, sin = rope_cos_sin(length, cfg.head_dim, cfg.rope_theta, tokens.device, inv_freq)
+        return cos[position_ids], sin[position_ids]
     where = positions(cache, tokens.shape[1])
     if where.stop > cfg.max_seq_len:
         raise ValueError(f"sequence length {where.stop} exceeds max_seq_len ({cfg.max_seq_len})")
@@ -345,13 +377,17 @@ class Llama(nn.Module):
             # Only after every submodule exists: tying is not part of any reset.
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, tokens: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache=None, position_ids=None) -> torch.Tensor:
         """`cache` (a `flatshard.models.KVCache`): `tokens` follow what it holds, and their
-        keys and values join it (generation feeds each new token alone)."""
-        cos, sin = rope_at(self.config, tokens, cache)
+        keys and values join it (generation feeds each new token alone). `position_ids`
+        [B, T] (as transformers takes them): each token's position in its document; where
+        they restart, a new document begins that attends only to itself (packed data)."""
+        cos, sin = rope_at(self.config, tokens, cache, position_ids)
+        mask = None if position_ids is None else document_mask(position_ids)
         h = self.embed_tokens(tokens)
         for index, layer in enumerate(self.layers):
-            h = layer(h, cos, sin) if cache is None else layer(h, cos, sin, cache, index)
+            args, kwargs = attention_extras(cache, index, mask)
+            h = layer(h, cos, sin, *args, **kwargs)
         if cache is not None:
             cache.length += tokens.shape[1]
         return self.lm_head(self.norm(h))

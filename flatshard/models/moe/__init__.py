@@ -14,17 +14,18 @@ from flatshard.models.moe.loss import load_balancing_loss
 from flatshard.models.moe.model import GroupedExperts, MoE, MoEBlock, MoELayer
 from flatshard.models.moe.parallel import parallelize_moe, split_experts
 from flatshard.models.moe.router import RouterStats
-from flatshard.models.registry import ModelFamily, register, token_loss
+from flatshard.models.registry import ModelFamily, position_kwargs, register, token_loss
 from flatshard.plan import ParallelPlan
 
 
 def moe_training_loss(
-    model, batch: torch.Tensor, group=None, labels=None, divisor=None
+    model, batch: torch.Tensor, group=None, labels=None, divisor=None, position_ids=None
 ) -> torch.Tensor:
     """Next-token cross-entropy (`token_loss`) plus the weighted load-balancing loss, whose
     router statistics are summed over `group` (default: every rank; each holds another
     slice of the batch), so the loss and its gradients are the global batch's."""
-    logits, stats = model(batch[:, :-1], return_router_stats=True)
+    positions = position_kwargs(model, position_ids)
+    logits, stats = model(batch[:, :-1], return_router_stats=True, **positions)
     loss = token_loss(logits, batch, labels, divisor)
     group = group if group is not None else dist.group.WORLD
     return loss + model.config.aux_loss_coef * load_balancing_loss(stats, group)

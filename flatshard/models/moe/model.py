@@ -24,6 +24,8 @@ from flatshard.models.llama.model import (
     Embedding,
     Linear,
     RMSNorm,
+    attention_extras,
+    document_mask,
     rope_at,
 )
 from flatshard.models.moe.config import MoEConfig
@@ -130,11 +132,11 @@ class MoEBlock(nn.Module):
         self.mlp = MoELayer(cfg) if cfg.is_moe_layer(index) else MLP(cfg)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None, layer: int = 0
-    ) -> torch.Tensor:
-        # the cache only when generating: a TP style on `attn` expects (x, cos, sin)
-        extra = () if cache is None else (cache, layer)
-        h = x + self.attn(self.attn_norm(x), cos, sin, *extra)
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None, layer: int = 0,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        args, kwargs = attention_extras(cache, layer, mask)
+        h = x + self.attn(self.attn_norm(x), cos, sin, *args, **kwargs)
         return h + self.mlp(self.mlp_norm(h))
 
 
@@ -151,13 +153,18 @@ class MoE(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, tokens: torch.Tensor, *, return_router_stats: bool = False, cache=None):
-        """`cache`: as Llama's (flatshard.models.KVCache)."""
-        cos, sin = rope_at(self.config, tokens, cache)
+    def forward(
+        self, tokens: torch.Tensor, *, return_router_stats: bool = False, cache=None,
+        position_ids=None,
+    ):  # fmt: skip
+        """`cache`, `position_ids`: as Llama's (flatshard.models.KVCache; packed documents)."""
+        cos, sin = rope_at(self.config, tokens, cache, position_ids)
+        mask = None if position_ids is None else document_mask(position_ids)
         h = self.embed_tokens(tokens)
         stats = []
         for index, layer in enumerate(self.layers):
-            h = layer(h, cos, sin) if cache is None else layer(h, cos, sin, cache, index)
+            args, kwargs = attention_extras(cache, index, mask)
+            h = layer(h, cos, sin, *args, **kwargs)
             if isinstance(layer.mlp, MoELayer):
                 stats.append(layer.mlp.pop_router_stats())
         if cache is not None:
