@@ -177,3 +177,63 @@ def test_the_plan_counts_gradients_and_optimizer_state_of_the_adapters_only(caps
     assert plans[True]["grads"] == 4 * adapters // 8
     assert plans[False]["grads"] > 100 * plans[True]["grads"]
     assert plans[True]["params"] >= plans[False]["params"]  # the base is all still there
+
+
+@pytest.fixture(scope="module")
+def qlora_runs(base, tmp_path_factory):
+    """The LoRA fine-tune over NF4 bases (--qlora) at world 1 (this process) and 2."""
+    path, text = base
+    root = tmp_path_factory.mktemp("qlora-runs")
+    one, two = root / "one", root / "two"
+    args = ["train", "--hf", path, "--data", text, *TRAIN, "--qlora"]
+    assert run_in_process(*args, "--nproc", 1, "--out", one) == 0
+    check_ok(flatshard(*args, "--nproc", 2, "--out", two, "--set", "run.sample_tokens=4"))
+    assert (two / "sample.txt").read_text().strip()  # the closing sample: NF4 values + adapters
+    return one, two
+
+
+def test_qlora_trains_over_nf4_bases_the_same_at_world_1_and_2(base, qlora_runs, runs_at):
+    """--qlora: the same losses at world 1 and 2 (the quantized base does not depend on the
+    world size), starting at the NF4 base's own loss, which is near the full base's but
+    not it; the checkpoint holds the adapters only."""
+    from flatshard import hf
+    from flatshard.models.lora import LoRASpec, add_lora, init_adapters
+    from flatshard.models.qlora import quantize_bases
+    from flatshard.models.registry import next_token_loss
+
+    one, two = ([r["loss"] for r in metrics(run)] for run in qlora_runs)
+    assert len(one) == STEPS and one[-1] < one[0]
+    assert all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(one, two)), (one, two)
+    path, text = base
+    model = hf.from_pretrained(path, device="cpu")
+    add_lora(model, LoRASpec(4, 8.0))
+    groups = quantize_bases(model, 1)
+    init_adapters(model, 0)  # B is zero: the model is its base
+    assert (
+        set(type(m.weight).__name__ for m in model.modules() if hasattr(m, "lora_A"))
+        == {"NF4Tensor"}
+        and len(groups) == 2 * 6
+    )  # 2 layers x q, k, v, o, gate_up (fused), down
+    step_dir = commit.latest_dir(runs.checkpoint_root(str(qlora_runs[0])))
+    tokens = np.load(token_cache.cache_file(text, runs.saved_extra(step_dir, "tokenizer")))
+    with torch.no_grad():
+        nf4_loss = next_token_loss(model, SequenceOrder(tokens, SEQ, 0).batch(0, 4)).item()
+    full_loss = metrics(runs_at[0])[0]["loss"]  # the LoRA run's first: the full base's
+    assert abs(one[0] - nf4_loss) <= 1e-5 * nf4_loss
+    assert 1e-4 < abs(nf4_loss - full_loss) / full_loss < 0.05
+    keys = [k for k in runs.stored_keys(step_dir) if k.startswith("model.")]
+    assert len(keys) == 2 * 7 * 2 and all(".lora_" in k for k in keys)
+
+
+def test_nf4_bases_that_cannot_split_are_one_line_errors(base):
+    from flatshard.models.lora import LoRAError
+    from flatshard.models.qlora import check_split, scale_group
+
+    assert scale_group((4096, 4096), "w") == 256  # QLoRA's own, up to 1024-way splits
+    assert scale_group((576, 576), "w") == 8  # SmolLM2's: 5,184 blocks = 2^6 x 81
+    with pytest.raises(LoRAError, match="does not split over 16 ranks"):
+        check_split((576, 576), 8, 16, "q_proj.weight")
+    path, text = base
+    lonely = one_line_error(flatshard("train", "--hf", path, "--data", text, "--qlora",
+                                      "--steps", 1, "--nproc", 1))  # fmt: skip
+    assert "train.qlora quantizes the bases LoRA adapts: set train.lora_rank" in lonely

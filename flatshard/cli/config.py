@@ -361,6 +361,9 @@ def _check_lora(config: RunConfig) -> None:
         raise ConfigError(
             "train.lora_rank needs a pretrained model to adapt: set model.hf (--hf DIR)"
         )
+    if train.qlora and not train.lora_rank:
+        raise ConfigError("train.qlora quantizes the bases LoRA adapts: set train.lora_rank "
+                          "(--lora R) too")  # fmt: skip
     if train.lora_rank and (train.tp > 1 or train.ep > 1):
         raise ConfigError(
             "LoRA (train.lora_rank) runs data-parallel only for now: set train.tp=1 and "

@@ -105,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="with --optimizer muon: each fused component its own matrix [train.muon_split_fused]",
     )
+    train.add_argument(
+        "--qlora",
+        action="store_true",
+        default=None,
+        help="with --lora R: the adapted projections' frozen bases in 4-bit NF4 [train.qlora]",
+    )
     train.add_argument("--help-config", action="store_true", help="list every config key")
 
     sample = commands.add_parser("sample", help="generate text from a checkpoint")
@@ -230,6 +236,7 @@ def _train(args) -> int:
         ]
         + (["train.compile=true"] if args.compile else [])
         + (["train.muon_split_fused=true"] if args.muon_split_fused else [])
+        + (["train.qlora=true"] if args.qlora else [])
         + args.set
     )
     config = run_config.build(args.config, overrides)

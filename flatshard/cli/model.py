@@ -29,6 +29,7 @@ from flatshard.models.lora import (
     lora_spec_of,
     merge_adapters,
 )
+from flatshard.models.qlora import quantize_bases
 from flatshard.models.registry import config_from_dict as family_config_from_dict
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -120,7 +121,8 @@ def build_run_model(
         lora = lora_spec(train.lora_rank, train.lora_alpha, train.lora_dropout,
                          train.lora_targets)  # fmt: skip
         # a LoRA run's checkpoints hold its adapters: the base is read from its files anyway
-        model = build_hf(config.model.hf, load=load or lora is not None, lora=lora, **sharding)
+        model = build_hf(config.model.hf, load=load or lora is not None, lora=lora,
+                         nf4_bases=train.qlora, **sharding)  # fmt: skip
         if lora is not None:
             init_adapters(model, train.seed)  # a resume's checkpoint overwrites them
     else:
@@ -247,7 +249,10 @@ def plain_copy(model, to_rank: int = 0):
             add_lora(plain, lora)  # the same names, so the gathered adapters load
     weights = {}
     for name, tensor in flatshard.full_weights(model, "model", to_rank=to_rank):
-        weights[name] = tensor.detach().to("cpu", copy=True)
+        tensor = tensor.detach()
+        if type(tensor) is not torch.Tensor:  # a QLoRA base (NF4): the values it stands for
+            tensor = tensor.to(torch.float32)
+        weights[name] = tensor.to("cpu", copy=True)
     if receiving:
         plain.load_state_dict(weights)
         if lora is not None:
@@ -268,13 +273,15 @@ def build_hf(
     activations: dict | None = None,
     load: bool = True,
     lora: LoRASpec | None = None,
+    nf4_bases: bool = False,
 ):
     """The Hugging Face model at `path` (config.json + safetensors), split by
     `flatshard.parallelize` over `dims` as build_sharded does (TP and EP by the model's
     plan: transformers' own for a transformers model), each rank reading only its slices:
     flatshard's Llama for Llama/Qwen2/Qwen3 checkpoints, the transformers model otherwise.
     load False: allocated only (a checkpoint will fill it). lora: adapters added before
-    the model is split (init_adapters draws them)."""
+    the model is split (init_adapters draws them); nf4_bases (QLoRA): their bases in NF4,
+    quantized whole, so every rank reads the whole model once before it is split."""
     parallelize = functools.partial(
         flatshard.parallelize,
         dims=dims.build(device.type),
@@ -286,11 +293,17 @@ def build_hf(
         if lora is not None:
             try:
                 add_lora(model, lora)
+                if nf4_bases:
+                    quantize_bases(model, dims.dp_shard)
             except LoRAError as error:
                 raise ConfigError(f"train.lora_*: {error}") from None
         return parallelize(model)
 
     with _as_config_error(f"train.tp={dims.tp}, train.ep={dims.ep}"):
+        if nf4_bases:  # NF4 quantizes a weight whole: load it unsplit, then split it
+            model = hf.from_pretrained(path, device="cpu")
+            shard(model)
+            return model
         if load:
             return hf.from_pretrained(path, shard=shard, device=device)
         hf_config = hf.read_hf_config(path)

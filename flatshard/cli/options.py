@@ -153,6 +153,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("train.lora_targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
            "LoRA: the linear modules adapted, by the last part of their names (Llama and "
            "Qwen names by default)"),
+    Option("train.qlora", False, "QLoRA: the frozen bases of the adapted projections in "
+           "4-bit NormalFloat (torchao's NF4; needs train.lora_rank); every rank reads the "
+           "whole base once to quantize it"),
     Option("train.eval_interval", 0, "evaluate on data.eval every N steps (0: only at the "
            "end)", check=_non_negative),
     Option("train.eval_sequences", 256, "sequences of data.eval each evaluation reads at "

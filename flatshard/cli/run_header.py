@@ -120,10 +120,13 @@ def _describe_model(trainer) -> str:
         if train.lora_rank:
             trained = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
             alpha = train.lora_alpha or 2 * train.lora_rank
+            kind = "QLoRA" if train.qlora else "LoRA"
             line += (
-                f"; LoRA rank {train.lora_rank} (alpha {alpha:g}) on {train.lora_targets}: "
+                f"; {kind} rank {train.lora_rank} (alpha {alpha:g}) on {train.lora_targets}: "
                 f"{trained:,} trained, the rest frozen"
             )
+            if train.qlora:
+                line += " (the adapted bases in 4-bit NF4)"
         return line
     return (
         f"model: {_kind(model)}, {model.num_params() / 1e6:.1f}M parameters (dim "

@@ -73,7 +73,8 @@ def shard(fqn, original, occurrences, mesh) -> SubclassParam:
     rank, ranks = mesh.shard_rank, mesh.shard_size
     with torch.no_grad():
         chunks = list(torch.chunk(original, ranks, dim=0))
-        padded = original.new_zeros(chunks[0].size())
+        # on the mesh's device, as FSDP2 moves it (a model built on the host shards to GPU)
+        padded = original.new_zeros(chunks[0].size(), device=mesh.device)
         rows = chunks[rank].size(0) if rank < len(chunks) else 0
         if rows:
             padded.narrow(0, 0, rows).copy_(chunks[rank])
