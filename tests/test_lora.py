@@ -165,7 +165,8 @@ def test_lora_settings_that_cannot_apply_are_one_line_errors(base, runs_at):
 
 def test_the_plan_counts_gradients_and_optimizer_state_of_the_adapters_only(capsys):
     """`flatshard plan --lora 16` on Llama-3-8B at 8 ranks: AdamW's two fp32 states and the
-    fp32 gradient shards of the adapters alone (r x in + out x r per projection)."""
+    fp32 gradient shards of the adapters alone (r x in + out x r per projection); with
+    --qlora the adapted bases' shards in NF4 bytes."""
     plans = {}
     for lora in ((), ("--lora", 16)):
         assert main(["plan", "llama3-8b", "--world-size", "8", *map(str, lora), "--json"]) == 0
@@ -177,6 +178,17 @@ def test_the_plan_counts_gradients_and_optimizer_state_of_the_adapters_only(caps
     assert plans[True]["grads"] == 4 * adapters // 8
     assert plans[False]["grads"] > 100 * plans[True]["grads"]
     assert plans[True]["params"] >= plans[False]["params"]  # the base is all still there
+    # --qlora: the adapted bases in NF4, 4 bits a value + an int8 scale per 64 + an fp32
+    # factor per 256 blocks + a mean, instead of 32 bits a value
+    assert main(["plan", "llama3-8b", "--world-size", "8", "--lora", "16", "--qlora",
+                 "--json"]) == 0  # fmt: skip
+    qlora = json.loads(capsys.readouterr().out)["memory"]
+    shapes = [(d, d)] * 2 + [(kv, d)] * 2 + [(2 * ffn, d), (d, ffn)]  # q o, k v, gate_up, down
+    numel = 32 * sum(a * b for a, b in shapes)
+    nf4 = 32 * sum(a * b // 2 + a * b // 64 + 4 * (a * b // 64 // 256) + 4 for a, b in shapes)
+    expected = plans[True]["params"] - 4 * numel // 8 + nf4 // 8
+    assert abs(qlora["params"] - expected) <= 1e-3 * expected  # the buckets pad a little less
+    assert qlora["grads"] == plans[True]["grads"] and qlora["optimizer"] == plans[True]["optimizer"]
 
 
 @pytest.fixture(scope="module")

@@ -169,6 +169,11 @@ class UnitFigures:
     quantized: int = 0  # bytes of one all-gather of it in 8 bits (every rank's blocks, scales)
     quantized_in_hpz_group: int = 0  # the same for hpZ's backward gather inside a group
     quantized_grads: int = 0  # bytes of one reduce-scatter of its gradients in 8 bits
+    nf4: int = 0  # bytes of its QLoRA NF4 bases, whole (sharded and gathered besides buckets)
+
+    def gathered_bytes(self, param_bytes: int) -> int:
+        """Its unsharded parameters' bytes: buckets in the compute dtype and NF4 bases."""
+        return self.padded * param_bytes + self.nf4
 
     @property
     def padding(self) -> int:
@@ -249,6 +254,7 @@ def _unit_figures(unit, dp_shard: int, bucket_per_param: bool = False, hpz: int 
             hpz * packed_bytes(b.padded_size // hpz, BLOCK) for b in layout.buckets if hpz
         ),
         quantized_grads=sum(dp_shard * packed_bytes(b.shard_size, BLOCK) for b in trainable),
+        nf4=unit.nf4_bytes,
     )
 
 
@@ -269,7 +275,7 @@ def _lookup_payloads(unit: UnitFigures, setup: Setup) -> tuple[int, int]:
 def _memory(spec: ModelSpec, units: tuple[UnitFigures, ...], setup: Setup) -> dict[str, int]:
     pb, rb = DTYPE_BYTES[setup.param_dtype], DTYPE_BYTES[setup.reduce_dtype]
     total = lambda f: sum(f(u) * u.count for u in units)
-    params = total(lambda u: u.shard) * FP32
+    params = total(lambda u: u.shard) * FP32 + total(lambda u: u.nf4) // setup.dp_shard
     grads = total(lambda u: u.shard_trainable) * FP32
     optimizer = round(setup.optimizer_states * total(lambda u: u.shard_trainable)) * FP32
     activations = setup.micro_batch * setup.seq_len * spec.activations(pb).per_token(setup.ac)
@@ -283,10 +289,10 @@ def _memory(spec: ModelSpec, units: tuple[UnitFigures, ...], setup: Setup) -> di
 
     roots = [u for u in gathered if u.is_root]
     blocks = [u for u in gathered if not u.is_root] or roots
-    root_params = sum(u.padded for u in roots) * pb
+    root_params = sum(u.gathered_bytes(pb) for u in roots)
     root_grads = sum(u.padded_trainable for u in roots) * pb
     block = max(blocks, key=lambda u: u.padded)
-    block_params, block_grads = block.padded * pb, block.padded_trainable * pb
+    block_params, block_grads = block.gathered_bytes(pb), block.padded_trainable * pb
     # a gradient reduced in another dtype is converted first, and the reduce-scatter in
     # flight holds the copy; on gloo it also holds the all-to-all's receive buffer
     in_flight = block.padded_trainable * rb if rb != pb else 0
@@ -301,12 +307,12 @@ def _memory(spec: ModelSpec, units: tuple[UnitFigures, ...], setup: Setup) -> di
             start += kept * pb // setup.hpz_group
     elif setup.zero_stage == 2:
         # every unit stays gathered from its forward to its backward
-        every_unit = sum(u.padded * u.count for u in gathered) * pb
+        every_unit = sum(u.gathered_bytes(pb) * u.count for u in gathered)
         start = every_unit + root_grads + 2 * block_grads + in_flight
         end = root_params + root_grads + block_params + 2 * block_grads + in_flight
     else:
         # unsharded parameters and gradients stay between steps
-        start = end = total(lambda u: u.padded + u.padded_trainable) * pb + in_flight
+        start = end = total(lambda u: u.gathered_bytes(pb) + u.padded_trainable * pb) + in_flight
     end += lookup_grads
     # qgZ's error feedback: what each unit's rounding dropped, its whole gradient in fp32
     quantized = setup.quantize_grads != "none"
@@ -321,7 +327,7 @@ def _memory(spec: ModelSpec, units: tuple[UnitFigures, ...], setup: Setup) -> di
         "grads": grads,
         "optimizer": optimizer,
         "error_feedback": error_feedback,
-        "largest_unsharded_unit": largest.padded * pb,
+        "largest_unsharded_unit": largest.gathered_bytes(pb),
         "unsharded_working_set": max(start, end),
         "activations": activations,
         "peak_start_of_backward": start_of_backward,
@@ -357,7 +363,7 @@ def _communication(units: tuple[UnitFigures, ...], setup: Setup) -> dict[str, in
     stays = [stays_gathered(i, root_parts, in_model) for i in range(len(order))]
     quantized = setup.quantize_weights != "none"
     all_gather = sum(
-        (u.quantized if quantized else pb * u.padded)
+        (u.quantized + u.nf4 if quantized else u.gathered_bytes(pb))
         * all_gathers_per_step(setup.zero_stage, kept, accumulation)
         for u, kept in zip(order, stays)
     )

@@ -162,6 +162,10 @@ def add_arguments(parser) -> None:
         "--lora", type=int, default=None, metavar="R",
         help="LoRA adapters of rank R on the projections, the base frozen (train --lora)",
     )  # fmt: skip
+    parser.add_argument(
+        "--qlora", action="store_true",
+        help="with --lora R: the adapted bases in 4-bit NF4 (train --qlora)",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="machine-readable output")  # fmt: skip
 
 
@@ -216,7 +220,8 @@ def _model_and_defaults(args):
         quantize_weights="none", quantize_grads="none", muon_split_fused=False,
     )  # fmt: skip
     if args.model is not None:
-        return zoo.resolve(args.model, lora_spec(args.lora or 0, 0.0, 0.0, LORA_TARGETS)), defaults
+        lora = lora_spec(args.lora or 0, 0.0, 0.0, LORA_TARGETS)
+        return zoo.resolve(args.model, lora, args.qlora), defaults
     config = run_config.build(args.config, args.set)
     world = args.world_size or config.run.nproc
     train = config.train
@@ -245,8 +250,8 @@ def _model_and_defaults(args):
     if config.model.hf:  # the Hugging Face model train --hf would fine-tune
         rank = train.lora_rank if args.lora is None else args.lora
         lora = lora_spec(rank, train.lora_alpha, train.lora_dropout, train.lora_targets)
-        return zoo.resolve(config.model.hf, lora), defaults
-    if args.lora:
+        return zoo.resolve(config.model.hf, lora, args.qlora or train.qlora), defaults
+    if args.lora or args.qlora:
         raise ConfigError("--lora plans a Hugging Face model: name one, or --set model.hf=DIR")
     return zoo.from_llama_config(_run_model(config), "the training config's model"), defaults
 
@@ -313,6 +318,12 @@ def _what_fits(result: Plan, device_gib: float | None) -> str:
     return out
 
 
+def _nf4_line(result: Plan) -> list[str]:
+    """QLoRA: the part of the parameters' memory that its NF4 bases take."""
+    nf4 = sum(u.nf4 * u.count for u in result.units) // result.setup.dp_shard
+    return [f"      of which NF4 bases (QLoRA)    {_gib(nf4)}"] if nf4 else []
+
+
 def format_plan(result: Plan) -> str:
     s, m, c = result.setup, result.memory, result.communication
     mesh = f"{s.world_size} ranks (dp_shard {s.dp_shard}"
@@ -340,6 +351,7 @@ def format_plan(result: Plan) -> str:
         "",
         "  per-rank memory",
         f"    parameters (fp32 shards)        {_gib(m['params'])}",
+        *_nf4_line(result),
         f"    gradients (fp32 shards)         {_gib(m['grads'])}",
         f"    {'optimizer state (' + s.optimizer_name + ')':<32}{_gib(m['optimizer'])}",
         *(

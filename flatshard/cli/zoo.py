@@ -12,6 +12,7 @@ grouped-GEMM implementation (and the reference `MoE`) holds them.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,9 +23,13 @@ from flatshard.cli.activations import Activations, Saved
 from flatshard.cli.errors import ConfigError
 from flatshard.layout import ParamInfo
 from flatshard.models import Llama, LlamaConfig, MoEConfig, family_of_config
-from flatshard.models.lora import LoRAError, LoRASpec, add_lora
+from flatshard.models.lora import LoRAError, LoRASpec, adapted_modules, add_lora
+from flatshard.models.qlora import nf4_bytes, scale_group
 
 FP32 = 4  # bytes of an fp32 element; main weights are kept in fp32
+
+
+NF4_BASE = "_flatshard_nf4_base"  # the mark adapt() puts on a QLoRA base (meta) parameter
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,16 @@ class UnitSpec:
     # a unit of a module inside the previous unit's (EP experts in their block): each of
     # its `count` runs within one of the previous unit's forwards
     inner: bool = False
+    # QLoRA: the shapes of its NF4 bases, sharded outside its buckets (not in `params`)
+    nf4: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def nf4_bytes(self) -> int:
+        return sum(nf4_bytes(shape) for shape in self.nf4)
+
+    @property
+    def nf4_numel(self) -> int:
+        return sum(math.prod(shape) for shape in self.nf4)
 
     @property
     def numel(self) -> int:
@@ -64,7 +79,7 @@ class ModelSpec:
 
     @property
     def num_params(self) -> int:
-        return sum(unit.numel * unit.count for unit in self.units)
+        return sum((unit.numel + unit.nf4_numel) * unit.count for unit in self.units)
 
 
 # --- the zoo: public Hugging Face configs (only the fields that shape the weights) --------
@@ -107,11 +122,12 @@ ZOO: dict[str, dict] = {
 }  # fmt: skip
 
 
-def resolve(name_or_path: str, lora: LoRASpec | None = None) -> ModelSpec:
+def resolve(name_or_path: str, lora: LoRASpec | None = None, nf4: bool = False) -> ModelSpec:
     """A zoo name, or a path to a Hugging Face config.json (or the directory holding it);
-    lora: its projections adapted, the rest frozen (what `train --lora` trains)."""
+    lora: its projections adapted, the rest frozen (what `train --lora` trains); nf4: their
+    bases in NF4 (`train --qlora`)."""
     if name_or_path in ZOO:
-        return from_hf_config(ZOO[name_or_path], name_or_path, lora)
+        return from_hf_config(ZOO[name_or_path], name_or_path, lora, nf4)
     path = name_or_path
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
@@ -125,10 +141,12 @@ def resolve(name_or_path: str, lora: LoRASpec | None = None) -> ModelSpec:
             hf = json.load(handle)
     except ValueError as error:
         raise ConfigError(f"{path} is not valid JSON: {error}") from None
-    return from_hf_config(hf, path, lora)
+    return from_hf_config(hf, path, lora, nf4)
 
 
-def from_hf_config(hf: dict, name: str, lora: LoRASpec | None = None) -> ModelSpec:
+def from_hf_config(
+    hf: dict, name: str, lora: LoRASpec | None = None, nf4: bool = False
+) -> ModelSpec:
     model_type = hf.get("model_type")
     if lora is not None and model_type in ("qwen3_moe", "mixtral", "deepseek_v3"):
         raise ConfigError(f"{name}: LoRA plans are for dense models so far (not {model_type})")
@@ -147,19 +165,21 @@ def from_hf_config(hf: dict, name: str, lora: LoRASpec | None = None) -> ModelSp
     if model_type not in (None, *ARCHITECTURES.values()):  # the transformers model itself
         from flatshard.cli.zoo_transformers import from_transformers_config
 
-        return from_transformers_config(hf, name, lora)
-    return from_llama_config(hf_to_config(hf), name, lora)
+        return from_transformers_config(hf, name, lora, nf4)
+    return from_llama_config(hf_to_config(hf), name, lora, nf4)
 
 
 # --- dense: the reference Llama on the meta device ----------------------------------------
 
 
-def from_llama_config(cfg: LlamaConfig, name: str, lora: LoRASpec | None = None) -> ModelSpec:
+def from_llama_config(
+    cfg: LlamaConfig, name: str, lora: LoRASpec | None = None, nf4: bool = False
+) -> ModelSpec:
     """The reference model of the config's family (the Llama, or the MoE for a MoEConfig)."""
     family = family_of_config(cfg)
     with torch.device("meta"):
         model = family.model_type(cfg)
-    adapt(model, lora, name)
+    adapt(model, lora, name, nf4)
     units = _layer_units(model)
     if cfg.tie_embeddings:  # embedding and head are one parameter: the root keeps it
         parts = [("root", ("embed_tokens.",), False), ("norm", ("norm.",), False)]
@@ -172,13 +192,19 @@ def from_llama_config(cfg: LlamaConfig, name: str, lora: LoRASpec | None = None)
     return ModelSpec(name, units, cfg.n_layers, lambda a: activations(cfg, a), top_k=top_k)
 
 
-def adapt(model, lora: LoRASpec | None, name: str) -> None:
+def adapt(model, lora: LoRASpec | None, name: str, nf4: bool = False) -> None:
     """LoRA adapters on the meta model: its base frozen, so the plan counts gradients and
-    optimizer state for the adapters only."""
+    optimizer state for the adapters only; nf4: the adapted bases marked as QLoRA's."""
     if lora is None:
+        if nf4:
+            raise ConfigError("--qlora quantizes the bases LoRA adapts: give --lora R too")
         return
     try:
         add_lora(model, lora)
+        for module in adapted_modules(model).values():
+            if nf4:
+                scale_group(tuple(module.weight.shape), name)  # whole blocks, or an error
+                setattr(module.weight, NF4_BASE, True)
     except LoRAError as error:
         raise ConfigError(f"{name}: {error}") from None
 
@@ -186,23 +212,36 @@ def adapt(model, lora: LoRASpec | None, name: str) -> None:
 def _layer_units(model) -> tuple[UnitSpec, ...]:
     """One unit spec per run of consecutive blocks with the same parameters (an MoE model's
     first dense layers, then its MoE layers)."""
-    runs: list[tuple[int, int, tuple[ParamInfo, ...]]] = []
+    runs: list[tuple] = []  # (first layer, last layer, its ParamInfos, its NF4 bases)
     for index, layer in enumerate(model.layers):
         infos = _infos(layer.named_parameters())
-        if runs and runs[-1][2] == infos:
-            runs[-1] = (runs[-1][0], index, infos)
+        nf4 = nf4_shapes(layer.named_parameters())
+        if runs and runs[-1][2:] == (infos, nf4):
+            runs[-1] = (runs[-1][0], index, infos, nf4)
         else:
-            runs.append((index, index, infos))
-    return tuple(UnitSpec(f"layers.{a}-{b}", infos, b - a + 1) for a, b, infos in runs)
+            runs.append((index, index, infos, nf4))
+    return tuple(UnitSpec(f"layers.{a}-{b}", infos, b - a + 1, nf4=nf4)
+                 for a, b, infos, nf4 in runs)  # fmt: skip
 
 
 def _root_part(model: Llama, name: str, prefixes: tuple[str, ...], embedding: bool) -> UnitSpec:
     named = [(n, p) for n, p in model.named_parameters() if n.startswith(prefixes)]
-    return UnitSpec(name, _infos(named), is_root=True, embedding=embedding)
+    nf4 = nf4_shapes(named)
+    return UnitSpec(name, _infos(named), is_root=True, embedding=embedding, nf4=nf4)
 
 
 def _infos(named) -> tuple[ParamInfo, ...]:
-    return tuple(ParamInfo(n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in named)
+    """What the layout buckets of these parameters (not QLoRA's NF4 bases)."""
+    return tuple(
+        ParamInfo(n, tuple(p.shape), p.dtype, p.requires_grad)
+        for n, p in named
+        if not getattr(p, NF4_BASE, False)
+    )
+
+
+def nf4_shapes(named) -> tuple[tuple[int, ...], ...]:
+    """The shapes of the QLoRA bases among these parameters."""
+    return tuple(tuple(p.shape) for _, p in named if getattr(p, NF4_BASE, False))
 
 
 def _norm_bytes(dim: int, a: int) -> Saved:

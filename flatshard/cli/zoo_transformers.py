@@ -15,7 +15,7 @@ from flatshard.cli.errors import ConfigError
 from flatshard.errors import MeshError
 
 
-def from_transformers_config(hf_config: dict, name: str, lora=None) -> zoo.ModelSpec:
+def from_transformers_config(hf_config: dict, name: str, lora=None, nf4=False) -> zoo.ModelSpec:
     from flatshard.hf import HFConfigError, build_causal_lm
     from flatshard.hf.transformers_model import decoder_layers
 
@@ -25,21 +25,23 @@ def from_transformers_config(hf_config: dict, name: str, lora=None) -> zoo.Model
         layers = decoder_layers(model)
     except HFConfigError as error:
         raise ConfigError(f"{name}: {error}") from None
-    zoo.adapt(model, lora, name)
+    zoo.adapt(model, lora, name, nf4)
     names = {id(m): n for n, m in model.named_modules()}
-    runs: list[tuple] = []  # (first layer, last layer, its ParamInfos, its shapes)
+    runs: list[tuple] = []  # (first layer, last layer, its ParamInfos, its shapes, NF4 bases)
     for index, layer in enumerate(layers):
         prefix = names[id(layer)]
         named = list(layer.named_parameters())
         shapes = tuple((n, tuple(p.shape)) for n, p in named)
         if runs and runs[-1][3] == shapes:  # the same layer again: one more of the run
-            runs[-1] = (runs[-1][0], index, runs[-1][2], shapes)
+            runs[-1] = (runs[-1][0], index, *runs[-1][2:])
         else:
-            runs.append((index, index, zoo._infos((f"{prefix}.{n}", p) for n, p in named), shapes))
-    units = [zoo.UnitSpec(f"layers.{a}-{b}", infos, b - a + 1) for a, b, infos, _ in runs]
+            infos = zoo._infos((f"{prefix}.{n}", p) for n, p in named)
+            runs.append((index, index, infos, shapes, zoo.nf4_shapes(named)))
+    units = [zoo.UnitSpec(f"layers.{a}-{b}", infos, b - a + 1, nf4=nf4)
+             for a, b, infos, _, nf4 in runs]  # fmt: skip
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     root = [(n, p) for n, p in model.named_parameters() if id(p) not in in_layers]
-    units.append(zoo.UnitSpec("root", zoo._infos(root), is_root=True))
+    units.append(zoo.UnitSpec("root", zoo._infos(root), is_root=True, nf4=zoo.nf4_shapes(root)))
     config = model.config
 
     splits: dict[int, dict] = {}  # tp -> {parameter: (dim, parts)}, computed once

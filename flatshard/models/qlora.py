@@ -51,6 +51,14 @@ def check_split(shape: tuple[int, ...], group: int, shards: int, name: str) -> N
         )
 
 
+def nf4_bytes(shape: tuple[int, ...]) -> int:
+    """The bytes of an NF4 base of `shape`: 4 bits a value, an int8 scale a block, an fp32
+    factor a scale group and the scales' mean (what its all-gather moves, all but the mean)."""
+    numel = shape[0] * shape[1]
+    blocks = numel // BLOCK
+    return numel // 2 + blocks + 4 * (blocks // scale_group(shape, "weight")) + 4
+
+
 def quantize_bases(model: nn.Module, shards: int) -> dict[str, int]:
     """Every adapted projection's base weight of `model` (unsharded, before fully_shard, its
     adapters added) replaced by its NF4 quantization, frozen. Returns each one's scale
