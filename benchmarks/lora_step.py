@@ -1,4 +1,5 @@
-"""LoRA fine-tuning of a Hugging Face Llama: flatshard against FSDP2 + PEFT.
+"""LoRA fine-tuning of a Hugging Face Llama: flatshard against FSDP2 + PEFT (and QLoRA:
+flatshard against FSDP2 on the same NF4 model).
 
 Both adapt the same `LlamaForCausalLM` (random weights saved once with save_pretrained; or
 --model DIR) with rank-R adapters on every attention and MLP projection, AdamW on the
@@ -11,13 +12,19 @@ adapters alone, on the same data, inside one set of spawned gloo worker processe
                     each rank reading only its rows of the base
     flatshard-full  the same model, every weight trained (what LoRA saves)
 
+With --qlora the modes are QLoRA's: what `flatshard train --hf DIR --lora R --qlora`
+builds (the base read whole, the adapted bases quantized to torchao's NF4, then split)
+under flatshard's fully_shard (flatshard-qlora) and under FSDP2's (fsdp2-qlora: the same
+model object, torchao's own all-gather protocol, as torchtune runs QLoRA), against
+flatshard-lora over the full-precision base. The two QLoRA runs' losses must agree.
+
 The flatshard adapters' A matrices are copied into PEFT's (B starts at zero in both), so
 the two LoRA runs take the same steps: their losses must agree (printed as their largest
 relative difference). Modes alternate step by step, the order reversed every step, so a
 drift of the shared machine hits all alike. Printed per rank 0: median seconds per step,
 trainable parameters, the AdamW state and gradient bytes a rank holds.
 
-    python benchmarks/lora_step.py --world 2 --rank 16 --steps 6
+    python benchmarks/lora_step.py --world 2 --rank 16 --steps 6 [--qlora]
 """
 
 from __future__ import annotations
@@ -47,8 +54,10 @@ from flatshard.models.lora import (  # noqa: E402
     add_lora,
     init_adapters,
 )
+from flatshard.models.qlora import quantize_bases  # noqa: E402
 
 MODES = ("fsdp2-peft", "flatshard-lora", "flatshard-full")
+QLORA_MODES = ("fsdp2-qlora", "flatshard-qlora", "flatshard-lora")
 
 
 def flatshard_model(path: str, spec: LoRASpec | None):
@@ -60,6 +69,19 @@ def flatshard_model(path: str, spec: LoRASpec | None):
     model = hf.from_pretrained(path, shard=shard)
     if spec is not None:
         init_adapters(model, seed=0)
+    return model
+
+
+def qlora_model(path: str, spec: LoRASpec, fully_shard):
+    """The trainer's QLoRA model (NF4 bases, adapters drawn as init_adapters draws them),
+    each decoder layer and the root split by `fully_shard` (flatshard's or FSDP2's)."""
+    model = hf.from_pretrained(path, device="cpu")
+    add_lora(model, spec)
+    quantize_bases(model, dist.get_world_size())
+    init_adapters(model, seed=0)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
     return model
 
 
@@ -120,18 +142,27 @@ def worker(rank: int, world: int, port: int, args, path: str, out) -> None:
     runs = {}
     ours = flatshard_model(path, spec)
     runs["flatshard-lora"] = {"model": ours}
-    runs["fsdp2-peft"] = {"model": peft_model(path, spec, ours)}
-    runs["flatshard-full"] = {"model": flatshard_model(path, None)}
+    if args.qlora:
+        from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+        import flatshard
+
+        runs["fsdp2-qlora"] = {"model": qlora_model(path, spec, fsdp2_fully_shard)}
+        runs["flatshard-qlora"] = {"model": qlora_model(path, spec, flatshard.fully_shard)}
+    else:
+        runs["fsdp2-peft"] = {"model": peft_model(path, spec, ours)}
+        runs["flatshard-full"] = {"model": flatshard_model(path, None)}
+    modes = QLORA_MODES if args.qlora else MODES
     for run in runs.values():
         trainable = [p for p in run["model"].parameters() if p.requires_grad]
         run.update(opt=torch.optim.AdamW(trainable, lr=args.lr), times=[], losses=[])
         run["trainable"] = sum(p.numel() for p in trainable)
     torch.manual_seed(1)
-    vocab = runs["fsdp2-peft"]["model"].config.vocab_size
+    vocab = ours.config.vocab_size
     data = torch.randint(0, vocab, (args.steps, world * args.micro_batch, args.seq + 1))
     for step in range(args.steps):
         mine = data[step, rank * args.micro_batch : (rank + 1) * args.micro_batch]
-        order = MODES if step % 2 == 0 else MODES[::-1]
+        order = modes if step % 2 == 0 else modes[::-1]
         for mode in order:
             run = runs[mode]
             dist.barrier()
@@ -159,6 +190,13 @@ def worker(rank: int, world: int, port: int, args, path: str, out) -> None:
     dist.destroy_process_group()
 
 
+def _size(path: str) -> int:
+    """The parameters of the model in `path` (from its config, on the meta device)."""
+    with torch.device("meta"):
+        model = hf.adapter_for_config(hf.read_hf_config(path)).build(hf.read_hf_config(path))
+    return sum(p.numel() for p in model.parameters())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a Llama directory (default: random)")
@@ -172,22 +210,24 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--qlora", action="store_true", help="QLoRA's modes (see above)")
     args = parser.parse_args()
     path = args.model or random_llama_dir(args, "lora-step-")[1]
     out = mp.get_context("spawn").SimpleQueue()
     mp.spawn(worker, (args.world, free_port(), args, path, out), nprocs=args.world)
     result = out.get()
-    reference = result["fsdp2-peft"]
-    agree = max(
-        abs(a - b) / abs(b) for a, b in zip(result["flatshard-lora"]["losses"], reference["losses"])
+    peer, ours = (
+        ("fsdp2-qlora", "flatshard-qlora") if args.qlora else ("fsdp2-peft", "flatshard-lora")
     )
-    total = result["flatshard-full"]["trainable"]
-    print(f"LoRA rank {args.rank} (alpha {2 * args.rank}) on {', '.join(DEFAULT_TARGETS)}; "
-          f"a Llama of {total / 1e6:.1f}M parameters, world {args.world} (gloo, CPU), micro "
+    reference = result[peer]
+    agree = max(abs(a - b) / abs(b) for a, b in zip(result[ours]["losses"], reference["losses"]))
+    kind = "QLoRA (NF4 bases)" if args.qlora else "LoRA"
+    print(f"{kind} rank {args.rank} (alpha {2 * args.rank}) on {', '.join(DEFAULT_TARGETS)}; "
+          f"a Llama of {_size(path) / 1e6:.1f}M parameters, world {args.world} (gloo, CPU), micro "
           f"batch {args.micro_batch} x {args.seq} tokens, {args.steps - args.warmup} timed "
-          f"steps (median), torch {torch.__version__}; LoRA losses agree to {agree:.1e} "
-          "(relative)\n")  # fmt: skip
-    print("| mode | s/step | vs FSDP2+PEFT | trainable | AdamW state MB/rank | grads MB/rank "
+          f"steps (median), torch {torch.__version__}; the losses agree to {agree:.1e} "
+          f"(relative, {ours} vs {peer})\n")  # fmt: skip
+    print(f"| mode | s/step | vs {peer} | trainable | AdamW state MB/rank | grads MB/rank "
           "| loss first -> last |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
     for mode, r in result.items():

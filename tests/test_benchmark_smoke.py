@@ -378,16 +378,24 @@ def test_hf_sample_and_tokenize_scripts(tmp_path):
             assert "same ids: True; reused: True" in proc.stdout
 
 
-def test_lora_step_script():
+@pytest.mark.parametrize("qlora", [False, True])
+def test_lora_step_script(qlora):
     """benchmarks/lora_step.py at its smallest: flatshard's LoRA and FSDP2 + PEFT, given the
-    same adapters, take the same steps; the adapters' state is a fraction of the full one."""
+    same adapters, take the same steps; the adapters' state is a fraction of the full one.
+    --qlora: flatshard and FSDP2 on the same NF4 model take the same steps, which differ
+    from the full-precision base's."""
     pytest.importorskip("peft")
     tiny = ["--world", "2", "--steps", "3", "--hidden", "64", "--layers", "2", "--vocab", "256"]
+    tiny += ["--qlora"] if qlora else []
     proc = _script(os.path.join(ROOT, "benchmarks", "lora_step.py"), *tiny, "--seq", "16")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    agree = re.search(r"LoRA losses agree to (\S+) \(relative\)", proc.stdout)
+    agree = re.search(r"the losses agree to (\S+) \(relative", proc.stdout)
     assert agree and float(agree.group(1)) <= 1e-5, proc.stdout
     _, rows = _table(proc.stdout)
+    if qlora:
+        assert rows["flatshard-qlora"][3] == rows["fsdp2-qlora"][3] == rows["flatshard-lora"][3]
+        assert rows["flatshard-qlora"][6] != rows["flatshard-lora"][6], proc.stdout  # NF4
+        return
     state = {mode: float(rows[mode][4]) for mode in ("flatshard-lora", "flatshard-full")}
     assert rows["flatshard-lora"][3] == rows["fsdp2-peft"][3]  # the same trainable count
     assert 0 < state["flatshard-lora"] < state["flatshard-full"] / 2, proc.stdout
