@@ -9,6 +9,7 @@ import sys
 import time
 
 from flatshard.cli.errors import warn
+from flatshard.cli.runs import METRICS
 
 
 def format_duration(seconds: float) -> str:
@@ -63,6 +64,18 @@ class Progress:
                 bar_format="step {n_fmt}/{total_fmt} |{bar}| {desc} [{elapsed}<{remaining}]",
             )  # fmt: skip
         self._started = time.perf_counter()
+
+    @classmethod
+    def of_run(cls, config, run_dir: str, start_step: int) -> Progress:
+        """The progress of a training run in `run_dir` (its metrics.jsonl, TensorBoard)."""
+        tensorboard = os.path.join(run_dir, "tensorboard") if config.run.tensorboard else None
+        return cls(
+            total_steps=config.train.steps,
+            start_step=start_step,
+            log_interval=config.run.log_interval,
+            metrics_path=os.path.join(run_dir, METRICS),
+            tensorboard_dir=tensorboard,
+        )
 
     @staticmethod
     def _keep_metrics_until(path: str, step: int) -> None:

@@ -45,10 +45,10 @@ def run_header(trainer) -> str:
         f"effective config (saved as {os.path.join(trainer.run_dir, runs.CONFIG_TOML)}):",
         effective.rstrip(),
     ]
-    if trainer.resumed_from is not None:
-        lines.append(f"resuming from step {trainer.step} ({trainer.resumed_from})")
-        if trainer.schedule_note:
-            lines.append(trainer.schedule_note)
+    if trainer.resumed is not None:
+        lines.append(f"resuming from step {trainer.step} ({trainer.resumed.path})")
+        if trainer.resumed.schedule_note:
+            lines.append(trainer.resumed.schedule_note)
     return "\n".join(lines)
 
 

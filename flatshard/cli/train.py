@@ -10,17 +10,14 @@ continues with exactly the losses an uninterrupted run would have had.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
 
 import torch
 import torch.distributed as dist
 
 import flatshard
-from flatshard import checkpoint, comm
-from flatshard.checkpoint import commit
+from flatshard import comm
 from flatshard.cli import runs
 from flatshard.cli.config import RunConfig, check, parallel_dims
 from flatshard.cli.errors import TrainingStopped
@@ -31,9 +28,10 @@ from flatshard.cli.launch import EXIT_STOPPED, Ranks, init_distributed
 from flatshard.cli.meters import MemoryMeter, share_step, warm_up_runtime
 from flatshard.cli.model import build_run_model, check_hf_vocab, llama_config
 from flatshard.cli.progress import Progress
+from flatshard.cli.run_checkpoints import RunCheckpoints
 from flatshard.cli.run_data import open_run_data
 from flatshard.cli.run_header import run_header
-from flatshard.cli.schedule import learning_rate, schedule_change
+from flatshard.cli.schedule import learning_rate
 from flatshard.cli.stop import StopRequest
 from flatshard.data.sequences import IGNORE, sequence_order
 from flatshard.models.registry import training_loss
@@ -78,8 +76,6 @@ class Trainer:
         if self.run_data.eval is not None:
             held_out = sequence_order(self.run_data.eval, data.seq_len, train.seed, data.pack)
             self.evaluation = Evaluation(held_out, train.eval_sequences)
-        # what checkpoints keep besides the weights, for sampling and a complete export
-        self.records = checkpoint_records(self.data, config.model.hf)
         if config.model.hf:  # a Hugging Face model: its config.json says what it is
             check_hf_vocab(config.model.hf, self.data.vocab_size)
             self.model_config = None
@@ -98,42 +94,23 @@ class Trainer:
             config, self.model_config, self.dims, ranks.device, resume_step is None
         )
         self.optimizer = make_optimizer(train, self.model)
-        self.checkpoints = runs.checkpoint_root(run_dir)
-        self.step, self.position, self.last_saved = 0, 0, None
-        self.resumed_from = self.resumed_step = self.schedule_note = None
+        # what checkpoints keep besides the weights, for sampling and a complete export
+        records = checkpoint_records(self.data, config.model.hf)
+        self.saves = RunCheckpoints(run_dir, config, self.model, self.optimizer, records)
+        self.step, self.position, self.resumed = 0, 0, None
         if resume_step is not None:
-            self._resume(resume_step)
+            self.resumed = self.saves.resume(resume_step, ranks)
+            self.step, self.position = self.resumed.step, self.resumed.position
         if ranks.is_main:
             runs.write_config(run_dir, config)
             print(run_header(self), flush=True)
         self.progress = None
 
-    # --- set-up ----------------------------------------------------------------------------
-    def _resume(self, step: int) -> None:
-        result = runs.resume(self.checkpoints, self.model, self.optimizer, step, self.ranks,
-                             trainable_only=bool(self.config.train.lora_rank))  # fmt: skip
-        self.step = self.last_saved = self.resumed_step = result.step
-        self.resumed_from = result.path
-        if self.ranks.is_main:  # what the header says of a changed schedule
-            saved = runs.saved_extra(result.path, "run_config")
-            saved_train = json.loads(saved).get("train", {}) if saved else {}
-            self.schedule_note = schedule_change(saved_train, self.config.train, self.step)
-        self.position = result.extra["data_position"]
-
     # --- the loop ------------------------------------------------------------------------------
     def run(self) -> int:
         """Train to the end (0), or until a signal: then save and return EXIT_STOPPED."""
-        config = self.config
         if self.ranks.is_main:
-            tensorboard = os.path.join(self.run_dir, "tensorboard")
-            tensorboard = tensorboard if config.run.tensorboard else None
-            self.progress = Progress(
-                total_steps=config.train.steps,
-                start_step=self.step,
-                log_interval=config.run.log_interval,
-                metrics_path=os.path.join(self.run_dir, runs.METRICS),
-                tensorboard_dir=tensorboard,
-            )
+            self.progress = Progress.of_run(self.config, self.run_dir, self.step)
         try:
             reason = self._loop()
         finally:
@@ -161,7 +138,7 @@ class Trainer:
                 return f"stopped at step {self.step} (run.stop_at_step)"
             interval = config.checkpoint.interval
             if interval and self.step % interval == 0 and self.step < config.train.steps:
-                self._save(async_save=config.checkpoint.async_save)
+                self.saves.save(self.step, self.position, config.checkpoint.async_save)
         return "done"
 
     def _train_step(self, started: float) -> dict:
@@ -218,8 +195,7 @@ class Trainer:
         }
 
     def _non_finite(self, loss: float, grad_norm: float, lr: float) -> None:
-        checkpoint.wait_for_pending_save()  # every rank gets here: the decision was shared
-        latest = commit.latest_dir(self.checkpoints)
+        latest = self.saves.latest()  # every rank gets here: the decision was shared
         kept = f"the last good checkpoint is {latest}" if latest else "no checkpoint was saved"
         what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {grad_norm}"
         raise TrainingStopped(
@@ -227,31 +203,12 @@ class Trainer:
             f"saving it; {kept}. Lower train.lr, raise train.warmup_steps or set train.grad_clip"
         )
 
-    # --- checkpoints and the end ---------------------------------------------------------------
-    def _save(self, async_save: bool = False) -> None:
-        if self.last_saved == self.step:
-            return
-        checkpoint.save(
-            self.checkpoints,
-            model=self.model,
-            optimizer=self.optimizer,
-            step=self.step,
-            async_save=async_save,
-            keep_last=self.config.checkpoint.keep_last or None,
-            staging_bytes=self.config.checkpoint.staging_mib << 20,
-            data_position=self.position,
-            run_config=self.config.to_json(),
-            trainable_only=bool(self.config.train.lora_rank),  # LoRA: the adapters
-            **self.records,
-        )
-        self.last_saved = self.step
-
+    # --- the end --------------------------------------------------------------------------------
     def _finish(self, reason: str) -> None:
         config = self.config
         if reason != "done" or config.checkpoint.at_end:
-            self._save()
-        checkpoint.wait_for_pending_save()
-        latest = commit.latest_dir(self.checkpoints)
+            self.saves.save(self.step, self.position)
+        latest = self.saves.latest()
         say = print if self.ranks.is_main else (lambda *a, **k: None)
         if reason != "done":
             say(f"{reason}; saved {latest}. Continue with: flatshard train --resume {self.run_dir}")
@@ -259,7 +216,7 @@ class Trainer:
                 say(f"exit status {EXIT_STOPPED}: stopped by a signal, resumable", flush=True)
             return
         saved = f"checkpoint: {latest}" if latest else "no checkpoint (checkpoint.at_end = false)"
-        if self.step == self.resumed_step:
+        if self.resumed is not None and self.step == self.resumed.step:
             say(
                 f"nothing to train: the run is at step {self.step} of train.steps "
                 f"{config.train.steps}; raise it to go on (--steps {2 * self.step})"

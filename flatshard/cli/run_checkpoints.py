@@ -1,0 +1,72 @@
+"""A training run's checkpoints: what it saves besides the weights and where, its resume, and
+the last good checkpoint a failure points to.
+
+A checkpoint holds the model and optimizer (a LoRA run: the adapters and their state only),
+the data position, the run config, and the records a complete export needs (the tokenizer,
+the Hugging Face config: `hf_records.py`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from flatshard import checkpoint
+from flatshard.checkpoint import commit
+from flatshard.cli import runs
+from flatshard.cli.schedule import schedule_change
+
+
+@dataclass
+class Resumed:
+    """Where a resumed run stands: its step, the checkpoint it came from, the data position,
+    and what the header says of a changed schedule (rank 0; None elsewhere)."""
+
+    step: int
+    path: str
+    position: int
+    schedule_note: str | None
+
+
+class RunCheckpoints:
+    def __init__(self, run_dir: str, config, model, optimizer, records: dict):
+        self.root = runs.checkpoint_root(run_dir)
+        self.config, self.model, self.optimizer, self.records = config, model, optimizer, records
+        self.trainable_only = bool(config.train.lora_rank)  # LoRA: the adapters
+        self.last_saved: int | None = None
+
+    def resume(self, step: int, ranks) -> Resumed:
+        result = runs.resume(self.root, self.model, self.optimizer, step, ranks,
+                             trainable_only=self.trainable_only)  # fmt: skip
+        self.last_saved = result.step
+        note = None
+        if ranks.is_main:
+            saved = runs.saved_extra(result.path, "run_config")
+            saved_train = json.loads(saved).get("train", {}) if saved else {}
+            note = schedule_change(saved_train, self.config.train, result.step)
+        return Resumed(result.step, result.path, result.extra["data_position"], note)
+
+    def save(self, step: int, position: int, async_save: bool = False) -> None:
+        """Save at `step` (once: a second call at the same step does nothing)."""
+        if self.last_saved == step:
+            return
+        saving = self.config.checkpoint
+        checkpoint.save(
+            self.root,
+            model=self.model,
+            optimizer=self.optimizer,
+            step=step,
+            async_save=async_save,
+            keep_last=saving.keep_last or None,
+            staging_bytes=saving.staging_mib << 20,
+            data_position=position,
+            run_config=self.config.to_json(),
+            trainable_only=self.trainable_only,
+            **self.records,
+        )
+        self.last_saved = step
+
+    def latest(self) -> str | None:
+        """The newest complete checkpoint, once any save in flight has finished."""
+        checkpoint.wait_for_pending_save()
+        return commit.latest_dir(self.root)
