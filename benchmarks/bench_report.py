@@ -409,7 +409,7 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
         "On gloo flatshard all-gathers by sending its shard to each peer (`isend`/`irecv`, "
         "marked send/recv: gathered = sent x N/(N-1)) and reduce-scatters with one "
         "`all_to_all_single` of the input and a local sum (marked all-to-all), see "
-        "flatshard/collectives.py. Sent: bytes one rank puts on the wire per step for the "
+        "flatshard/comm/collectives.py. Sent: bytes one rank puts on the wire per step for the "
         "algorithms gloo runs, (N-1)/N x (all-gather + all-to-all + 2 x all-reduce + 2 x "
         "reduce-scatter, as gloo's reduce-scatter all-reduces its whole input) + "
         "point-to-point sends, N the size of the group each collective went over (the "

@@ -53,7 +53,7 @@ def wire_bytes(comm: dict, world: int) -> float:
 
 def gathered_bytes(comm: dict, world: int) -> float:
     """All-gathered bytes: by `all_gather_single`, or by point-to-point sends of a shard to
-    each of the N-1 peers of its group (flatshard on gloo, see flatshard/collectives.py)."""
+    each of the N-1 peers of its group (flatshard on gloo, see flatshard/comm/collectives.py)."""
     sent = _by_group_size(comm, "send", world)
     return comm["all_gather"] + sum(b * n / (n - 1) for n, b in sent.items() if n > 1)
 
@@ -72,7 +72,7 @@ class CommCounter:
     reduce-scatters that way on gloo); send: bytes of each `isend` (flatshard all-gathers that
     way on gloo). Nested calls (a deprecated name that forwards to its `*_single`
     replacement) count once. The `all_to_all_single` calls of expert parallelism (its
-    token rows, forward and backward, in `flatshard.collectives._send_rows`, and its per-expert
+    token rows, forward and backward, in `flatshard.comm.collectives._send_rows`, and its per-expert
     counts, in `flatshard.parallel.expert_parallel._exchange_counts`) count apart, as
     `ep_all_to_all` (input bytes), with `ep_offrank` the bytes of the input bound for other
     ranks and `ep_rows` the token rows alone. DTensor's collectives (tensor parallelism's
@@ -128,7 +128,7 @@ class CommCounter:
                     setattr(namespace, name, wrapper)
         from torch.distributed import _functional_collectives as funcol
 
-        import flatshard.collectives as collectives
+        import flatshard.comm.collectives as collectives
         import flatshard.parallel.expert_parallel as expert_parallel
 
         # looked up as module globals at each call

@@ -12,7 +12,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from flatshard import peer_failure, registry
+from flatshard import registry
+from flatshard.comm import peer_failure
 from flatshard.dtensor import patches
 from flatshard.dtensor.tp_params import onto_tp_mesh
 from flatshard.errors import WrappingError

@@ -9,6 +9,11 @@ class WrappingError(FlatShardError, ValueError):
     """`fully_shard` was called on a module it cannot wrap as asked."""
 
 
+class ConfigError(FlatShardError):
+    """A config file, key or value is wrong (a run's, or what `flatshard plan` is asked to
+    size); the message names the key."""
+
+
 class MeshError(FlatShardError, ValueError):
     """The device mesh does not fit this process or this use."""
 
@@ -45,4 +50,4 @@ class OffloadError(FlatShardError, OSError):
 
 class PeerFailedError(FlatShardError, RuntimeError):
     """Another rank failed while this one waited for it in a collective: the message names
-    that rank and its exception (`flatshard/peer_failure.py`)."""
+    that rank and its exception (`flatshard/comm/peer_failure.py`)."""

@@ -370,9 +370,9 @@ def activation_memory(check: Check) -> dict:
     """Peak device memory per activation mode against the planner's device estimate, and
     activation offload's saving against the bytes it moved (target: >= 70%)."""
     from flatshard import registry
-    from flatshard.cli import zoo
-    from flatshard.cli.estimate import Setup, plan
     from flatshard.models import LlamaConfig
+    from flatshard.planner import zoo
+    from flatshard.planner.estimate import Setup, plan
 
     cfg, batch, seq = check.sizes["activations"]
     spec = zoo.from_llama_config(LlamaConfig(**cfg), "gpu-check")

@@ -59,7 +59,7 @@ MUTANTS = (
     Mutant(
         "divide-factor",
         "the gloo reduce-scatter sums where it should average (gradients x world)",
-        "flatshard/collectives.py",
+        "flatshard/comm/collectives.py",
         "            self.output.div_(self.world)",
         "            pass",
         ("tests/test_gradients.py",),

@@ -1,6 +1,6 @@
 """Padding of the row-aligned layout on the transformer layers of real models.
 
-The models are `flatshard plan`'s zoo (flatshard/cli/zoo.py, shapes from the public
+The models are `flatshard plan`'s zoo (flatshard/planner/zoo.py, shapes from the public
 configs; the one home of model shapes); each distinct layer shape is laid out at several
 data-parallel sizes and compared with the single-LCM rule. "finer" counts the grouped
 expert weights laid out with a finer row (fewer experts than ranks: each rank holds some
@@ -19,8 +19,8 @@ from pathlib import Path
 # Runnable from a checkout without installing flatshard.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flatshard.cli.zoo import ZOO, resolve  # noqa: E402
 from flatshard.layout import ParamInfo, plan_unit_layout, single_lcm_padded_size  # noqa: E402
+from flatshard.planner.zoo import ZOO, resolve  # noqa: E402
 
 WORLD_SIZES = (2, 8, 64)
 

@@ -2,7 +2,7 @@
 # The test command: sets up .venv (torch 2.13.0 CPU from the local wheel, never a CUDA
 # download), installs flatshard with its dev extras, lints, and runs the whole suite; with
 # no arguments, then the training-parity tests again under the NCCL hazard shim
-# (flatshard/nccl_shim.py: collectives behave like asynchronous NCCL on CPU tensors): the
+# (flatshard/comm/nccl_shim.py: collectives behave like asynchronous NCCL on CPU tensors): the
 # files whose code paths the shim changes (the buckets' all-gathers and reduce-scatters, the
 # CPU buffer pool left out); checkpoint I/O takes the same path either way.
 set -euo pipefail

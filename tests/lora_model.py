@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from flatshard import collectives
+from flatshard.comm import collectives
 
 
 class LoRALinear(nn.Module):

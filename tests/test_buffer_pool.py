@@ -9,7 +9,8 @@ import torch.distributed as dist
 from distributed import run_distributed
 from reference import adamw, batches, build_model, config, lm_loss, rank_slice, shard
 
-from flatshard import comm, compat, nccl_shim, registry
+from flatshard import comm, compat, registry
+from flatshard.comm import nccl_shim
 from flatshard.runtime.bucket_grads import BucketGradients
 
 pools = pytest.mark.skipif(
@@ -94,7 +95,7 @@ def test_blocks_reuse_gradient_buffers_and_the_pool_ends_empty():
 
 
 def _reduce_scatter_returns_its_receive_buffer():
-    from flatshard import collectives
+    from flatshard.comm import collectives
 
     rank = dist.get_rank()
     pool = comm.BufferPool()

@@ -9,12 +9,12 @@ from dataclasses import replace
 
 import pytest
 
-from flatshard.cli import estimate, zoo
-from flatshard.cli.activations import Activations, Saved
-from flatshard.cli.estimate import Setup
+from flatshard.planner import estimate, zoo
 from flatshard.cli.main import main
 from flatshard.models import LlamaConfig, MoEConfig
 from flatshard.optim.matrix_owners import newton_schulz_flops
+from flatshard.planner.activations import Activations, Saved
+from flatshard.planner.estimate import Setup
 
 BF16, FP32 = 2, 4
 

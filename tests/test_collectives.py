@@ -3,9 +3,9 @@ backward (the model root and its first-use groups keep their parameters through 
 as FSDP2 keeps its root, and so does the last block, whose backward comes next), one
 reduce-scatter per trainable bucket, nothing else; bytes equal the layout's padded sizes.
 On gloo an all-gather is N-1 `isend`s of the shard (and N-1 `irecv`s into the output) and a
-reduce-scatter one `all_to_all_single` of the flat gradient (see comm.py). A unit over one
-embedding first all-gathers every rank's token count to decide whether to look up from its
-shards (sharded_lookup.py; at this vocabulary it gathers). Order: each unit is gathered
+reduce-scatter one `all_to_all_single` of the flat gradient (see comm/collectives.py). A
+unit over one embedding first all-gathers every rank's token count to decide whether to look
+up from its shards (sharded_lookup.py; at this vocabulary it gathers). Order: each unit is gathered
 where it is first used and reduced as soon as its gradient is complete (the output head
 first, the embedding last)."""
 

@@ -11,7 +11,8 @@ import torch.distributed as dist
 from distributed import run_distributed
 from reference import batches, build_model, config, full_state, lm_loss, rel_diff, shard, train
 
-from flatshard import comm, compat, nccl_shim
+from flatshard import comm, compat
+from flatshard.comm import nccl_shim
 from flatshard.compat import OwnDataParallelMeshDims
 
 

@@ -15,7 +15,7 @@ import torch.nn as nn
 from distributed import run_distributed
 
 import flatshard
-from flatshard import collectives
+from flatshard.comm import collectives
 
 float8 = pytest.importorskip("torchao.float8")
 

@@ -11,8 +11,9 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "flatshard"
 HOT = [
     *sorted((ROOT / "runtime").glob("*.py")),
-    ROOT / "comm.py",
-    ROOT / "agreement.py",  # the lookup's plan, once per forward
+    ROOT / "comm" / "devices.py",
+    ROOT / "comm" / "collectives.py",
+    ROOT / "comm" / "agreement.py",  # the lookup's plan, once per forward
     ROOT / "dtensor" / "row_shard.py",
     ROOT / "dtensor" / "redistribute.py",
     ROOT / "dtensor" / "sharded_param.py",

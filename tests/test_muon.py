@@ -27,7 +27,8 @@ from reference import (
 from reference import shard as shard_model
 
 import flatshard
-from flatshard import collectives, optim
+from flatshard import optim
+from flatshard.comm import collectives
 from flatshard.optim.matrix_owners import assign_owners, newton_schulz_flops
 from flatshard.optim.muon import tensor_parallel_of
 

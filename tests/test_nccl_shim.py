@@ -1,4 +1,4 @@
-"""The NCCL hazard shim (flatshard/nccl_shim.py) shows what asynchronous NCCL would race
+"""The NCCL hazard shim (flatshard/comm/nccl_shim.py) shows what asynchronous NCCL would race
 on: a collective's input written before its wait gives a poisoned (torn) result, its output
 read before the wait reads poison, and its output written or freed, or its input freed,
 raises. CI also runs the training-parity tests with the shim on (scripts/test.sh)."""
@@ -12,7 +12,8 @@ import torch.distributed as dist
 from distributed import run_distributed
 from reference import batches, build_model, config, full_state, rel_diff, shard, train
 
-from flatshard import comm, nccl_shim
+from flatshard import comm
+from flatshard.comm import nccl_shim
 
 
 def _with_shim(fn):

@@ -25,7 +25,8 @@ from reference import (
 )
 
 import flatshard
-from flatshard import checkpoint, nccl_shim
+from flatshard import checkpoint
+from flatshard.comm import nccl_shim
 from flatshard.runtime.offload import units_below
 
 pytestmark = pytest.mark.slow  # deselect with -m 'not slow' for a quick loop

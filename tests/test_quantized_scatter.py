@@ -12,7 +12,7 @@ from distributed import run_distributed
 from reference import batches, build_model, config, rel_losses, shard, train
 
 import flatshard
-from flatshard import collectives
+from flatshard.comm import collectives
 from flatshard.errors import WrappingError
 from flatshard.runtime.quantized_scatter import QuantizedGradientScatter
 

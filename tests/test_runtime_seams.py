@@ -10,7 +10,8 @@ from distributed import run_distributed
 from reference import batches, build_model, config, rel_losses, shard, train
 
 import flatshard
-from flatshard import comm, nccl_shim
+from flatshard import comm
+from flatshard.comm import nccl_shim
 
 STEPS = 3
 

@@ -18,10 +18,10 @@ from torch.distributed.tensor import DTensor
 
 import flatshard
 from flatshard import registry
-from flatshard.cli import zoo
-from flatshard.cli.estimate import Setup, plan
 from flatshard.dtensor.sharded_param import local_data
 from flatshard.models import Llama, MoE, MoEConfig
+from flatshard.planner import zoo
+from flatshard.planner.estimate import Setup, plan
 
 pytestmark = pytest.mark.slow  # deselect with -m 'not slow' for a quick loop
 

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-from flatshard.agreement import fingerprint
+from flatshard.comm.agreement import fingerprint
 from flatshard.dtensor.row_shard import RowShard
 from flatshard.dtensor.sharded_param import local_data
 

@@ -13,7 +13,7 @@ import zlib
 
 import torch.distributed as dist
 
-from flatshard import agreement
+from flatshard.comm import agreement
 from flatshard.errors import CheckpointError
 
 MANIFEST = "flatshard.json"

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from flatshard import agreement, comm
+from flatshard import comm
 from flatshard.checkpoint import commit, manifest, writing
 from flatshard.checkpoint.rank_file import DEFAULT_STAGING_BYTES
 from flatshard.checkpoint.state import (
@@ -26,6 +26,7 @@ from flatshard.checkpoint.state import (
     stage,
 )
 from flatshard.checkpoint.step_guard import StepGuard
+from flatshard.comm import agreement
 from flatshard.errors import CheckpointError
 
 

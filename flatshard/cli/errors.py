@@ -5,7 +5,7 @@ import os
 import sys
 
 from flatshard.data.errors import DataError  # noqa: F401  (the data layer's, raised here too)
-from flatshard.errors import FlatShardError
+from flatshard.errors import ConfigError, FlatShardError  # noqa: F401  (ConfigError: the CLI's too)
 
 
 def warn(message: str, per_node: bool = False) -> None:
@@ -14,10 +14,6 @@ def warn(message: str, per_node: bool = False) -> None:
     variable = "LOCAL_RANK" if per_node else "RANK"
     if int(os.environ.get(variable, 0)) == 0:
         print(f"flatshard: warning: {message}", file=sys.stderr, flush=True)
-
-
-class ConfigError(FlatShardError):
-    """A config file, key or value is wrong; the message names the key."""
 
 
 class RunError(FlatShardError):

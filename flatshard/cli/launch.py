@@ -26,8 +26,8 @@ from multiprocessing.connection import wait
 import torch
 import torch.distributed as dist
 
-from flatshard import peer_failure
 from flatshard.cli.errors import RunError, warn
+from flatshard.comm import peer_failure
 from flatshard.errors import FlatShardError
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

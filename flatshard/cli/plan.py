@@ -9,14 +9,14 @@ from __future__ import annotations
 import json
 
 from flatshard.cli import config as run_config
-from flatshard.cli import zoo
 from flatshard.cli.errors import ConfigError, warn
-from flatshard.cli.estimate import Plan, Setup, plan
 from flatshard.cli.model import lora_spec
-from flatshard.cli.muon_plan import muon_lines
 from flatshard.cli.options import BY_KEY
 from flatshard.errors import MeshError
 from flatshard.mesh import ParallelDims
+from flatshard.planner import zoo
+from flatshard.planner.estimate import Plan, Setup, plan
+from flatshard.planner.muon_cost import muon_lines
 
 GIB = 1 << 30
 

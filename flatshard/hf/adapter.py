@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from flatshard.hf.allocate import allocate_and_materialize
 from flatshard.hf.errors import HFCheckpointError, HFConfigError
 from flatshard.hf.names import NameRule, TensorMapping, natural_key, plan_tensors
 
@@ -66,8 +67,6 @@ class StateDictAdapter:
 
     def allocate(self, model: nn.Module, device: torch.device) -> None:
         """Real storage for a model built on meta and sharded, before a load fills it."""
-        from flatshard.hf.pretrained import allocate_and_materialize
-
         allocate_and_materialize(model, device)
 
     def export_files(self, model: nn.Module) -> dict[str, dict]:

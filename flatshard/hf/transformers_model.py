@@ -15,10 +15,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-import flatshard
 from flatshard import registry
+from flatshard.api import fully_shard
 from flatshard.dtensor.sharded_param import param_spec
+from flatshard.fsdp_module import FlatShardModule
 from flatshard.hf.adapter import StateDictAdapter, register
+from flatshard.hf.allocate import allocate_unsharded
 from flatshard.hf.checkpoint import read_hf_config
 from flatshard.hf.conversion import disk_mappings, model_tensors
 from flatshard.hf.errors import HFCheckpointError, HFConfigError
@@ -80,8 +82,6 @@ class TransformersAdapter(StateDictAdapter):
     def allocate(self, model: nn.Module, device: torch.device) -> None:
         """Real storage for what is still on meta (the load fills every parameter): the
         units' shards (as to_empty), unsharded parameters (ties kept); buffers move."""
-        from flatshard.hf.pretrained import allocate_unsharded
-
         for unit in registry.units_below(model):
             shard_placement.allocate(unit, unit.mesh.device)
         allocate_unsharded(model, device)
@@ -178,8 +178,8 @@ def shard_decoder_layers(model: nn.Module, **fully_shard_kwargs) -> nn.Module:
     """fully_shard every decoder layer (the classes its `_no_split_modules` names), then the
     root: what `from_pretrained(..., shard=...)` needs for a transformers model."""
     for layer in decoder_layers(model):
-        flatshard.fully_shard(layer, **fully_shard_kwargs)
-    flatshard.fully_shard(model, **fully_shard_kwargs)
+        fully_shard(layer, **fully_shard_kwargs)
+    fully_shard(model, **fully_shard_kwargs)
     return model
 
 
@@ -231,8 +231,6 @@ def parameters_on_meta():
 
 def model_class(model: nn.Module) -> type:
     """The model's own class (fully_shard puts a FlatShard subclass in front of it)."""
-    from flatshard import FlatShardModule
-
     if isinstance(model, FlatShardModule):
         return type(model).__mro__[FlatShardModule._orig_cls_mro_index]
     return type(model)

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from flatshard import collectives, comm
+from flatshard import comm
+from flatshard.comm import collectives
 
 
 def newton_schulz_flops(shape: tuple[int, int], steps: int) -> int:

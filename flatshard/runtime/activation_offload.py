@@ -11,7 +11,7 @@ and the device copy is dropped. In backward, when the unit before it in the back
 order starts its backward (pre-backward, where the runtime also prefetches that unit's
 all-gather), the copies back start, so they overlap that unit's backward; whatever was not
 fetched ahead comes back when autograd asks for it. The copies themselves are device code
-(comm.py); on the CPU they are plain copies, so the path runs and is tested there.
+(comm/devices.py); on the CPU they are plain copies, so the path runs and is tested there.
 """
 
 from __future__ import annotations

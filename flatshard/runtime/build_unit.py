@@ -13,13 +13,15 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
-from flatshard import agreement, load_hooks, registry
+from flatshard import registry
+from flatshard.comm import agreement
 from flatshard.dtensor.tp_params import tp_param_info, tp_placement
 from flatshard.errors import LayoutError, WrappingError
 from flatshard.layout import ParamInfo, declared_components, plan_unit_layout
 from flatshard.layout.offload import needs_bucket_per_param
 from flatshard.mesh import ShardMesh
 from flatshard.policy import MixedPrecisionPolicy, OffloadPolicy
+from flatshard.runtime import load_hooks
 from flatshard.runtime.flat_bucket import FlatBucket
 from flatshard.runtime.hooks import attach
 from flatshard.runtime.managed_param import ManagedParam

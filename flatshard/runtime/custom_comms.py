@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flatshard import collectives
+from flatshard.comm import collectives
 
 
 class _CopyOut:

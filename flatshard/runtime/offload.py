@@ -11,7 +11,7 @@ A step then moves: before each all-gather, the host part of the shard up (cast t
 compute dtype first: half the bytes for bf16), asynchronously from pinned memory; after
 each reduce-scatter, the host part of the gradient down, overlapping the rest of backward;
 at the end of backward the host waits for those copies, so that the optimizer reads
-finished gradients (flat_bucket.py holds the two parts, comm.py the copies).
+finished gradients (flat_bucket.py holds the two parts, comm/devices.py the copies).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from flatshard import collectives
+from flatshard.comm import collectives
 from flatshard.runtime.quantized_gather import FORMATS, pack, unpack
 
 

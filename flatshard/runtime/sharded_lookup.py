@@ -31,7 +31,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from flatshard import agreement, comm, registry
+from flatshard import comm, registry
+from flatshard.comm import agreement
 from flatshard.errors import TokenIdError
 from flatshard.runtime.gather_policy import looks_up, lookup_possible
 

@@ -1,10 +1,5 @@
-"""Backends and devices: the one place that knows gloo from NCCL and CPU from CUDA.
-
-Collectives (collectives.py, re-exported here) move whole flat buckets, or an embedding's
-looked-up rows, with an implementation chosen once per process group. On CUDA, NCCL runs
-them on its own stream and `Work.wait()` makes the current stream wait, so compute on the
-current stream overlaps them; on CPU, gloo runs them on its own threads and `wait()`
-blocks the caller.
+"""Devices and host copies: the one place that knows CPU from CUDA (streams, events,
+pinned host memory, the caching allocator) for the rest of the package.
 
 On CPU, large buffers freed during a step go to a `BufferPool` for the next unit of the
 same size (CUDA's caching allocator does this by itself).
@@ -15,16 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flatshard import compat, nccl_shim
-from flatshard.collectives import (  # noqa: F401  (comm is where callers find them)
-    Collectives,
-    all_gather,
-    all_reduce,
-    all_to_all,
-    for_group,
-    reduce_scatter,
-    traffic,
-)
+from flatshard import compat
+from flatshard.comm import nccl_shim
 
 
 def compute_device(device_type: str) -> torch.device:

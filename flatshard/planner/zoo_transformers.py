@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import torch
 
-from flatshard.cli import zoo
-from flatshard.cli.errors import ConfigError
-from flatshard.errors import MeshError
+from flatshard.errors import ConfigError, MeshError
+from flatshard.planner.activations import (
+    Activations,
+    attention_bytes,
+    layer_activations,
+    norm_bytes,
+    projection_outputs,
+    swiglu_bytes,
+)
+from flatshard.planner.model_spec import ModelSpec, UnitSpec, adapt, nf4_shapes, param_infos
 
 
-def from_transformers_config(hf_config: dict, name: str, lora=None, nf4=False) -> zoo.ModelSpec:
+def from_transformers_config(hf_config: dict, name: str, lora=None, nf4=False) -> ModelSpec:
     from flatshard.hf import HFConfigError, build_causal_lm
     from flatshard.hf.transformers_model import decoder_layers
 
@@ -25,7 +32,7 @@ def from_transformers_config(hf_config: dict, name: str, lora=None, nf4=False) -
         layers = decoder_layers(model)
     except HFConfigError as error:
         raise ConfigError(f"{name}: {error}") from None
-    zoo.adapt(model, lora, name, nf4)
+    adapt(model, lora, name, nf4)
     names = {id(m): n for n, m in model.named_modules()}
     runs: list[tuple] = []  # (first layer, last layer, its ParamInfos, its shapes, NF4 bases)
     for index, layer in enumerate(layers):
@@ -35,13 +42,13 @@ def from_transformers_config(hf_config: dict, name: str, lora=None, nf4=False) -
         if runs and runs[-1][3] == shapes:  # the same layer again: one more of the run
             runs[-1] = (runs[-1][0], index, *runs[-1][2:])
         else:
-            infos = zoo._infos((f"{prefix}.{n}", p) for n, p in named)
-            runs.append((index, index, infos, shapes, zoo.nf4_shapes(named)))
-    units = [zoo.UnitSpec(f"layers.{a}-{b}", infos, b - a + 1, nf4=nf4)
+            infos = param_infos((f"{prefix}.{n}", p) for n, p in named)
+            runs.append((index, index, infos, shapes, nf4_shapes(named)))
+    units = [UnitSpec(f"layers.{a}-{b}", infos, b - a + 1, nf4=nf4)
              for a, b, infos, _, nf4 in runs]  # fmt: skip
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     root = [(n, p) for n, p in model.named_parameters() if id(p) not in in_layers]
-    units.append(zoo.UnitSpec("root", zoo._infos(root), is_root=True, nf4=zoo.nf4_shapes(root)))
+    units.append(UnitSpec("root", param_infos(root), is_root=True, nf4=nf4_shapes(root)))
     config = model.config
 
     splits: dict[int, dict] = {}  # tp -> {parameter: (dim, parts)}, computed once
@@ -54,7 +61,7 @@ def from_transformers_config(hf_config: dict, name: str, lora=None, nf4=False) -
         dim, _ = splits[tp][param]
         return tuple(n // tp if d == dim else n for d, n in enumerate(shape))
 
-    return zoo.ModelSpec(
+    return ModelSpec(
         name,
         tuple(units),
         len(layers),
@@ -73,7 +80,7 @@ def _splits(model, tp: int) -> dict:
         raise ConfigError(f"--tp {tp}: {error}") from None
 
 
-def _activations(config, a: int) -> zoo.Activations:
+def _activations(config, a: int) -> Activations:
     hidden = config.hidden_size
     heads = getattr(config, "num_attention_heads", 1)
     head_dim = getattr(config, "head_dim", None) or hidden // heads
@@ -83,12 +90,12 @@ def _activations(config, a: int) -> zoo.Activations:
         (expert * top_k) if (top_k and expert) else getattr(config, "intermediate_size", 4 * hidden)
     )
     layer = (
-        2 * zoo._norm_bytes(hidden, a)
-        + zoo._attention_bytes(
+        2 * norm_bytes(hidden, a)
+        + attention_bytes(
             heads, getattr(config, "num_key_value_heads", heads) or heads, head_dim, False, a
         )  # fmt: skip
-        + zoo._swiglu_bytes(ffn, a)
-        + zoo._projection_outputs(hidden, a)
+        + swiglu_bytes(ffn, a)
+        + projection_outputs(hidden, a)
     )
     layers = [(config.num_hidden_layers, layer)]
-    return zoo._activations(layers, hidden, config.vocab_size, a)
+    return layer_activations(layers, hidden, config.vocab_size, a)

@@ -20,7 +20,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from flatshard import compat, nccl_shim, peer_failure
+from flatshard import compat
+from flatshard.comm import nccl_shim, peer_failure
 
 
 class Traffic:

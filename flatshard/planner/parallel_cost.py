@@ -7,10 +7,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from flatshard.cli.errors import ConfigError
-from flatshard.cli.zoo import ModelSpec, UnitSpec
-from flatshard.errors import MeshError
+from flatshard.errors import ConfigError, MeshError
 from flatshard.models.llama import LLAMA_BLOCK_PLAN, tp_local_shape
+from flatshard.planner.model_spec import ModelSpec, UnitSpec
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MODES = ("none", "full", "selective", "offload")
+FP32 = 4  # bytes of an fp32 element; main weights are kept in fp32
 
 
 @dataclass(frozen=True)
@@ -65,3 +66,47 @@ class Activations:
         kept = sum(count * saved.kept for count, saved in self.layers)
         remainder = max(saved.all - saved.kept for _, saved in self.layers)
         return blocks * self.block_input + kept + max(self.head, remainder + backward)
+
+
+# --- the bytes of each piece of a layer, per token (a: the compute dtype's size) ----------
+
+
+def norm_bytes(dim: int, a: int) -> Saved:
+    # RMSNorm keeps its fp32 input (a copy under bf16) and its normalised output; selective
+    # AC recomputes it
+    return Saved(FP32 * dim + a * dim)
+
+
+def head_bytes(dim: int, vocab: int, a: int) -> int:
+    # the final norm's; the logits, and while the loss's backward runs three fp32 copies of
+    # the vocabulary: the log-softmax it saved, its gradient and the logits' gradient
+    # (measured: 16 bytes per vocabulary entry in fp32, 14 in bf16)
+    return norm_bytes(dim, a).all + a * vocab + 3 * FP32 * vocab
+
+
+def attention_bytes(heads: int, kv_heads: int, head_dim: int, qk_norm: bool, a: int) -> Saved:
+    # SDPA keeps q, k, v (kv repeated to all heads), its output and logsumexp; o_proj its
+    # input. Selective AC keeps the q, k, v projections' outputs and SDPA's output and
+    # logsumexp, and recomputes RoPE (and the head norms)
+    saved = Saved(
+        a * 5 * heads * head_dim + FP32 * heads,
+        a * (2 * heads + 2 * kv_heads) * head_dim + FP32 * heads,
+    )
+    if qk_norm:
+        saved += norm_bytes((heads + kv_heads) * head_dim, a)  # per-head q and k norms
+    return saved
+
+
+def swiglu_bytes(ffn: int, a: int) -> Saved:
+    # gate|up output, silu(gate), their product; selective AC keeps the first
+    return Saved(a * 4 * ffn, a * 2 * ffn)
+
+
+def projection_outputs(dim: int, a: int) -> Saved:
+    # o_proj's and down_proj's outputs: only selective AC keeps them (matrix products)
+    return Saved(0, 2 * a * dim)
+
+
+def layer_activations(layers, dim: int, vocab: int, a: int) -> Activations:
+    kinds = tuple((count, saved) for count, saved in layers if count)
+    return Activations(kinds, a * dim, head_bytes(dim, vocab, a))

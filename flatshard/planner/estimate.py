@@ -19,7 +19,7 @@ what is gathered when and what a lookup costs from the runtime's own policy
   ids, rows and output gradients instead, and holds the gathered output gradients at the
   end of backward.
 - on gloo (CPU) a reduce-scatter receives every rank's copy of this rank's shard into a
-  buffer as large as the gradient bucket (an all-to-all, see comm.py); NCCL needs none.
+  buffer as large as the gradient bucket (an all-to-all, see comm/collectives.py); NCCL needs none.
 - tensor parallelism (`tp`) splits each block's parameters by flatshard.parallel's plan
   before FSDP shards them (the embedding, norms and head stay whole); each block then
   all-reduces its row-parallel outputs in forward and its column-parallel input gradients
@@ -38,10 +38,16 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from flatshard.cli.activations import MODES as AC_MODES
-from flatshard.cli.checkpoint_plan import checkpoint_figures
-from flatshard.cli.errors import ConfigError
-from flatshard.cli.estimate_parallel import (
+from flatshard.errors import ConfigError
+from flatshard.layout import plan_unit_layout
+from flatshard.layout.offload import needs_bucket_per_param
+from flatshard.mesh import ParallelDims
+from flatshard.planner.activations import MODES as AC_MODES
+from flatshard.planner.checkpoint_cost import checkpoint_figures
+from flatshard.planner.model_spec import FP32, ModelSpec
+from flatshard.planner.muon_cost import muon_figures
+from flatshard.planner.offload_split import offloaded_share, split_memory
+from flatshard.planner.parallel_cost import (
     DTYPE_BYTES,
     ep_communication,
     ep_local,
@@ -49,12 +55,6 @@ from flatshard.cli.estimate_parallel import (
     tp_communication,
     tp_local,
 )
-from flatshard.cli.muon_plan import muon_figures
-from flatshard.cli.offload_plan import offloaded_share, split_memory
-from flatshard.cli.zoo import FP32, ModelSpec
-from flatshard.layout import plan_unit_layout
-from flatshard.layout.offload import needs_bucket_per_param
-from flatshard.mesh import ParallelDims
 from flatshard.runtime.gather_policy import (
     all_gathers_per_step,
     looks_up,

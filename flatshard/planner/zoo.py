@@ -12,75 +12,25 @@ grouped-GEMM implementation (and the reference `MoE`) holds them.
 from __future__ import annotations
 
 import json
-import math
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from flatshard.cli.activations import Activations, Saved
-from flatshard.cli.errors import ConfigError
+from flatshard.errors import ConfigError
 from flatshard.layout import ParamInfo
 from flatshard.models import Llama, LlamaConfig, MoEConfig, family_of_config
-from flatshard.models.lora import LoRAError, LoRASpec, adapted_modules, add_lora
-from flatshard.models.qlora import nf4_bytes, scale_group
-
-FP32 = 4  # bytes of an fp32 element; main weights are kept in fp32
-
-
-NF4_BASE = "_flatshard_nf4_base"  # the mark adapt() puts on a QLoRA base (meta) parameter
-
-
-@dataclass(frozen=True)
-class UnitSpec:
-    """`count` identical `fully_shard` units: transformer blocks of one shape, or a part of
-    the model root (`is_root`: the root or one of its first-use groups, see runtime/first_use.py;
-    these stay gathered from forward to backward)."""
-
-    name: str
-    params: tuple[ParamInfo, ...]
-    count: int = 1
-    is_root: bool = False
-    # one plain `nn.Embedding`: ZeRO-2/3 may look it up from its shards (sharded_lookup.py)
-    embedding: bool = False
-    # ranks it is sharded over, when not the data-parallel shard group (EP experts: efsdp)
-    shard_ranks: int | None = None
-    # a unit of a module inside the previous unit's (EP experts in their block): each of
-    # its `count` runs within one of the previous unit's forwards
-    inner: bool = False
-    # QLoRA: the shapes of its NF4 bases, sharded outside its buckets (not in `params`)
-    nf4: tuple[tuple[int, ...], ...] = ()
-
-    @property
-    def nf4_bytes(self) -> int:
-        return sum(nf4_bytes(shape) for shape in self.nf4)
-
-    @property
-    def nf4_numel(self) -> int:
-        return sum(math.prod(shape) for shape in self.nf4)
-
-    @property
-    def numel(self) -> int:
-        return sum(p.numel for p in self.params)
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    units: tuple[UnitSpec, ...]
-    n_layers: int
-    # bytes saved for backward per token (layers and head, per AC mode), given the compute
-    # dtype's size
-    activations: Callable[[int], Activations]
-    top_k: int = 0  # experts per token (MoE)
-    # (parameter name, shape, tp) -> its shape on each TP rank; None: the reference Llama's plan
-    tp_local_shape: Callable[[str, tuple[int, ...], int], tuple[int, ...]] | None = None
-
-    @property
-    def num_params(self) -> int:
-        return sum((unit.numel + unit.nf4_numel) * unit.count for unit in self.units)
-
+from flatshard.models.lora import LoRASpec
+from flatshard.planner.activations import (
+    FP32,
+    Activations,
+    Saved,
+    attention_bytes,
+    layer_activations,
+    norm_bytes,
+    projection_outputs,
+    swiglu_bytes,
+)
+from flatshard.planner.model_spec import ModelSpec, UnitSpec, adapt, nf4_shapes, param_infos
 
 # --- the zoo: public Hugging Face configs (only the fields that shape the weights) --------
 
@@ -163,7 +113,7 @@ def from_hf_config(
     from flatshard.models.llama.hf_config import ARCHITECTURES
 
     if model_type not in (None, *ARCHITECTURES.values()):  # the transformers model itself
-        from flatshard.cli.zoo_transformers import from_transformers_config
+        from flatshard.planner.zoo_transformers import from_transformers_config
 
         return from_transformers_config(hf, name, lora, nf4)
     return from_llama_config(hf_to_config(hf), name, lora, nf4)
@@ -192,29 +142,12 @@ def from_llama_config(
     return ModelSpec(name, units, cfg.n_layers, lambda a: activations(cfg, a), top_k=top_k)
 
 
-def adapt(model, lora: LoRASpec | None, name: str, nf4: bool = False) -> None:
-    """LoRA adapters on the meta model: its base frozen, so the plan counts gradients and
-    optimizer state for the adapters only; nf4: the adapted bases marked as QLoRA's."""
-    if lora is None:
-        if nf4:
-            raise ConfigError("--qlora quantizes the bases LoRA adapts: give --lora R too")
-        return
-    try:
-        add_lora(model, lora)
-        for module in adapted_modules(model).values():
-            if nf4:
-                scale_group(tuple(module.weight.shape), name)  # whole blocks, or an error
-                setattr(module.weight, NF4_BASE, True)
-    except LoRAError as error:
-        raise ConfigError(f"{name}: {error}") from None
-
-
 def _layer_units(model) -> tuple[UnitSpec, ...]:
     """One unit spec per run of consecutive blocks with the same parameters (an MoE model's
     first dense layers, then its MoE layers)."""
     runs: list[tuple] = []  # (first layer, last layer, its ParamInfos, its NF4 bases)
     for index, layer in enumerate(model.layers):
-        infos = _infos(layer.named_parameters())
+        infos = param_infos(layer.named_parameters())
         nf4 = nf4_shapes(layer.named_parameters())
         if runs and runs[-1][2:] == (infos, nf4):
             runs[-1] = (runs[-1][0], index, infos, nf4)
@@ -227,86 +160,31 @@ def _layer_units(model) -> tuple[UnitSpec, ...]:
 def _root_part(model: Llama, name: str, prefixes: tuple[str, ...], embedding: bool) -> UnitSpec:
     named = [(n, p) for n, p in model.named_parameters() if n.startswith(prefixes)]
     nf4 = nf4_shapes(named)
-    return UnitSpec(name, _infos(named), is_root=True, embedding=embedding, nf4=nf4)
-
-
-def _infos(named) -> tuple[ParamInfo, ...]:
-    """What the layout buckets of these parameters (not QLoRA's NF4 bases)."""
-    return tuple(
-        ParamInfo(n, tuple(p.shape), p.dtype, p.requires_grad)
-        for n, p in named
-        if not getattr(p, NF4_BASE, False)
-    )
-
-
-def nf4_shapes(named) -> tuple[tuple[int, ...], ...]:
-    """The shapes of the QLoRA bases among these parameters."""
-    return tuple(tuple(p.shape) for _, p in named if getattr(p, NF4_BASE, False))
-
-
-def _norm_bytes(dim: int, a: int) -> Saved:
-    # RMSNorm keeps its fp32 input (a copy under bf16) and its normalised output; selective
-    # AC recomputes it
-    return Saved(FP32 * dim + a * dim)
-
-
-def _head_bytes(dim: int, vocab: int, a: int) -> int:
-    # the final norm's; the logits, and while the loss's backward runs three fp32 copies of
-    # the vocabulary: the log-softmax it saved, its gradient and the logits' gradient
-    # (measured: 16 bytes per vocabulary entry in fp32, 14 in bf16)
-    return _norm_bytes(dim, a).all + a * vocab + 3 * FP32 * vocab
-
-
-def _attention_bytes(heads: int, kv_heads: int, head_dim: int, qk_norm: bool, a: int) -> Saved:
-    # SDPA keeps q, k, v (kv repeated to all heads), its output and logsumexp; o_proj its
-    # input. Selective AC keeps the q, k, v projections' outputs and SDPA's output and
-    # logsumexp, and recomputes RoPE (and the head norms)
-    saved = Saved(
-        a * 5 * heads * head_dim + FP32 * heads,
-        a * (2 * heads + 2 * kv_heads) * head_dim + FP32 * heads,
-    )
-    if qk_norm:
-        saved += _norm_bytes((heads + kv_heads) * head_dim, a)  # per-head q and k norms
-    return saved
-
-
-def _swiglu_bytes(ffn: int, a: int) -> Saved:
-    # gate|up output, silu(gate), their product; selective AC keeps the first
-    return Saved(a * 4 * ffn, a * 2 * ffn)
-
-
-def _projection_outputs(dim: int, a: int) -> Saved:
-    # o_proj's and down_proj's outputs: only selective AC keeps them (matrix products)
-    return Saved(0, 2 * a * dim)
-
-
-def _activations(layers, dim: int, vocab: int, a: int) -> Activations:
-    kinds = tuple((count, saved) for count, saved in layers if count)
-    return Activations(kinds, a * dim, _head_bytes(dim, vocab, a))
+    return UnitSpec(name, param_infos(named), is_root=True, embedding=embedding, nf4=nf4)
 
 
 def _dense_activations(cfg: LlamaConfig, a: int) -> Activations:
     layer = (
-        2 * _norm_bytes(cfg.dim, a)
-        + _attention_bytes(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.qk_norm, a)
-        + _swiglu_bytes(cfg.ffn_dim, a)
-        + _projection_outputs(cfg.dim, a)
+        2 * norm_bytes(cfg.dim, a)
+        + attention_bytes(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.qk_norm, a)
+        + swiglu_bytes(cfg.ffn_dim, a)
+        + projection_outputs(cfg.dim, a)
     )
-    return _activations([(cfg.n_layers, layer)], cfg.dim, cfg.vocab_size, a)
+    return layer_activations([(cfg.n_layers, layer)], cfg.dim, cfg.vocab_size, a)
 
 
 def _reference_moe_activations(cfg: MoEConfig, a: int) -> Activations:
     common = (
-        2 * _norm_bytes(cfg.dim, a)
-        + _attention_bytes(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.qk_norm, a)
-        + _projection_outputs(cfg.dim, a)
+        2 * norm_bytes(cfg.dim, a)
+        + attention_bytes(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.qk_norm, a)
+        + projection_outputs(cfg.dim, a)
     )
-    dense = common + _swiglu_bytes(cfg.ffn_dim, a)
+    dense = common + swiglu_bytes(cfg.ffn_dim, a)
     moe = common + _moe_bytes(cfg.dim, cfg.n_experts, cfg.top_k, cfg.expert_ffn_dim, a)
-    moe += _swiglu_bytes(cfg.n_shared_experts * cfg.expert_ffn_dim, a)
+    moe += swiglu_bytes(cfg.n_shared_experts * cfg.expert_ffn_dim, a)
     n_moe = cfg.n_layers - cfg.first_k_dense
     layers = [(cfg.first_k_dense, dense), (n_moe, moe)]
-    return _activations([kind for kind in layers if kind[0]], cfg.dim, cfg.vocab_size, a)
+    return layer_activations([kind for kind in layers if kind[0]], cfg.dim, cfg.vocab_size, a)
 
 
 # the activation bytes per token of each family's layers (by family name)
@@ -331,7 +209,7 @@ def _moe_params(hidden: int, experts: int, moe_ffn: int) -> list[ParamInfo]:
 def _moe_bytes(hidden: int, experts: int, top_k: int, moe_ffn: int, a: int) -> Saved:
     # router logits and fp32 probabilities; each token copied to its top_k experts.
     # Selective AC keeps the router's logits and each expert's products
-    per_copy = Saved(a * hidden, a * hidden) + _swiglu_bytes(moe_ffn, a)
+    per_copy = Saved(a * hidden, a * hidden) + swiglu_bytes(moe_ffn, a)
     return Saved((a + FP32) * experts, a * experts) + top_k * per_copy
 
 
@@ -368,12 +246,12 @@ def _moe(hf: dict, name: str, experts: int, ffn: int, qk_norm: bool) -> ModelSpe
 
     def activations(a: int) -> Activations:
         per_layer = (
-            2 * _norm_bytes(d, a)
-            + _attention_bytes(h, kv, hd, qk_norm, a)
+            2 * norm_bytes(d, a)
+            + attention_bytes(h, kv, hd, qk_norm, a)
             + _moe_bytes(d, experts, top_k, ffn, a)
-            + _projection_outputs(d, a)
+            + projection_outputs(d, a)
         )
-        return _activations([(layers, per_layer)], d, vocab, a)
+        return layer_activations([(layers, per_layer)], d, vocab, a)
 
     roots = _root(vocab, d, hf.get("tie_word_embeddings", False))
     return ModelSpec(name, (layer, *roots), layers, activations, top_k=top_k)
@@ -420,12 +298,12 @@ def _deepseek_v3(hf: dict, name: str) -> ModelSpec:
         # projections' outputs and SDPA's
         products = a * (q_rank + kv_rank + rope + 2 * qk + 2 * h * v_dim) + FP32 * h
         attention = (
-            _norm_bytes(q_rank, a) + _norm_bytes(kv_rank, a)
+            norm_bytes(q_rank, a) + norm_bytes(kv_rank, a)
             + Saved(a * (kv_rank + rope) + a * (2 * qk + 3 * h * v_dim) + FP32 * h, products)
         )  # fmt: skip
-        common = 2 * _norm_bytes(d, a) + attention + _projection_outputs(d, a)
-        dense_layer = common + _swiglu_bytes(hf["intermediate_size"], a)
-        moe_layer = common + _moe_bytes(d, experts, top_k, ffn, a) + _swiglu_bytes(shared_ffn, a)
-        return _activations([(dense, dense_layer), (layers - dense, moe_layer)], d, vocab, a)
+        common = 2 * norm_bytes(d, a) + attention + projection_outputs(d, a)
+        dense_layer = common + swiglu_bytes(hf["intermediate_size"], a)
+        moe_layer = common + _moe_bytes(d, experts, top_k, ffn, a) + swiglu_bytes(shared_ffn, a)
+        return layer_activations([(dense, dense_layer), (layers - dense, moe_layer)], d, vocab, a)
 
     return ModelSpec(name, units, layers, activations, top_k=top_k)

@@ -5,8 +5,8 @@ and the Newton-Schulz work per rank that follows, and the bytes its owner exchan
 
 from __future__ import annotations
 
-from flatshard.cli.zoo import FP32
 from flatshard.optim.matrix_owners import assign_owners, newton_schulz_flops
+from flatshard.planner.activations import FP32
 
 NS_STEPS = 5  # torch's Muon's default
 ADAMW_NAMES = ("embed", "lm_head", "wte", "wpe")  # and a module named `output`
