@@ -6,7 +6,17 @@
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, UnshardHandle
 
 from flatshard import checkpoint, hf, models, optim
-from flatshard.api import fully_shard
+from flatshard.api.fsdp_module import (
+    FlatShardModule,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+    weights_changed,
+)
+from flatshard.api.materialize import materialize
+from flatshard.api.parallel_plan import ParallelPlan, register_plan
+from flatshard.api.parallelize import parallelize
+from flatshard.api.sharding import fully_shard
+from flatshard.api.state_movement import offload_states, reload_states
 from flatshard.compat import DataParallelMeshDims
 from flatshard.dtensor.clip import clip_grad_norm_
 from flatshard.dtensor.sharded_param import row_range
@@ -22,21 +32,11 @@ from flatshard.errors import (
     UnevenShardError,
     WrappingError,
 )
-from flatshard.fsdp_module import (
-    FlatShardModule,
-    register_fsdp_forward_method,
-    share_comm_ctx,
-    weights_changed,
-)
 from flatshard.hf.stream import full_weights
-from flatshard.materialize import materialize
 from flatshard.mesh import Meshes, ParallelDims
-from flatshard.parallelize import parallelize
-from flatshard.plan import ParallelPlan, register_plan
 from flatshard.policy import CommPolicy, MixedPrecisionPolicy, OffloadPolicy
 from flatshard.registry import unit_of as state
 from flatshard.registry import units_below as units
-from flatshard.state_offload import offload_states, reload_states
 
 __all__ = [
     "CommPolicy",

@@ -106,7 +106,7 @@ class Check:
         checkpointed by flatshard's AC wrapper and compiled as flatshard's are, on request."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        from flatshard.activation_checkpointing import checkpoint_block
+        from flatshard.api.activation_checkpointing import checkpoint_block
         from flatshard.models import Llama, LlamaConfig
 
         torch.manual_seed(0)

@@ -9,10 +9,10 @@ from dataclasses import replace
 
 import pytest
 
-from flatshard.planner import estimate, zoo
 from flatshard.cli.main import main
 from flatshard.models import LlamaConfig, MoEConfig
 from flatshard.optim.matrix_owners import newton_schulz_flops
+from flatshard.planner import estimate, zoo
 from flatshard.planner.activations import Activations, Saved
 from flatshard.planner.estimate import Setup
 

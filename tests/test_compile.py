@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import flatshard
 from flatshard import registry
-from flatshard.activation_checkpointing import SAVED_OPS
+from flatshard.api.activation_checkpointing import SAVED_OPS
 from flatshard.models import Llama, MoE, MoEConfig
 
 pytestmark = pytest.mark.slow  # deselect with -m 'not slow' for a quick loop
@@ -205,7 +205,7 @@ def test_an_unknown_mode_or_backend_is_one_line():
 def test_a_backend_that_cannot_compile_is_one_line(monkeypatch):
     import torch._inductor.config as inductor_config
 
-    from flatshard import compile as compile_module
+    from flatshard.api import compile as compile_module
 
     monkeypatch.setattr(compile_module, "_WORKING", set())
     monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/c++",))

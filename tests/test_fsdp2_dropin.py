@@ -13,8 +13,8 @@ from fsdp2_behaviours import close
 from fsdp2_dropin import DROPIN, EXAMPLE, run
 
 import flatshard
+from flatshard.api.fsdp_module import FlatShardModule
 from flatshard.errors import WrappingError
-from flatshard.fsdp_module import FlatShardModule
 
 WORLD = {"spmd_mesh_dims": 4}
 

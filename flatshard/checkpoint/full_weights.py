@@ -12,10 +12,10 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
+from flatshard.api.fsdp_module import weights_changed
 from flatshard.dtensor.row_shard import RowShard
 from flatshard.dtensor.sharded_param import shard_spec
 from flatshard.errors import CheckpointError
-from flatshard.fsdp_module import weights_changed
 from flatshard.safetensors_stream import StreamingSafetensorsWriter
 
 

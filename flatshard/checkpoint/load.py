@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from flatshard.api.fsdp_module import weights_changed
 from flatshard.checkpoint import commit, manifest
 from flatshard.checkpoint.save import wait_for_pending_save
 from flatshard.checkpoint.state import (
@@ -29,7 +30,6 @@ from flatshard.checkpoint.state import (
 from flatshard.dtensor import plain_state
 from flatshard.dtensor.sharded_param import stored_shape
 from flatshard.errors import CheckpointError
-from flatshard.fsdp_module import weights_changed
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flatshard.materialize import materialize
+from flatshard.api.materialize import materialize
 
 
 def allocate_and_materialize(model: nn.Module, device: torch.device) -> None:

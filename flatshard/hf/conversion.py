@@ -84,7 +84,7 @@ def _own_classes(model: nn.Module):
     """Every fully_shard-ed module back in its own class while transformers looks its
     conversion up: it goes by class name (GPT-NeoX's `embed_out` -> `lm_head` renaming is
     registered for `GPTNeoXForCausalLM`, not for fully_shard's `FlatShardGPTNeoX...`)."""
-    from flatshard.fsdp_module import FlatShardModule
+    from flatshard.api.fsdp_module import FlatShardModule
 
     wrapped = [(m, type(m)) for m in model.modules() if isinstance(m, FlatShardModule)]
     for module, cls in wrapped:

@@ -20,8 +20,8 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from flatshard.api.fsdp_module import weights_changed
 from flatshard.dtensor.sharded_param import param_spec
-from flatshard.fsdp_module import weights_changed
 from flatshard.hf.adapter import StateDictAdapter, adapter_for
 from flatshard.hf.checkpoint import TensorInfo, checkpoint_tensors
 from flatshard.hf.errors import HFCheckpointError

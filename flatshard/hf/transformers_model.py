@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from flatshard import registry
-from flatshard.api import fully_shard
+from flatshard.api.fsdp_module import FlatShardModule
+from flatshard.api.parallel_plan import ParallelPlan, register_plan
+from flatshard.api.sharding import fully_shard
 from flatshard.dtensor.sharded_param import param_spec
-from flatshard.fsdp_module import FlatShardModule
 from flatshard.hf.adapter import StateDictAdapter, register
 from flatshard.hf.allocate import allocate_unsharded
 from flatshard.hf.checkpoint import read_hf_config
@@ -30,7 +31,6 @@ from flatshard.parallel.transformers_plan import (
     apply_transformers_tensor_parallel,
     grouped_experts,
 )
-from flatshard.plan import ParallelPlan, register_plan
 from flatshard.runtime import shard_placement
 
 # config.json fields that mean the weights are not plain tensors of the model's own code

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flatshard.plan import ParallelPlan, register_plan
+from flatshard.api.parallel_plan import ParallelPlan, register_plan
 
 
 def next_token_loss(

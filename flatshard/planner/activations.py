@@ -3,7 +3,7 @@
 
 Each layer's saved bytes are counted twice: all of them (no checkpointing) and the part
 selective checkpointing keeps (the outputs of matrix products, attention and collectives;
-flatshard/activation_checkpointing.py). A checkpointed block also keeps its input. The head
+flatshard/api/activation_checkpointing.py). A checkpointed block also keeps its input. The head
 (final norm, logits, loss) is never checkpointed.
 
 The peak is the larger of two moments. At the start of backward the head's backward runs on

@@ -2,6 +2,7 @@
 config, hf_adapter.py / hf_config.py its Hugging Face names and config.json, parallel.py
 its tensor-parallel plan."""
 
+from flatshard.api.parallel_plan import ParallelPlan
 from flatshard.models.llama.hf_adapter import LLAMA, LLAMA_RULES
 from flatshard.models.llama.hf_config import IGNORED_FIELDS, config_to_hf, hf_to_config
 from flatshard.models.llama.model import (
@@ -25,7 +26,6 @@ from flatshard.models.llama.parallel import (
     tp_local_shape,
 )
 from flatshard.models.registry import ModelFamily, register
-from flatshard.plan import ParallelPlan
 
 FAMILY = register(
     ModelFamily(

@@ -6,6 +6,7 @@ hf_config.py its Hugging Face names and config.json, parallel.py its TP and EP p
 import torch
 import torch.distributed as dist
 
+from flatshard.api.parallel_plan import ParallelPlan
 from flatshard.models.moe.balance import update_score_bias
 from flatshard.models.moe.config import MoEConfig
 from flatshard.models.moe.hf_adapter import MOE, MOE_RULES
@@ -15,7 +16,6 @@ from flatshard.models.moe.model import GroupedExperts, MoE, MoEBlock, MoELayer
 from flatshard.models.moe.parallel import parallelize_moe, split_experts
 from flatshard.models.moe.router import RouterStats
 from flatshard.models.registry import ModelFamily, position_kwargs, register, token_loss
-from flatshard.plan import ParallelPlan
 
 
 def moe_training_loss(

@@ -13,11 +13,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from flatshard import registry
+from flatshard.api.fsdp_module import FlatShardModule, wrapped_class
 from flatshard.comm import peer_failure
 from flatshard.dtensor import patches
 from flatshard.dtensor.tp_params import onto_tp_mesh
 from flatshard.errors import WrappingError
-from flatshard.fsdp_module import FlatShardModule, wrapped_class
 from flatshard.mesh import ShardMesh, split_spmd_mesh
 from flatshard.policy import (
     MixedPrecisionPolicy,

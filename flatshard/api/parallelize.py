@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from torch import nn
 
-from flatshard.activation_checkpointing import check_mode, checkpoint_block
-from flatshard.api import fully_shard
-from flatshard.compile import compile_backend, compile_block
+from flatshard.api.activation_checkpointing import check_mode, checkpoint_block
+from flatshard.api.compile import compile_backend, compile_block
+from flatshard.api.parallel_plan import ParallelPlan, plan_for
+from flatshard.api.sharding import fully_shard
 from flatshard.mesh import Meshes, ParallelDims
-from flatshard.plan import ParallelPlan, plan_for
 
 
 def parallelize(

@@ -11,8 +11,8 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, UnshardHandle
 
 from flatshard import registry
+from flatshard.api.comm_settings import CommSettings
 from flatshard.errors import WrappingError
-from flatshard.fsdp_comm_settings import CommSettings
 from flatshard.runtime import hooks, shard_placement
 from flatshard.runtime.sharded_lookup import embedding_forward
 from flatshard.runtime.states import ShardedState
