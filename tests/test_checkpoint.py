@@ -172,13 +172,13 @@ def _async_save(path, staging_bytes):
     from flatshard.checkpoint import rank_file
 
     if staging_bytes < checkpoint.DEFAULT_STAGING_BYTES:  # slow writes: the next optimizer
-        write_wave = rank_file._write_wave  # step comes before the last wave is copied
+        write_wave = rank_file.write_wave  # step comes before the last wave is copied
 
         def slow(*args):
             time.sleep(0.2)
             return write_wave(*args)
 
-        rank_file._write_wave = slow
+        rank_file.write_wave = slow
     cfg = config()
     model = shard(build_model(cfg))
     optimizer = adamw(model.parameters())
@@ -313,14 +313,14 @@ def _full_disk_on_rank_1(path):
     checkpoint.save(path, model=model, step=1)
     from flatshard.checkpoint import rank_file
 
-    original = rank_file._write_wave
+    original = rank_file.write_wave
 
     def full_disk(file, name, *args):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(path, name))
 
     outcomes = []
     if dist.get_rank() == 1:
-        rank_file._write_wave = full_disk
+        rank_file.write_wave = full_disk
     try:
         for async_save in (False, True):
             try:
@@ -331,7 +331,7 @@ def _full_disk_on_rank_1(path):
                 outcomes.append(str(error))
             outcomes.append(sorted(os.listdir(path)))
     finally:
-        rank_file._write_wave = original
+        rank_file.write_wave = original
     checkpoint.save(path, model=model, step=2)  # with space again: nothing left in the way
     outcomes.append(sorted(os.listdir(path)))
     return outcomes

@@ -13,10 +13,10 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
 from flatshard.api.fsdp_module import weights_changed
+from flatshard.checkpoint.safetensors_stream import StreamingSafetensorsWriter
 from flatshard.dtensor.row_shard import RowShard
 from flatshard.dtensor.sharded_param import shard_spec
 from flatshard.errors import CheckpointError
-from flatshard.safetensors_stream import StreamingSafetensorsWriter
 
 
 def export_full(model: torch.nn.Module, path: str) -> None:

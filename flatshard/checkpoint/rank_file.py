@@ -75,7 +75,7 @@ def write(
             if pending is not None:
                 alive += pending.result()  # at most two waves alive: this one and the last
             peak = max(peak, alive)
-            pending = writer.submit(_write_wave, file, name, copies, ready, where)
+            pending = writer.submit(write_wave, file, name, copies, ready, where)
             if any(copied == 0 for planned, _, copied in copies if planned.length):
                 reads_originals = pending
         if staged is not None:
@@ -192,7 +192,7 @@ class _ChecksummedFile:
         self._raw.flush()
 
 
-def _write_wave(file, name: str, copies: list, ready, where: dict) -> int:
+def write_wave(file, name: str, copies: list, ready, where: dict) -> int:
     if ready is not None:
         ready.synchronize()  # the wave's device-to-host copies have landed
     for planned, value, _ in copies:

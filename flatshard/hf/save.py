@@ -22,13 +22,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flatshard.checkpoint.safetensors_stream import StreamingSafetensorsWriter, tensor_bytes
 from flatshard.comm import agreement
 from flatshard.hf.adapter import StateDictAdapter, adapter_for
 from flatshard.hf.checkpoint import INDEX_FILE, SINGLE_FILE
 from flatshard.hf.errors import HFCheckpointError
 from flatshard.hf.names import NameRule, TensorMapping
 from flatshard.hf.stream import gathered, hf_order
-from flatshard.safetensors_stream import StreamingSafetensorsWriter, tensor_bytes
 
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 # a source config's fields the export's own replace (the weights' dtype, where it came from)

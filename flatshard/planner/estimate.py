@@ -38,10 +38,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from flatshard.comm.mesh import ParallelDims
 from flatshard.errors import ConfigError
 from flatshard.layout import plan_unit_layout
 from flatshard.layout.offload import needs_bucket_per_param
-from flatshard.mesh import ParallelDims
 from flatshard.planner.activations import MODES as AC_MODES
 from flatshard.planner.checkpoint_cost import checkpoint_figures
 from flatshard.planner.model_spec import FP32, ModelSpec

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
-from flatshard import comm
+from flatshard.comm import devices
 from flatshard.errors import MeshError
 
 
@@ -114,7 +114,7 @@ class ParallelDims:
                 f"ParallelDims is for world_size {self.world_size}, but the process group "
                 f"has {dist.get_world_size()} ranks"
             )
-        device_type = device_type or comm.group_device(None).type
+        device_type = device_type or devices.group_device(None).type
         if device_type not in self._built:
             self._built[device_type] = Meshes._build(self, device_type)
         return self._built[device_type]
@@ -226,7 +226,7 @@ class ShardMesh:
         self.placements = (Replicate(), Shard(0)) if hsdp else (Shard(0),)
         self.shard_mesh_dim = shard_dim
         self.param_mesh = device_mesh if inner_mesh is None else _joined(device_mesh, inner_mesh)
-        self.device = comm.compute_device(device_mesh.device_type)
+        self.device = devices.compute_device(device_mesh.device_type)
         self._forward_groups: dict[int, object] = {}
         self._joined: dict[tuple, ShardMesh] = {}
 
@@ -295,7 +295,7 @@ class ShardMesh:
                     "torch.distributed is not initialised: call dist.init_process_group() "
                     "(torchrun sets the environment) or pass mesh=init_device_mesh(...)"
                 )
-            device_mesh = default_mesh(comm.group_device(None).type)
+            device_mesh = default_mesh(devices.group_device(None).type)
         return cls(device_mesh)
 
     def __repr__(self) -> str:
@@ -374,4 +374,4 @@ def _joined(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
 def default_device() -> torch.device:
     """Where flatshard puts new buffers outside a mesh: the default process group's device
     (the CPU without a process group)."""
-    return comm.group_device(None) if dist.is_initialized() else torch.device("cpu")
+    return devices.group_device(None) if dist.is_initialized() else torch.device("cpu")
