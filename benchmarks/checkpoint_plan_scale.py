@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from flatshard.checkpoint import global_plan  # noqa: E402
 from flatshard.checkpoint.writing import storage_of_other_ranks  # noqa: E402
 from flatshard.layout import ParamInfo  # noqa: E402
-from flatshard.layout.planner import plan_unit_layout  # noqa: E402
+from flatshard.layout.packing import plan_unit_layout  # noqa: E402
 
 LLAMA3_70B = dict(vocab=128256, dim=8192, ffn=28672, layers=80, heads=64, kv_heads=8)
 

@@ -51,7 +51,7 @@ MUTANTS = (
     Mutant(
         "alignment",
         "the layout no longer moves a parameter so that shard cuts fall on row edges",
-        "flatshard/layout/planner.py",
+        "flatshard/layout/packing.py",
         "        if info.numel > 0 and _crosses_cut(cursor, info.numel, shard_size, world_size):",
         "        if False:",
         ("tests/test_layout.py", "tests/test_layout_padding.py"),

@@ -197,7 +197,7 @@ def test_flat_adamw_under_tensor_and_expert_parallelism(case):
 
 
 def _train_in_batches(elements: int):
-    from flatshard.optim import plan
+    from flatshard.optim import flat_ranges as plan
 
     default, plan.CPU_BATCH_ELEMENTS = plan.CPU_BATCH_ELEMENTS, elements
     try:
@@ -234,8 +234,8 @@ def test_fused_pieces_step_each_parameter_as_torch_steps_it_alone(width):
     from types import SimpleNamespace
 
     from flatshard import compat
+    from flatshard.optim.flat_ranges import fused_pieces
     from flatshard.optim.flat_state import Range
-    from flatshard.optim.plan import fused_pieces
 
     unit = compat.fused_tail_unit(torch.device("cpu"), torch.float32)
     if width == "unknown":
@@ -276,7 +276,7 @@ def test_fused_pieces_step_each_parameter_as_torch_steps_it_alone(width):
 
 def _cached_slots_after_a_relayout():
     from flatshard import registry
-    from flatshard.optim.plan import SlotCache, slot_of
+    from flatshard.optim.flat_ranges import SlotCache, slot_of
 
     model = shard(build_model(config(dim=32)), zero_stage=3)
     cache, params = SlotCache(), list(model.parameters())

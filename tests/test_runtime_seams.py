@@ -55,7 +55,7 @@ def _train_with(hook_kind: str):
     hook = {"none": None, "count": _counting_hook(calls), "bf16": _Bf16Wire()}[hook_kind]
     for unit in units:
         for bucket in unit.buckets:
-            bucket.gather_hook = hook
+            bucket.transport.gather = hook
     losses = train(model, batches(config(), STEPS), rank=rank, world=world)
     gathers = hook.calls if isinstance(hook, _Bf16Wire) else len(calls)
     return {

@@ -50,8 +50,8 @@ class CommSettings:
             )
         for unit in self._units(recurse):
             for bucket in unit.buckets:
-                bucket.gather_hook = gather
-                bucket.scatter_hook = scatter
+                bucket.transport.gather = gather
+                bucket.transport.scatter = scatter
 
     def set_custom_all_gather(self, comm) -> None:
         """FSDP2's: this module's all-gathers run `comm` (an `AllGather`: it allocates the
@@ -59,7 +59,7 @@ class CommSettings:
         does). Not recursive; a root's first-use groups take it too."""
         for unit in self._own_units():
             for bucket in unit.buckets:
-                bucket.gather_hook = custom_comms.all_gather_hook(comm)
+                bucket.transport.gather = custom_comms.all_gather_hook(comm)
 
     def set_custom_reduce_scatter(self, comm) -> None:
         """FSDP2's: this module's gradient reduce-scatters run `comm` (a `ReduceScatter`:
@@ -67,7 +67,7 @@ class CommSettings:
         out, as FSDP2 does). Not recursive; a root's first-use groups take it too."""
         for unit in self._own_units():
             for bucket in unit.buckets:
-                bucket.scatter_hook = custom_comms.reduce_scatter_hook(comm)
+                bucket.transport.scatter = custom_comms.reduce_scatter_hook(comm)
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse=True):
         """Accepted: flatshard always reduce-scatters a unit's whole buckets (a parameter a

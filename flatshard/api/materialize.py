@@ -15,6 +15,7 @@ from flatshard import registry
 from flatshard.comm.mesh import default_device
 from flatshard.errors import WrappingError
 from flatshard.runtime import shard_placement
+from flatshard.runtime.managed_param import home_of
 
 
 @torch.no_grad()
@@ -75,8 +76,7 @@ def _keep(module: nn.Module, name: str, original, full: torch.Tensor, first: boo
         module._parameters[name] = value
         return value
     if first:
-        unit, managed = registry.managed_of(original)
-        bucket = unit.buckets[managed.bucket]
-        bucket.shard.rows(managed.index).copy_(bucket.specs[managed.index].piece_of(full))
+        home = home_of(original)
+        home.rows().copy_(home.spec.piece_of(full))
     module._parameters[name] = original
     return original

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from flatshard import comm, registry
 from flatshard.dtensor.sharded_param import local_data
 from flatshard.errors import StatesOffloadedError, WrappingError
+from flatshard.runtime.managed_param import home_of
 from flatshard.runtime.states import TrainingState
 
 INCLUDE = ("params", "grads", "optimizer")
@@ -135,11 +136,9 @@ def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
     found = []
     for group in optimizer.param_groups:
         for param in group["params"]:
-            owner = registry.managed_of(param)
-            if owner is not None:
-                unit, managed = owner
-                if unit.buckets[managed.bucket].shard.on_host(managed.index):
-                    continue
+            home = home_of(param)
+            if home is not None and home.on_host:
+                continue
             values = optimizer.state.get(param, {}).values()
             found += [v for v in values if isinstance(v, torch.Tensor) and v.dim() > 0]
     return found

@@ -18,6 +18,7 @@ from flatshard.dtensor.sharded_param import param_spec
 from flatshard.hf.adapter import StateDictAdapter, adapter_for
 from flatshard.hf.errors import HFCheckpointError
 from flatshard.hf.names import TensorMapping
+from flatshard.runtime.managed_param import home_of
 
 NAMES = ("hf", "model")
 
@@ -111,12 +112,11 @@ def _groups(params: dict, max_bytes: int) -> dict[str, _Group]:
     buckets = {}
     groups: dict[str, _Group] = {}
     for name, param in params.items():
-        owner = registry.managed_of(param)
-        if owner is not None and owner[0].mesh.inner_mesh is None:
-            unit, managed = owner
-            bucket = unit.buckets[managed.bucket]
+        home = home_of(param)
+        if home is not None and home.unit.mesh.inner_mesh is None:
+            bucket = home.bucket
             if bucket.layout.padded_size * bucket.shard.dtype.itemsize <= max_bytes:
-                by_bucket.setdefault(id(bucket), []).append((name, managed.index))
+                by_bucket.setdefault(id(bucket), []).append((name, home.index))
                 buckets[id(bucket)] = bucket
                 continue
         groups[name] = _Group(_bytes(param), lambda p=param, n=name: {n: _full(p)})

@@ -1,13 +1,14 @@
 """The layout: the only place that computes offsets (DESIGN.md, "coordinates").
 
 params.py   what the layout knows of a parameter: shape, global placement, components
-planner.py  packing a unit's parameters into row-aligned, equally sharded buckets
+packing.py  packing a unit's parameters into row-aligned, equally sharded buckets
 bucket.py   the buckets and the translations between param, bucket, shard and global
 spec.py     `ShardSpec`: what one rank holds of one parameter, read by everything else
 tensor_parallel.py  a TP rank's local parameter in its global tensor
 """
 
 from flatshard.layout.bucket import BucketLayout, ParamSlot, UnitLayout
+from flatshard.layout.packing import MERGE_TOLERANCE, plan_unit_layout, single_lcm_padded_size
 from flatshard.layout.params import (
     Component,
     ParamInfo,
@@ -15,7 +16,6 @@ from flatshard.layout.params import (
     describe_param,
     stacked_components,
 )
-from flatshard.layout.planner import MERGE_TOLERANCE, plan_unit_layout, single_lcm_padded_size
 from flatshard.layout.spec import (
     Box,
     ComponentPiece,

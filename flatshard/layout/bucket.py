@@ -2,7 +2,7 @@
 
 A bucket is one flat 1-D buffer of same-dtype parameters back to back, cut into
 `world_size` equal shards. This file translates between the four coordinate systems of
-DESIGN.md (param, bucket, shard, global) and gives each rank's `ShardSpec`; planner.py
+DESIGN.md (param, bucket, shard, global) and gives each rank's `ShardSpec`; packing.py
 decides the packing.
 
 Invariants (property-tested in tests/test_layout.py):

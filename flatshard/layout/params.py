@@ -63,7 +63,7 @@ class ParamInfo:
     row_dims: how many leading dims index a row (the unit of sharding): 1, a dim-0 row
         (the default); 2, the "finer row" of grouped experts `(E, R, C)` fewer than ranks,
         one dim-1 slice of `C` elements, so ranks split an expert's `R` rows. The planner
-        chooses it (planner.py, `finer_row`).
+        chooses it (packing.py, `finer_row`).
     shard_dim: the dim ranks split (FSDP2's `Shard(d)` from `shard_placement_fn`; 0 by
         default). For d > 0 a row is one slice along d and the flat buffers keep the
         parameter with dim d moved first (`stored_shape`), so every rank's piece is still

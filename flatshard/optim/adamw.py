@@ -21,7 +21,7 @@ import torch
 from torch.optim.adam import adam
 
 from flatshard.optim.flat_optimizer import FlatStepping
-from flatshard.optim.plan import FlatPlan
+from flatshard.optim.flat_ranges import FlatPlan
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 

@@ -1,5 +1,5 @@
 """What a flat optimizer adds to torch's: `step()` splits each param group into the
-parameters a flat step takes (plan.py) and the rest, which torch's own code steps; the flat
+parameters a flat step takes (flat_ranges.py) and the rest, which torch's own code steps; the flat
 ones are stepped over merged ranges of their buckets' shards (flat_state.py) by the
 subclass's `_flat_step`, with the op sequence and scalars of torch's implementation.
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from flatshard.optim.flat_ranges import FlatPlan, SlotCache, split_group
 from flatshard.optim.flat_state import FlatStates, Range, merge_ranges
-from flatshard.optim.plan import FlatPlan, SlotCache, split_group
 
 
 class FlatStepping:

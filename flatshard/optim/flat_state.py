@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor import DTensor
 
-from flatshard import registry
 from flatshard.dtensor.row_shard import RowShard
 from flatshard.dtensor.sharded_param import dtensor_viewing, rows_in_layout
+from flatshard.runtime.managed_param import ParamHome, home_of
 from flatshard.runtime.shard_storage import ShardStorage, as_param
 
 
@@ -36,6 +36,7 @@ class Slot:
     start: int
     numel: int
     spec: object  # its ShardSpec
+    home: ParamHome
 
     @property
     def side(self) -> tuple[int, bool]:
@@ -49,18 +50,11 @@ def slot_of(param) -> Slot | None:
     """Where `param`'s piece lives, or None for a parameter a flat step does not take: not
     flatshard's, or one whose optimizer state goes to the disk tier (paged piece by piece
     by the tier's own ops)."""
-    managed = registry.managed_of(param)
-    if managed is None:
+    home = home_of(param)
+    if home is None or home.managed.sharded is not param or home.tier is not None:
         return None
-    unit, info = managed
-    if info.sharded is not param:
-        return None
-    storage = unit.buckets[info.bucket].shard
-    if storage.tier_of(info.index) is not None:
-        return None
-    spec = storage.specs[info.index]
-    host, start = storage.side_offset(info.index)
-    return Slot(storage, host, start, spec.numel, spec)
+    host, start = home.side_offset()
+    return Slot(home.storage, host, start, home.spec.numel, home.spec, home)
 
 
 def side_intervals(storage: ShardStorage, host: bool) -> list[tuple[int, int]]:

@@ -13,7 +13,7 @@ import torch
 from torch.optim.sgd import sgd
 
 from flatshard.optim.flat_optimizer import FlatStepping
-from flatshard.optim.plan import FlatPlan
+from flatshard.optim.flat_ranges import FlatPlan
 
 _MOMENTUM = ("momentum_buffer",)
 

@@ -28,7 +28,7 @@ what is gathered when and what a lookup costs from the runtime's own policy
   mode (activations.py).
 
 - optimizer offload moves a share of the shards' weights, gradients and optimizer state
-  off the device (offload_plan.py); `total` is then device + host.
+  off the device (offload_split.py); `total` is then device + host.
 
 Peak = max(start of backward: persistent + activations + the gathered units and gradient
 buffers in use; end of backward: persistent + gradient shards + the buffers in use).
@@ -191,8 +191,8 @@ class Plan:
     padding_fraction: float
     # the device's peak per rank under each activation mode (AC_MODES), to see what fits
     device_peak_by_ac: dict[str, int]
-    checkpoint: dict[str, float]  # what a save writes (checkpoint_plan.py)
-    muon: dict | None = None  # --optimizer muon: its matrices, work and bytes (muon_plan.py)
+    checkpoint: dict[str, float]  # what a save writes (checkpoint_cost.py)
+    muon: dict | None = None  # --optimizer muon: its matrices, work and bytes (muon_cost.py)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -145,7 +145,7 @@ def build_unit(members, mesh: ShardMesh, settings: UnitSettings, first_use_of=No
         subclass = [shard_subclass_param(fqn, p, places, mesh) for fqn, p, places in protocol]
         unit.subclass = SubclassGather(subclass, mesh, modules[0], policy)
         if buckets:
-            buckets[0].rider = unit.subclass
+            buckets[0].transport.subclass_bytes = unit.subclass
         for param, (_, original, _) in zip(subclass, protocol):
             for owner, name in param.occurrences:
                 owner._parameters[name] = param.sharded

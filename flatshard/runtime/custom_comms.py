@@ -31,7 +31,7 @@ class _CopyOut:
 
 
 def all_gather_hook(comm):
-    """A `FlatBucket.gather_hook` running FSDP2's `AllGather` `comm`."""
+    """A bucket transport's `gather` running FSDP2's `AllGather` `comm`."""
 
     def gather(bucket, output, shard, group, pieces):
         gathered = comm.allocate((output.numel(),), dtype=output.dtype, device=output.device)
@@ -43,7 +43,7 @@ def all_gather_hook(comm):
 
 
 def reduce_scatter_hook(comm):
-    """A `FlatBucket.scatter_hook` running FSDP2's `ReduceScatter` `comm`."""
+    """A bucket transport's `scatter` running FSDP2's `ReduceScatter` `comm`."""
 
     def reduce_scatter(bucket, output, flat, average, group):
         source = comm.allocate((flat.numel(),), dtype=flat.dtype, device=flat.device)

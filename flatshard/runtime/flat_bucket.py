@@ -14,20 +14,10 @@ from flatshard import comm
 from flatshard.layout import BucketLayout
 from flatshard.runtime.bucket_grads import BucketGradients
 from flatshard.runtime.shard_storage import ShardStorage, as_param
+from flatshard.runtime.transport import Transport
 
 
 class FlatBucket:
-    # The hook point of a bucket's all-gather: None runs the group's collectives; a
-    # function (bucket, output, shard, group, pieces) -> work replaces them, e.g. to move
-    # quantized or tensor-subclass bytes and fill `output` (the compute dtype) at wait().
-    gather_hook = None
-    # Its reduce-scatter's: a function (bucket, output, flat, average, group) -> work that
-    # leaves this rank's summed (averaged) shard of `flat` in `output` at wait().
-    scatter_hook = None
-    # A unit's tensor-subclass parameters whose bytes ride in this bucket's plain
-    # all-gather (subclass_params.py): one collective a unit.
-    rider = None
-
     def __init__(
         self,
         layout: BucketLayout,
@@ -47,6 +37,7 @@ class FlatBucket:
         self.shard = ShardStorage(self.specs, layout.shard_size, device, main_dtype)
         self._allocate_unsharded(device)
         self.grads = BucketGradients(layout.padded_size, param_dtype, reduce_dtype)
+        self.transport = Transport()  # how its collectives move its bytes (transport.py)
         self._gather_input: torch.Tensor | None = None
         self._version = 0
         self._main_version = (-1, -1)
@@ -129,11 +120,7 @@ class FlatBucket:
         return self._all_gather(self.unsharded, self._gather_input, group)
 
     def _all_gather(self, output: torch.Tensor, shard: torch.Tensor, group, pieces=None):
-        if self.gather_hook is not None:
-            return self.gather_hook(self, output, shard, group, pieces)
-        if self.rider is not None and pieces is not None:  # not hpZ's gather in a subgroup
-            return self.rider.gather_with(output, shard, group)
-        return comm.for_group(group).all_gather(output, shard, pieces)
+        return self.transport.all_gather(self, output, shard, group, pieces)
 
     def finish_all_gather(self, work) -> None:
         work.wait()
@@ -185,8 +172,5 @@ class FlatBucket:
             post_scale = None
             # Low-precision sums can overflow: scale before reducing.
             flat.mul_(1.0 / divide_factor)  # consumed by this reduce: scale in place
-        if self.scatter_hook is not None:
-            work = self.scatter_hook(self, output, flat, average, self.group)
-        else:
-            work = comm.for_group(self.group).reduce_scatter(output, flat, average, pool)
+        work = self.transport.reduce_scatter(self, output, flat, average, self.group, pool)
         return work, output, flat, post_scale

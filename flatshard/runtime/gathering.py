@@ -44,14 +44,14 @@ class Gathering:
         buckets = unit.buckets
         kept = self.state is ShardedState.SHARDED and buckets
         if unit.subclass is not None:
-            unit.subclass.rode = False
+            unit.subclass.in_bucket_gather = False
         if kept and not self._forced_stale and all(b.secondary_fresh() for b in buckets):
             group = unit.mesh.forward_group(unit.resharding.forward_group_size)
             self._works = [b.start_secondary_gather(group, pool) for b in buckets]
         else:
             self.drop_secondaries()
             self._works = [bucket.start_all_gather(pool) for bucket in buckets]
-        if unit.subclass is not None and not unit.subclass.rode:
+        if unit.subclass is not None and not unit.subclass.in_bucket_gather:
             self._subclass_work = unit.subclass.gather_alone(unit.mesh.shard_group)
         self._move(ShardedState.GATHERING)
         self._forced_stale = False

@@ -22,6 +22,7 @@ from flatshard.dtensor.sharded_param import gradient_dtensor, local_data
 from flatshard.errors import UnevenShardError
 from flatshard.runtime import subclass_grads
 from flatshard.runtime.flat_bucket import FlatBucket
+from flatshard.runtime.managed_param import ParamHome
 
 
 @dataclass
@@ -173,8 +174,7 @@ class GradientSync:
         kept = bucket.shard.grad
         if kept is not None and all(
             p.sharded.grad is not None
-            and local_data(p.sharded.grad).data_ptr()
-            == bucket.shard.grad_rows(kept, p.index).data_ptr()
+            and ParamHome(self.unit, p).holds_flat_grad(local_data(p.sharded.grad))
             for p in params
         ):
             bucket.shard.add_to_grad(reduced)  # gradient accumulation: one flat add (per part)

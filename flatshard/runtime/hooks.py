@@ -55,7 +55,7 @@ def pre_forward(unit, args, kwargs):
         unit.move_to(TrainingState.FORWARD)
     lookup = unit.lookup
     if lookup is not None:
-        lookup.looking_up = unit is not context.root and lookup.plan(args, kwargs)
+        lookup.looking_up = unit is not context.root and lookup.decide(args, kwargs)
     if lookup is not None and lookup.looking_up:
         # Not gathered, so outside the prefetch order and the backward hooks; a gather
         # started for it (a prefetch in an earlier step's order) is dropped.
@@ -94,7 +94,7 @@ def post_forward(unit, output):
     grad_enabled = torch.is_grad_enabled()
     if not context.in_backward:
         context.ran_post_forward(unit)
-        unit.kept_for_backward = grad_enabled and context.stays_gathered(unit)
+        unit.step.kept_for_backward = grad_enabled and context.stays_gathered(unit)
         if not grad_enabled or (unit.resharding.after_forward and not unit.kept_for_backward):
             unit.reshard(keep_for_backward=grad_enabled)
         if unit is context.root:
@@ -122,8 +122,7 @@ class _MarkBackwardEnd(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         unit = ctx.unit
-        unit.input_gradients_seen += 1
-        if unit.input_gradients_seen == unit.forward_calls and not unit.post_backward_at_end:
+        if unit.step.input_gradients_arrived():
             post_backward(unit)
         return (None, *grads)
 
@@ -136,9 +135,9 @@ def _mark_backward_end(unit, tree):
     if not positions:
         # no input gradient marks where this call's backward ends (token ids into an
         # embedding): the unit's gradients are complete only at the end of backward
-        unit.post_backward_at_end = True
+        unit.step.post_backward_at_end = True
         return tree
-    unit.forward_calls += 1
+    unit.step.marked_forward()
     marked = _MarkBackwardEnd.apply(unit, *(leaves[i] for i in positions))
     for i, tensor in zip(positions, marked):
         leaves[i] = tensor
@@ -187,9 +186,7 @@ def end_backward(context: RootContext) -> None:
     context.reduces.finish()
     wait_for_host_gradients(context.units)
     for unit in context.units:
-        unit.move_to(TrainingState.IDLE)
-        unit.forward_calls = unit.input_gradients_seen = 0
-        unit.post_backward_at_end = False
+        unit.step.finish()
         unit.wait_unshard()  # a prefetch nobody used must not outlive the step
         unit.register("sharded")
         if unit.resharding.after_backward:
@@ -212,9 +209,7 @@ def reset_iteration(root) -> None:
             offload.stop()
         unit.wait_unshard()
         unit.grads.discard()
-        unit.training_state = TrainingState.IDLE
-        unit.forward_calls = unit.input_gradients_seen = 0
-        unit.post_backward_at_end = unit.kept_for_backward = False
+        unit.step.reset()
         unit.register("sharded")
         unit.reshard()
     context.end_backward()  # nothing runs now; pooled buffers go back

@@ -17,6 +17,7 @@ import torch
 
 from flatshard.dtensor.sharded_param import rows_in_layout
 from flatshard.runtime import shard_placement
+from flatshard.runtime.managed_param import ParamHome
 
 
 def install(unit, module) -> None:
@@ -56,7 +57,7 @@ def install(unit, module) -> None:
 
 @torch.no_grad()
 def _load(unit, param, value) -> str | None:
-    spec = unit.buckets[param.bucket].specs[param.index]
+    spec = ParamHome(unit, param).spec
     if not isinstance(value, torch.Tensor):
         return f"expected a tensor, got {type(value).__name__}"
     if tuple(value.shape) != spec.global_shape:

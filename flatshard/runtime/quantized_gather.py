@@ -5,7 +5,8 @@ element against 4 for fp32 and 2 for bf16); every rank widens all shards back in
 bucket's unsharded compute buffer at the wait. Only the gathered copy is rounded: the main
 weights, gradients and optimizer step stay in full precision.
 
-A `FlatBucket.gather_hook`; hpZ's backward gather inside its group goes through it too.
+A bucket transport's `gather` (transport.py); hpZ's backward gather inside its group goes
+through it too.
 """
 
 from __future__ import annotations

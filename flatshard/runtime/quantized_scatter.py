@@ -8,7 +8,7 @@ the rounding dropped (the gradient less its quantized copy) is kept and added to
 step's gradient before quantizing, so the sum over steps loses nothing but the last step's
 rounding. It costs one unsharded gradient of the bucket (reduce dtype) per rank.
 
-A `FlatBucket.scatter_hook`.
+A bucket transport's `scatter` (transport.py).
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ class ShardedLookup:
         self._counts: list[int] | None = None  # tokens per rank, for the call being planned
         self.last_counts: list[int] | None = None  # of the last lookup (for byte counts)
 
-    def plan(self, args: tuple, kwargs: dict) -> bool:
+    def decide(self, args: tuple, kwargs: dict) -> bool:
         """Whether this forward call looks up from the shards; every rank answers alike (the
         token counts are exchanged first)."""
         self.last_counts = None

@@ -3,7 +3,8 @@
 Two enums with checked transitions (in the spirit of FSDP2's `ShardedState` and
 `TrainingState`) instead of flags that can disagree: a transition the runtime never
 makes is a bug in flatshard, reported at once rather than as a hang or a wrong gradient
-later. `Resharding` is what a unit frees when, from which the ZeRO stage follows.
+later. `StepState` is all a unit's step has seen (its training state among it), reset in
+one place. `Resharding` is what a unit frees when, from which the ZeRO stage follows.
 """
 
 from __future__ import annotations
@@ -47,6 +48,47 @@ def check_move(old: Enum, new: Enum) -> Enum:
     if new not in moves[old]:
         raise RuntimeError(f"flatshard internal error: a unit moved from {old} to {new}")
     return new
+
+
+@dataclass
+class StepState:
+    """What a unit's current step has seen, from its first forward to the end of backward
+    (or an iteration that raised: `reset`)."""
+
+    training: TrainingState = TrainingState.IDLE
+    # forward calls whose inputs' gradients mark the end of its backward, and how many of
+    # those gradients arrived: the last one runs its post-backward
+    forward_calls: int = 0
+    input_gradients_seen: int = 0
+    # a call had no such inputs (token ids into an embedding): its gradients are complete
+    # only at the end of the whole backward
+    post_backward_at_end: bool = False
+    kept_for_backward: bool = False  # its last forward kept it gathered for backward
+
+    def move(self, new: TrainingState) -> None:
+        self.training = check_move(self.training, new)
+
+    def marked_forward(self) -> None:
+        """A forward call whose inputs' gradients will mark the end of its backward."""
+        self.forward_calls += 1
+
+    def input_gradients_arrived(self) -> bool:
+        """One call's input gradients arrived; True when they all have and nothing waits
+        for the end of backward (then its post-backward runs now)."""
+        self.input_gradients_seen += 1
+        return self.input_gradients_seen == self.forward_calls and not self.post_backward_at_end
+
+    def finish(self) -> None:
+        """Its backward is over: idle, ready for the next step's forwards
+        (`kept_for_backward` still tells what its last forward did)."""
+        self.move(TrainingState.IDLE)
+        self.forward_calls = self.input_gradients_seen = 0
+        self.post_backward_at_end = False
+
+    def reset(self) -> None:
+        """An iteration that raised: as `finish`, and nothing kept."""
+        self.finish()
+        self.kept_for_backward = False
 
 
 @dataclass

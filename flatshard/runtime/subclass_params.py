@@ -6,8 +6,8 @@ Such a parameter cannot live in a flat bucket (its bytes are the subclass's busi
 is sharded as FSDP2 shards it: dim-0 chunks of the parameter, each padded to the first
 chunk's size, its DTensor `Shard(0)`. What its pre hook returns moves as bytes in the unit's
 one all-gather: appended to the first bucket's shard where the unit has a plain bucket
-gather (`FlatBucket.rider`), else in one all-gather of its own. As in FSDP2, the gathered
-outputs are kept per parameter, their memory freed on reshard and given back before the
+gather (its `Transport.subclass_bytes`), else in one all-gather of its own. As in FSDP2, the
+gathered outputs are kept per parameter, their memory freed on reshard and given back before the
 next gather, and every gather after the first calls the post hook with `out=` the same
 unsharded tensor: a frozen base saved for backward sees the values gathered again there.
 
@@ -100,7 +100,7 @@ class SubclassGather:
         self.mesh = mesh
         self.module = module
         self.mp_policy = mp_policy
-        self.rode = False  # the current gather rode in a bucket's all-gather
+        self.in_bucket_gather = False  # the current gather travels in a bucket's
         device_mesh, names = mesh.device_mesh, mesh.device_mesh.mesh_dim_names
         # the hooks see the shard dim's mesh (HSDP's last dim), as FSDP2's do
         self.shard_mesh = (
@@ -140,7 +140,7 @@ class SubclassGather:
     def gather_with(self, output: torch.Tensor, shard: torch.Tensor, group):
         """A bucket's all-gather with these parameters' bytes after its shard's: one
         collective; the bucket's part is copied into `output` at wait()."""
-        self.rode = True
+        self.in_bucket_gather = True
         return self._all_gather(torch.cat([shard.view(torch.uint8), self.pack()]), output, group)
 
     def _all_gather(self, packed: torch.Tensor, output, group):

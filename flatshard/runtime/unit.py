@@ -25,7 +25,7 @@ from flatshard.runtime.gathering import Gathering
 from flatshard.runtime.grad_sync import GradientSync
 from flatshard.runtime.managed_param import ManagedParam
 from flatshard.runtime.sharded_lookup import ShardedLookup, lookup_capable
-from flatshard.runtime.states import Resharding, ShardedState, TrainingState, check_move
+from flatshard.runtime.states import Resharding, ShardedState, StepState, TrainingState
 
 _creation_order = itertools.count()
 
@@ -57,12 +57,11 @@ class Unit:
         # backward like the root itself; a group of an inner module (a block whose experts
         # are a unit) reshards like any block.
         self.first_use_of = first_use_of
-        self.kept_for_backward = False  # its last forward kept it gathered for backward
         self.forward_prefetch: list[Unit] | None = None  # set by the user, else run-time order
         self.backward_prefetch: list[Unit] | None = None
         self.context = None  # the RootContext of its model, set on the first forward
         self.gathering = Gathering(self)  # SHARDED -> GATHERING -> UNSHARDED and back
-        self.training_state = TrainingState.IDLE
+        self.step = StepState()  # where it is in a step, and what the step has seen
         self.unshard_in_backward = True  # False: its backward does not read the parameters
         self.is_last_backward = True  # accepted from FSDP2 scripts; reductions always finish
         self.post_optim_event = None  # the next forward's gathers wait for it (CUDA)
@@ -75,9 +74,6 @@ class Unit:
             )
         # parameters whose subclass gathers itself (subclass_params.py; set by build_unit)
         self.subclass = None
-        self.forward_calls = 0  # forward calls whose inputs' gradients end its backward
-        self.input_gradients_seen = 0
-        self.post_backward_at_end = False  # a call had no such inputs (see hooks.py)
         self.states_away = False  # flatshard.offload_states moved its shards to the host
 
     @property
@@ -102,8 +98,17 @@ class Unit:
     def world_size(self) -> int:
         return self.mesh.shard_size
 
+    @property
+    def training_state(self) -> TrainingState:
+        return self.step.training
+
+    @property
+    def kept_for_backward(self) -> bool:
+        """Whether its last forward kept it gathered for backward."""
+        return self.step.kept_for_backward
+
     def move_to(self, state: TrainingState) -> None:
-        self.training_state = check_move(self.training_state, state)
+        self.step.move(state)
 
     # --- parameters ------------------------------------------------------------------------
     def check_states_here(self) -> None:

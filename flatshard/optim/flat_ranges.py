@@ -57,17 +57,9 @@ def _is_the_reduced_view(grad, slot: Slot, grads: dict) -> bool:
     local = getattr(grad, "_local_tensor", None)
     if not isinstance(local, RowShard):
         return False
-    if slot.numel == 0:
-        return True  # nothing to step (an empty tensor's address means nothing)
-    key = id(slot.storage)
-    if key not in grads:
-        grads[key] = slot.storage.grad
-    parts = grads[key]
-    part = None if parts is None else parts[1 if slot.host else 0]
-    if part is None or local.data_.dtype != part.dtype:
-        return False
-    expected = part.data_ptr() + slot.start * part.element_size()
-    return local.data_.data_ptr() == expected and local.data_.is_contiguous()
+    if id(slot.storage) not in grads:  # for FlatPlan.grads
+        grads[id(slot.storage)] = slot.storage.grad
+    return slot.home.holds_flat_grad(local.data_)
 
 
 # Elements stepped by one run of the ops. On a GPU: bounds the temporaries a step makes
