@@ -2,15 +2,18 @@
 (by the first `fully_shard` or TP split of a fused weight). Each one only changes what
 happens to flatshard's own tensors (a `RowShard` local tensor, a parameter `fully_shard`
 replaced, a fused weight's `_StridedShard` on a one-dim mesh, which FSDP2 never makes);
-everything else goes to PyTorch's original function.
+everything else goes to PyTorch's original function. Besides them, one scoped change:
+`parameters_on_meta` (while a transformers model is built).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from functools import partial
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -113,3 +116,21 @@ def _route_full_state_dict_loading() -> None:
     _state_dict_utils._distribute_state_dict = state_dicts
     state_dict._distribute_state_dict = state_dicts
     _state_dict_utils._distribute_tensors = tensors
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Modules built inside put their parameters on the meta device (allocated empty, then
+    replaced, so nothing is initialised); buffers are built as the code says."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register

@@ -9,16 +9,18 @@ in a checkpoint, so building them is the only way to get them right; they are sm
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from flatshard import registry
 from flatshard.api.fsdp_module import FlatShardModule
 from flatshard.api.parallel_plan import ParallelPlan, register_plan
-from flatshard.api.sharding import fully_shard
+from flatshard.api.parallelize import parallelize
+from flatshard.comm.mesh import ParallelDims
+from flatshard.dtensor import patches
 from flatshard.dtensor.sharded_param import param_spec
 from flatshard.hf.adapter import StateDictAdapter, register
 from flatshard.hf.allocate import allocate_unsharded
@@ -145,7 +147,7 @@ def build_causal_lm(hf_config: dict, dtype: torch.dtype | None = None) -> nn.Mod
     config = transformers.CONFIG_MAPPING[model_type].from_dict(hf_config)
     try:
         # buffers on the CPU even inside a meta device context (from_pretrained's)
-        with torch.device("cpu"), parameters_on_meta():
+        with torch.device("cpu"), patches.parameters_on_meta():
             model = transformers.AutoModelForCausalLM.from_config(
                 config, dtype=dtype or torch.float32
             )
@@ -174,13 +176,13 @@ def _check_architectures(hf_config: dict) -> None:
     )
 
 
-def shard_decoder_layers(model: nn.Module, **fully_shard_kwargs) -> nn.Module:
+def shard_decoder_layers(model: nn.Module, dims: ParallelDims | None = None, **options):
     """fully_shard every decoder layer (the classes its `_no_split_modules` names), then the
-    root: what `from_pretrained(..., shard=...)` needs for a transformers model."""
-    for layer in decoder_layers(model):
-        fully_shard(layer, **fully_shard_kwargs)
-    fully_shard(model, **fully_shard_kwargs)
-    return model
+    root, over every rank (or `dims`): `parallelize`'s data-parallel path, what
+    `from_pretrained(..., shard=...)` needs. `options`: parallelize's (mp_policy, ...)."""
+    decoder_layers(model)  # its blocks, or why they cannot be told, before any mesh
+    dims = dims if dims is not None else ParallelDims(dist.get_world_size())
+    return parallelize(model, dims, **options)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -209,24 +211,6 @@ register_plan(
         uncompiled=lambda model: list(grouped_experts(model).values()),
     ),
 )
-
-
-@contextlib.contextmanager
-def parameters_on_meta():
-    """Modules built inside put their parameters on the meta device (allocated empty, then
-    replaced, so nothing is initialised); buffers are built as the code says."""
-    register = nn.Module.register_parameter
-
-    def on_meta(module, name, param):
-        if param is not None and not param.is_meta:
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
-
-    nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
 
 
 def model_class(model: nn.Module) -> type:
