@@ -8,6 +8,8 @@ Every offset comes from the layout (the bucket's `BucketLayout` and its paramete
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from flatshard import comm
@@ -15,6 +17,15 @@ from flatshard.layout import BucketLayout
 from flatshard.runtime.bucket_grads import BucketGradients
 from flatshard.runtime.shard_storage import ShardStorage, as_param
 from flatshard.runtime.transport import Transport
+
+
+@dataclass(frozen=True)
+class KeptPiece:
+    """hpZ: this rank's 1/n of the gathered bucket, kept from forward to backward, and the
+    version of the sharded weights (`ShardStorage.version()`) it was gathered from."""
+
+    rows: torch.Tensor
+    version: tuple[int, int]
 
 
 class FlatBucket:
@@ -40,11 +51,11 @@ class FlatBucket:
         self.transport = Transport()  # how its collectives move its bytes (transport.py)
         self._gather_input: torch.Tensor | None = None
         self._version = 0
-        self._main_version = (-1, -1)
-        # hpZ: this rank's 1/n of the gathered bucket, kept from forward to backward, and
-        # the weights' version it reflects
-        self.secondary: torch.Tensor | None = None
-        self._secondary_version = (-1, -1)
+        # the version of the sharded weights the unsharded buffer holds (None: nothing
+        # gathered yet), and of the gather in flight
+        self.gathered_version: tuple[int, int] | None = None
+        self._gathering_version: tuple[int, int] | None = None
+        self.secondary: KeptPiece | None = None  # hpZ's piece kept for backward
 
     def allocate(self, device: torch.device) -> None:
         """Real (zeroed) shards and the unsharded buffer on `device`, for a bucket built on
@@ -61,7 +72,7 @@ class FlatBucket:
         self._allocate_unsharded(self.shard.main.device)
         self.grads = BucketGradients(self.layout.padded_size, self.param_dtype, self.reduce_dtype)
         self.secondary = None
-        self._main_version = (-1, -1)
+        self.gathered_version = None
 
     def _allocate_unsharded(self, device: torch.device) -> None:
         # freed until gathered (on `meta` nothing to free)
@@ -104,19 +115,20 @@ class FlatBucket:
         """After forward (hpZ): keep piece `index` of `group_size` of the gathered bucket;
         the group's ranks together hold all of it."""
         piece = self.layout.padded_size // group_size
-        self.secondary = self.unsharded[index * piece : (index + 1) * piece].clone()
-        self._secondary_version = self._main_version
+        rows = self.unsharded[index * piece : (index + 1) * piece].clone()
+        self.secondary = KeptPiece(rows, self.gathered_version)
 
     def secondary_fresh(self) -> bool:
         """A kept piece that still reflects the sharded weights (no step since forward)."""
-        return self.secondary is not None and self.shard.version() == self._secondary_version
+        return self.secondary is not None and self.shard.version() == self.secondary.version
 
     def start_secondary_gather(self, group, pool: comm.BufferPool | None = None):
         """Gather the bucket from the group's kept pieces (hpZ's backward all-gather)."""
         comm.alloc_storage(self.unsharded, pool)
-        self._gather_input, self.secondary = self.secondary, None
+        kept, self.secondary = self.secondary, None
+        self._gather_input = kept.rows
         self._version = self.unsharded._version
-        self._gathering_version = self._secondary_version
+        self._gathering_version = kept.version
         return self._all_gather(self.unsharded, self._gather_input, group)
 
     def _all_gather(self, output: torch.Tensor, shard: torch.Tensor, group, pieces=None):
@@ -124,7 +136,7 @@ class FlatBucket:
 
     def finish_all_gather(self, work) -> None:
         work.wait()
-        self._main_version = self._gathering_version
+        self.gathered_version = self._gathering_version
         # Views of this buffer saved for backward must not see a version bump from a
         # re-gather of the same values; gloo bumps it when the collective completes.
         torch._C._autograd._unsafe_set_version_counter((self.unsharded,), (self._version,))
@@ -132,7 +144,7 @@ class FlatBucket:
 
     def gathered_version_changed(self) -> bool:
         """Whether the sharded weights were written since they were last gathered."""
-        return self.shard.version() != self._main_version
+        return self.shard.version() != self.gathered_version
 
     def free_unsharded(self, pool: comm.BufferPool | None = None) -> None:
         comm.free_storage(self.unsharded, pool)

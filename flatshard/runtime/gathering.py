@@ -20,7 +20,9 @@ class Gathering:
         self.state = ShardedState.SHARDED
         self._works: list | None = None
         self._subclass_work = None
-        self._forced_stale = False
+        # a load or a re-layout wrote the weights other than through their versions: the
+        # next use gathers again, from the shards (not hpZ's kept pieces)
+        self.stale = False
 
     def _move(self, state: ShardedState) -> None:
         self.state = check_move(self.state, state)
@@ -45,7 +47,7 @@ class Gathering:
         kept = self.state is ShardedState.SHARDED and buckets
         if unit.subclass is not None:
             unit.subclass.in_bucket_gather = False
-        if kept and not self._forced_stale and all(b.secondary_fresh() for b in buckets):
+        if kept and not self.stale and all(b.secondary_fresh() for b in buckets):
             group = unit.mesh.forward_group(unit.resharding.forward_group_size)
             self._works = [b.start_secondary_gather(group, pool) for b in buckets]
         else:
@@ -54,7 +56,7 @@ class Gathering:
         if unit.subclass is not None and not unit.subclass.in_bucket_gather:
             self._subclass_work = unit.subclass.gather_alone(unit.mesh.shard_group)
         self._move(ShardedState.GATHERING)
-        self._forced_stale = False
+        self.stale = False
 
     def drop_secondaries(self) -> None:
         for bucket in self.unit.buckets:
@@ -63,7 +65,7 @@ class Gathering:
     def _stale(self) -> bool:
         # Any write to the sharded weights (optimizer step, checkpoint load, a user's
         # in-place edit of `to_local()`) bumps the version of the bucket's main buffer.
-        return self._forced_stale or any(b.gathered_version_changed() for b in self.unit.buckets)
+        return self.stale or any(b.gathered_version_changed() for b in self.unit.buckets)
 
     def wait(self) -> None:
         if self.state is not ShardedState.GATHERING:
@@ -99,4 +101,4 @@ class Gathering:
 
     def mark_stale(self) -> None:
         """Force the next use to gather again."""
-        self._forced_stale = True
+        self.stale = True
