@@ -1,4 +1,5 @@
-"""Per-rank memory and per-step communication of a model under flatshard, from the layout.
+"""Per-rank memory of a model under flatshard, from the layout (the units' figures:
+unit_figures.py; the per-step communication: communication.py).
 
 Every size comes from `plan_unit_layout` (the layout `fully_shard` uses) at the
 data-parallel shard size, the degrees from `ParallelDims` (the mesh's own validation), and
@@ -38,12 +39,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from flatshard.comm.mesh import ParallelDims
 from flatshard.errors import ConfigError
-from flatshard.layout import plan_unit_layout
 from flatshard.layout.offload import needs_bucket_per_param
+from flatshard.mesh import ParallelDims
 from flatshard.planner.activations import MODES as AC_MODES
 from flatshard.planner.checkpoint_cost import checkpoint_figures
+from flatshard.planner.communication import step_communication
 from flatshard.planner.model_spec import FP32, ModelSpec
 from flatshard.planner.muon_cost import muon_figures
 from flatshard.planner.offload_split import offloaded_share, split_memory
@@ -55,15 +56,12 @@ from flatshard.planner.parallel_cost import (
     tp_communication,
     tp_local,
 )
-from flatshard.runtime.gather_policy import (
-    all_gathers_per_step,
-    looks_up,
-    lookup_payloads,
-    lookup_possible,
-    reduce_scatters_per_step,
-    stays_gathered,
+from flatshard.planner.unit_figures import (
+    UnitFigures,
+    is_looked_up,
+    unit_figures,
+    unit_lookup_payloads,
 )
-from flatshard.runtime.quantized_gather import BLOCK, packed_bytes
 
 # More ranks than any machine runs (2^20); larger world sizes are typos (and each rank's
 # row of padding would make the figures meaningless).
@@ -150,37 +148,6 @@ class Setup:
 
 
 @dataclass(frozen=True)
-class UnitFigures:
-    """One unit's layout at the shard size (elements), and how many identical units."""
-
-    name: str
-    count: int
-    is_root: bool
-    numel: int
-    padded: int  # unsharded bucket elements (all buckets)
-    padded_trainable: int
-    shard: int  # per-rank shard elements
-    shard_trainable: int
-    buckets: int
-    embedding: tuple[int, int] | None  # (rows, dim) of a unit over one plain embedding
-    trainable: bool
-    empty_ranks: int = 0  # ranks whose shards hold none of its parameters (only padding)
-    inner: bool = False  # runs inside the previous unit's forward (EP experts)
-    quantized: int = 0  # bytes of one all-gather of it in 8 bits (every rank's blocks, scales)
-    quantized_in_hpz_group: int = 0  # the same for hpZ's backward gather inside a group
-    quantized_grads: int = 0  # bytes of one reduce-scatter of its gradients in 8 bits
-    nf4: int = 0  # bytes of its QLoRA NF4 bases, whole (sharded and gathered besides buckets)
-
-    def gathered_bytes(self, param_bytes: int) -> int:
-        """Its unsharded parameters' bytes: buckets in the compute dtype and NF4 bases."""
-        return self.padded * param_bytes + self.nf4
-
-    @property
-    def padding(self) -> int:
-        return self.padded - self.numel
-
-
-@dataclass(frozen=True)
 class Plan:
     model: str
     num_params: int
@@ -211,7 +178,7 @@ def plan(spec: ModelSpec, setup: Setup) -> Plan:
         spec = ep_local(spec, setup.ep, setup.dims.efsdp)
     separate = needs_bucket_per_param(setup.offload)
     units = tuple(
-        _unit_figures(unit, unit.shard_ranks or setup.dp_shard, separate, setup.hpz_group)
+        unit_figures(unit, unit.shard_ranks or setup.dp_shard, separate, setup.hpz_group)
         for unit in spec.units
     )
     share = offloaded_share(spec.units, setup.dp_shard, setup.offload)
@@ -220,7 +187,7 @@ def plan(spec: ModelSpec, setup: Setup) -> Plan:
         for mode in AC_MODES
     }
     memory = by_ac[setup.ac]
-    communication = _communication(units, setup)
+    communication = step_communication(units, setup)
     communication.update(tp_communication(spec, setup, hidden))
     communication.update(ep_communication(spec, setup, hidden))
     used = sum(u.numel * u.count for u in units)
@@ -232,46 +199,6 @@ def plan(spec: ModelSpec, setup: Setup) -> Plan:
     )
 
 
-def _unit_figures(unit, dp_shard: int, bucket_per_param: bool = False, hpz: int = 0) -> UnitFigures:
-    layout = plan_unit_layout(unit.params, dp_shard, bucket_per_param)
-    trainable = [b for b in layout.buckets if b.requires_grad]
-    return UnitFigures(
-        name=unit.name,
-        count=unit.count,
-        is_root=unit.is_root,
-        numel=layout.used_size,
-        padded=layout.padded_size,
-        padded_trainable=sum(b.padded_size for b in trainable),
-        shard=sum(b.shard_size for b in layout.buckets),
-        shard_trainable=sum(b.shard_size for b in trainable),
-        buckets=len(layout.buckets),
-        embedding=tuple(unit.params[0].shape) if unit.embedding else None,
-        trainable=bool(trainable),
-        empty_ranks=layout.empty_rank_count() if layout.used_size else 0,
-        inner=unit.inner,
-        quantized=sum(dp_shard * packed_bytes(b.shard_size, BLOCK) for b in layout.buckets),
-        quantized_in_hpz_group=sum(
-            hpz * packed_bytes(b.padded_size // hpz, BLOCK) for b in layout.buckets if hpz
-        ),
-        quantized_grads=sum(dp_shard * packed_bytes(b.shard_size, BLOCK) for b in trainable),
-        nf4=unit.nf4_bytes,
-    )
-
-
-def _looked_up(unit: UnitFigures, setup: Setup) -> bool:
-    """Whether the runtime looks this unit's embedding up from its shards."""
-    if unit.embedding is None or not lookup_possible(setup.zero_stage, setup.dp_shard):
-        return False
-    return looks_up(setup.dp_shard, setup.micro_batch * setup.seq_len, unit.embedding[0])
-
-
-def _lookup_payloads(unit: UnitFigures, setup: Setup) -> tuple[int, int]:
-    """(all-gathered, reduce-scattered) bytes of one micro-batch's lookup and its backward."""
-    dim, itemsize = unit.embedding[1], DTYPE_BYTES[setup.param_dtype]
-    tokens = setup.micro_batch * setup.seq_len
-    return lookup_payloads(setup.dp_shard, tokens, dim, itemsize, unit.trainable)
-
-
 def _memory(spec: ModelSpec, units: tuple[UnitFigures, ...], setup: Setup) -> dict[str, int]:
     pb, rb = DTYPE_BYTES[setup.param_dtype], DTYPE_BYTES[setup.reduce_dtype]
     total = lambda f: sum(f(u) * u.count for u in units)
@@ -279,10 +206,10 @@ def _memory(spec: ModelSpec, units: tuple[UnitFigures, ...], setup: Setup) -> di
     grads = total(lambda u: u.shard_trainable) * FP32
     optimizer = round(setup.optimizer_states * total(lambda u: u.shard_trainable)) * FP32
     activations = setup.micro_batch * setup.seq_len * spec.activations(pb).per_token(setup.ac)
-    looked_up = [u for u in units if _looked_up(u, setup)]
+    looked_up = [u for u in units if is_looked_up(u, setup)]
     # the output gradients a lookup gathers (and their fp32 copy), alive while its backward
     # adds them up
-    grads_gathered = sum(_lookup_payloads(u, setup)[1] for u in looked_up if u.trainable)
+    grads_gathered = sum(unit_lookup_payloads(u, setup)[1] for u in looked_up if u.trainable)
     lookup_grads = grads_gathered + (grads_gathered // pb * FP32 if pb != FP32 else 0)
     gathered = [u for u in units if u not in looked_up]
     largest = max(gathered, key=lambda u: u.padded)
@@ -333,70 +260,4 @@ def _memory(spec: ModelSpec, units: tuple[UnitFigures, ...], setup: Setup) -> di
         "peak_start_of_backward": start_of_backward,
         "peak_end_of_backward": end_of_backward,
         "total": max(start_of_backward, end_of_backward),
-    }
-
-
-def _forward_order(units) -> list[UnitFigures]:
-    """The units in the order their forwards gather them: each repeated unit `count` times,
-    with the units inside it (`inner`: a block's first-use group and its experts under EP)
-    right after each of its runs."""
-    chains = []
-    for unit in units:
-        if unit.inner and chains:
-            chains[-1].append(unit)
-        else:
-            chains.append([unit])
-    return [unit for chain in chains for _ in range(chain[0].count) for unit in chain]
-
-
-def _communication(units: tuple[UnitFigures, ...], setup: Setup) -> dict[str, int]:
-    pb, rb = DTYPE_BYTES[setup.param_dtype], DTYPE_BYTES[setup.reduce_dtype]
-    accumulation = setup.grad_accum
-    looked_up = [u for u in units if _looked_up(u, setup)]
-    lookups = [_lookup_payloads(u, setup) for u in looked_up]
-    gathered_units = [u for u in units if u not in looked_up]
-    # the forward order the runtime sees: blocks, then the root's parts (where the
-    # embedding runs does not change which units stay gathered: gather_policy.py)
-    order = _forward_order(gathered_units)
-    root_parts = [u.is_root for u in order]
-    in_model = sum(u.count for u in units)
-    stays = [stays_gathered(i, root_parts, in_model) for i in range(len(order))]
-    quantized = setup.quantize_weights != "none"
-    all_gather = sum(
-        (u.quantized + u.nf4 if quantized else u.gathered_bytes(pb))
-        * all_gathers_per_step(setup.zero_stage, kept, accumulation)
-        for u, kept in zip(order, stays)
-    )
-    # hpZ: the backward gathers of the units that resharded after forward, inside groups
-    hpz = setup.hpz_group if setup.zero_stage == 3 else 0
-    regathered = [u for u, kept in zip(order, stays) if not kept]
-    if quantized:  # hpZ's backward gathers pack the group's pieces, not the shards
-        in_groups = accumulation * sum(u.quantized_in_hpz_group for u in regathered)
-        all_gather -= accumulation * sum(u.quantized for u in regathered) if hpz else 0
-        all_gather += in_groups if hpz else 0
-    else:
-        in_groups = pb * accumulation * sum(u.padded for u in regathered)
-    in_groups = in_groups if hpz else 0
-    reductions = reduce_scatters_per_step(setup.zero_stage, accumulation)
-    per_unit = [
-        u.quantized_grads if setup.quantize_grads != "none" else u.padded_trainable * rb
-        for u in gathered_units
-    ]
-    reduce_scatter = reductions * sum(b * u.count for b, u in zip(per_unit, gathered_units))
-    all_gather += accumulation * sum(gather for gather, _ in lookups)
-    reduce_scatter += accumulation * sum(rows for _, rows in lookups)
-    replicas = setup.dp_replicate
-    all_reduce = reductions * sum(u.shard_trainable * u.count for u in units) * rb
-    all_reduce = all_reduce if replicas > 1 else 0
-    shards = setup.dp_shard
-    wire = (shards - 1) * (all_gather - in_groups + reduce_scatter) // shards
-    wire += (hpz - 1) * in_groups // hpz if hpz else 0
-    wire += 2 * (replicas - 1) * all_reduce // replicas
-    return {
-        "all_gather": all_gather,
-        "all_gather_in_hpz_groups": in_groups,
-        "reduce_scatter": reduce_scatter,
-        "replica_all_reduce": all_reduce,
-        "total": all_gather + reduce_scatter + all_reduce,
-        "wire_per_rank": wire,
     }
