@@ -8,6 +8,7 @@ family = one folder + one `register(...)` line in its `__init__.py`.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -38,9 +39,15 @@ def position_kwargs(model: nn.Module, position_ids) -> dict:
     `use_cache=False`. Nothing without positions, so the plain call stays as it was."""
     if position_ids is None:
         return {}
-    if "use_cache" in inspect.signature(model.forward).parameters:
+    if _takes_use_cache(type(model)):
         return {"position_ids": position_ids, "use_cache": False}
     return {"position_ids": position_ids}
+
+
+@functools.cache
+def _takes_use_cache(model_type: type) -> bool:
+    """Whether a model class's forward takes `use_cache` (read once per class)."""
+    return "use_cache" in inspect.signature(model_type.forward).parameters
 
 
 def token_loss(logits, batch, labels=None, divisor=None) -> torch.Tensor:

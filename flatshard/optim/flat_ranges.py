@@ -57,9 +57,9 @@ def _is_the_reduced_view(grad, slot: Slot, grads: dict) -> bool:
     local = getattr(grad, "_local_tensor", None)
     if not isinstance(local, RowShard):
         return False
-    if id(slot.storage) not in grads:  # for FlatPlan.grads
+    if id(slot.storage) not in grads:  # read once a shard a step (FlatPlan.grads too)
         grads[id(slot.storage)] = slot.storage.grad
-    return slot.home.holds_flat_grad(local.data_)
+    return slot.home.holds_flat_grad(local.data_, grads[id(slot.storage)])
 
 
 # Elements stepped by one run of the ops. On a GPU: bounds the temporaries a step makes

@@ -174,7 +174,7 @@ class GradientSync:
         kept = bucket.shard.grad
         if kept is not None and all(
             p.sharded.grad is not None
-            and ParamHome(self.unit, p).holds_flat_grad(local_data(p.sharded.grad))
+            and ParamHome(self.unit, p).holds_flat_grad(local_data(p.sharded.grad), kept)
             for p in params
         ):
             bucket.shard.add_to_grad(reduced)  # gradient accumulation: one flat add (per part)

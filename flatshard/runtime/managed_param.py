@@ -85,12 +85,13 @@ class ParamHome:
         """(on the host, offset of its piece in that side's flat buffer)."""
         return self.storage.side_offset(self.index)
 
-    def holds_flat_grad(self, grad: torch.Tensor) -> bool:
+    def holds_flat_grad(self, grad: torch.Tensor, kept=None) -> bool:
         """Whether `grad` (the local tensor of its `.grad`) is still its rows of the kept
-        flat gradient shard, so a flat step may read the whole shard's gradient at once."""
+        flat gradient shard, so a flat step may read the whole shard's gradient at once.
+        `kept`: the storage's kept gradient parts, where the caller has read them already."""
         if self.spec.numel == 0:
             return True  # nothing to step (an empty tensor's address means nothing)
-        kept = self.storage.grad
+        kept = self.storage.grad if kept is None else kept
         host, start = self.side_offset()
         part = None if kept is None else kept[1 if host else 0]
         if part is None or grad.dtype != part.dtype:
