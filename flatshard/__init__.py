@@ -17,7 +17,6 @@ from flatshard.api.parallel_plan import ParallelPlan, register_plan
 from flatshard.api.parallelize import parallelize
 from flatshard.api.sharding import fully_shard
 from flatshard.api.state_movement import offload_states, reload_states
-from flatshard.comm.mesh import Meshes, ParallelDims
 from flatshard.compat import DataParallelMeshDims
 from flatshard.dtensor.clip import clip_grad_norm_
 from flatshard.dtensor.sharded_param import row_range
@@ -34,6 +33,7 @@ from flatshard.errors import (
     WrappingError,
 )
 from flatshard.hf.stream import full_weights
+from flatshard.mesh import Meshes, ParallelDims
 from flatshard.policy import CommPolicy, MixedPrecisionPolicy, OffloadPolicy
 from flatshard.registry import unit_of as state
 from flatshard.registry import units_below as units

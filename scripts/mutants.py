@@ -172,7 +172,7 @@ MUTANTS = (
     Mutant(
         "ep-divide",
         "expert gradients averaged over the expert-data-parallel ranks only (FSDP2 + EP's bug)",
-        "flatshard/comm/mesh.py",
+        "flatshard/mesh.py",
         "        experts = self.inner_size if self.expert_parallel else 1\n",
         "        experts = 1\n",
         ("tests/test_expert_parallel.py::test_expert_gradients_equal_one_process_per_tensor",),

@@ -132,8 +132,8 @@ def test_no_process_group():
 
 
 def test_parallel_dims_validate_once_with_clear_messages():
-    from flatshard.comm.mesh import ParallelDims
     from flatshard.errors import MeshError
+    from flatshard.mesh import ParallelDims
 
     dims = ParallelDims(16, dp_replicate=2, tp=2, ep=4)
     assert (dims.dp_shard, dims.efsdp, dims.dp) == (4, 4, 8)

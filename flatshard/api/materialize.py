@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 
 from flatshard import registry
-from flatshard.comm.mesh import default_device
 from flatshard.errors import WrappingError
+from flatshard.mesh import default_device
 from flatshard.runtime import shard_placement
 from flatshard.runtime.managed_param import home_of
 

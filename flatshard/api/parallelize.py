@@ -17,7 +17,7 @@ from flatshard.api.activation_checkpointing import check_mode, checkpoint_block
 from flatshard.api.compile import compile_backend, compile_block
 from flatshard.api.parallel_plan import ParallelPlan, plan_for
 from flatshard.api.sharding import fully_shard
-from flatshard.comm.mesh import Meshes, ParallelDims
+from flatshard.mesh import Meshes, ParallelDims
 
 
 def parallelize(

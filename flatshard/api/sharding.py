@@ -15,10 +15,10 @@ from torch.distributed.tensor import DTensor
 from flatshard import registry
 from flatshard.api.fsdp_module import FlatShardModule, wrapped_class
 from flatshard.comm import peer_failure
-from flatshard.comm.mesh import ShardMesh, split_spmd_mesh
 from flatshard.dtensor import patches
 from flatshard.dtensor.tp_params import onto_tp_mesh
 from flatshard.errors import WrappingError
+from flatshard.mesh import ShardMesh, split_spmd_mesh
 from flatshard.policy import (
     MixedPrecisionPolicy,
     as_mixed_precision,

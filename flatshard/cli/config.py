@@ -25,8 +25,8 @@ from flatshard.cli.options import (
     Option,
     fine_tune_defaults,
 )
-from flatshard.comm.mesh import ParallelDims
 from flatshard.errors import MeshError
+from flatshard.mesh import ParallelDims
 
 try:
     import tomllib

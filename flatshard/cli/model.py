@@ -17,8 +17,8 @@ from flatshard import hf
 from flatshard.cli import runs
 from flatshard.cli.config import RunConfig
 from flatshard.cli.errors import ConfigError, RunError, warn
-from flatshard.comm.mesh import ParallelDims
 from flatshard.errors import MeshError
+from flatshard.mesh import ParallelDims
 from flatshard.models import Llama, LlamaConfig, MoE, MoEConfig, family_of_config
 from flatshard.models.llama import check_tp
 from flatshard.models.lora import (

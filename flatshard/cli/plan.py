@@ -12,8 +12,8 @@ from flatshard.cli import config as run_config
 from flatshard.cli.errors import ConfigError, warn
 from flatshard.cli.model import lora_spec
 from flatshard.cli.options import BY_KEY
-from flatshard.comm.mesh import ParallelDims
 from flatshard.errors import MeshError
+from flatshard.mesh import ParallelDims
 from flatshard.planner import zoo
 from flatshard.planner.estimate import Plan, Setup, plan
 from flatshard.planner.muon_cost import muon_lines

@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from flatshard.api.parallelize import parallelize
-from flatshard.comm.mesh import Meshes, ParallelDims, default_device
 from flatshard.hf.adapter import StateDictAdapter, adapter_for_config
 from flatshard.hf.checkpoint import read_hf_config
 from flatshard.hf.load import load_pretrained
+from flatshard.mesh import Meshes, ParallelDims, default_device
 
 
 def from_pretrained(

@@ -19,7 +19,6 @@ from flatshard import registry
 from flatshard.api.fsdp_module import FlatShardModule
 from flatshard.api.parallel_plan import ParallelPlan, register_plan
 from flatshard.api.parallelize import parallelize
-from flatshard.comm.mesh import ParallelDims
 from flatshard.dtensor import patches
 from flatshard.dtensor.sharded_param import param_spec
 from flatshard.hf.adapter import StateDictAdapter, register
@@ -28,6 +27,7 @@ from flatshard.hf.checkpoint import read_hf_config
 from flatshard.hf.conversion import disk_mappings, model_tensors
 from flatshard.hf.errors import HFCheckpointError, HFConfigError
 from flatshard.hf.names import TensorMapping
+from flatshard.mesh import ParallelDims
 from flatshard.parallel.transformers_plan import (
     apply_transformers_expert_parallel,
     apply_transformers_tensor_parallel,

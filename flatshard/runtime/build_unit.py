@@ -15,11 +15,11 @@ from torch.distributed.tensor import DTensor, Shard
 
 from flatshard import registry
 from flatshard.comm import agreement
-from flatshard.comm.mesh import ShardMesh
 from flatshard.dtensor.tp_params import tp_param_info, tp_placement
 from flatshard.errors import LayoutError, WrappingError
 from flatshard.layout import ParamInfo, declared_components, plan_unit_layout
 from flatshard.layout.offload import needs_bucket_per_param
+from flatshard.mesh import ShardMesh
 from flatshard.policy import MixedPrecisionPolicy, OffloadPolicy
 from flatshard.runtime import load_hooks
 from flatshard.runtime.flat_bucket import FlatBucket
