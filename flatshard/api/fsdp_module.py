@@ -225,3 +225,10 @@ def wrapped_class(cls: type) -> type:
         methods = {"forward": embedding_forward} if plain_embedding else {}
         _CLASS_CACHE[cls] = type(f"FlatShard{cls.__name__}", (FlatShardModule, cls), methods)
     return _CLASS_CACHE[cls]
+
+
+def own_class(module: nn.Module) -> type:
+    """The module's class before fully_shard put a FlatShard subclass in front of it."""
+    if isinstance(module, FlatShardModule):
+        return type(module).__mro__[FlatShardModule._orig_cls_mro_index]
+    return type(module)

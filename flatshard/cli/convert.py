@@ -32,6 +32,7 @@ from flatshard.cli.model import (
     saved_model_config,
 )
 from flatshard.models import family_of_config
+from flatshard.models.transformers import shard_decoder_layers
 from flatshard.models.lora import merge_adapters, peft_adapter
 
 HF_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -55,7 +56,7 @@ def hf_to_checkpoint(args, sharded: bool) -> None:
         raise RunError(f"--step must be >= 0, got {args.step}")
     if sharded:
         init_distributed()
-    shard = hf.shard_decoder_layers if sharded else None
+    shard = shard_decoder_layers if sharded else None
     model = hf.from_pretrained(args.source, shard=shard)
     # what the weights do not hold (config metadata, generation settings, the tokenizer)
     # comes back on export

@@ -30,6 +30,7 @@ from flatshard.models.lora import (
     merge_adapters,
 )
 from flatshard.models.qlora import quantize_bases
+from flatshard.models.transformers import TRANSFORMERS, build_causal_lm, shard_decoder_layers
 from flatshard.models.registry import config_from_dict as family_config_from_dict
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -166,7 +167,7 @@ def build_lora_model(base: str, spec: LoRASpec, *, sharded: bool, device):
     def shard(model):
         add_lora(model, spec)
         if sharded:
-            hf.shard_decoder_layers(model)
+            shard_decoder_layers(model)
 
     return hf.from_pretrained(base, shard=shard, device=device)
 
@@ -328,10 +329,10 @@ def build_transformers(hf_config: dict, *, sharded: bool, device: torch.device |
     """The transformers model a checkpoint's saved config describes (sharded: every decoder
     layer and the root), allocated but not filled: a checkpoint load fills it."""
     with torch.device("meta"):
-        model = hf.build_causal_lm(hf_config)
+        model = build_causal_lm(hf_config)
     if sharded:
-        hf.shard_decoder_layers(model)
-    hf.TRANSFORMERS.allocate(model, torch.device(device))
+        shard_decoder_layers(model)
+    TRANSFORMERS.allocate(model, torch.device(device))
     return model
 
 

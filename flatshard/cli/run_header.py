@@ -11,7 +11,7 @@ import torch.distributed as dist
 from flatshard.cli import runs
 from flatshard.cli.config import toml_value
 from flatshard.cli.options import FINE_TUNE_LORA_LR, FINE_TUNE_LR, FINE_TUNE_MIN_LR_SHARE
-from flatshard.hf.transformers_model import model_class
+from flatshard.api.fsdp_module import own_class
 from flatshard.models import family_of_config
 
 
@@ -113,7 +113,7 @@ def _describe_offload(train) -> str:
 def _describe_model(trainer) -> str:
     model = trainer.model_config
     if model is None:
-        kind = model_class(trainer.model).__name__  # not fully_shard's subclass
+        kind = own_class(trainer.model).__name__  # not fully_shard's subclass
         count = sum(p.numel() for p in trainer.model.parameters())
         line = f"model: {kind} from {trainer.config.model.hf}, {count:,} parameters"
         train = trainer.config.train

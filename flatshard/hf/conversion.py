@@ -84,11 +84,11 @@ def _own_classes(model: nn.Module):
     """Every fully_shard-ed module back in its own class while transformers looks its
     conversion up: it goes by class name (GPT-NeoX's `embed_out` -> `lm_head` renaming is
     registered for `GPTNeoXForCausalLM`, not for fully_shard's `FlatShardGPTNeoX...`)."""
-    from flatshard.api.fsdp_module import FlatShardModule
+    from flatshard.api.fsdp_module import FlatShardModule, own_class
 
     wrapped = [(m, type(m)) for m in model.modules() if isinstance(m, FlatShardModule)]
-    for module, cls in wrapped:
-        module.__class__ = cls.__mro__[FlatShardModule._orig_cls_mro_index]
+    for module, _ in wrapped:
+        module.__class__ = own_class(module)
     try:
         yield
     finally:

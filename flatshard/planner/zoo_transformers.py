@@ -23,8 +23,8 @@ from flatshard.planner.model_spec import ModelSpec, UnitSpec, adapt, nf4_shapes,
 
 
 def from_transformers_config(hf_config: dict, name: str, lora=None, nf4=False) -> ModelSpec:
-    from flatshard.hf import HFConfigError, build_causal_lm
-    from flatshard.hf.transformers_model import decoder_layers
+    from flatshard.hf import HFConfigError
+    from flatshard.models.transformers import build_causal_lm, decoder_layers
 
     try:
         with torch.device("meta"):

@@ -212,7 +212,7 @@ def reset_iteration(root) -> None:
         unit.step.reset()
         unit.register("sharded")
         unit.reshard()
-    context.end_backward()  # nothing runs now; pooled buffers go back
+    context.reset()  # nothing runs now; pooled buffers go back
 
 
 def _cast_output(unit, output):

@@ -12,17 +12,11 @@ planner and the benchmarks count with.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum, auto
 
 from flatshard import comm, registry
 from flatshard.runtime.gather_policy import stays_gathered
 from flatshard.runtime.grad_sync import ReduceQueue
-
-
-class Pass(Enum):
-    IDLE = auto()
-    FORWARD = auto()
-    BACKWARD = auto()
+from flatshard.runtime.states import Pass, check_move
 
 
 @dataclass
@@ -45,22 +39,30 @@ class RootContext:
     def pool(self) -> comm.BufferPool | None:
         return None if self.running is Pass.IDLE else self.buffers
 
+    def _move(self, new: Pass) -> None:
+        self.running = check_move(self.running, new)
+
     def start_forward(self) -> None:
         """The root's pre-forward: a new step's order begins."""
-        self.running = Pass.FORWARD
+        self._move(Pass.FORWARD)
         self.previous_pre_forward_order = self.pre_forward_order
         self.pre_forward_order, self.post_forward_order = [], []
 
     def end_forward(self) -> None:
-        self.running = Pass.IDLE
+        self._move(Pass.IDLE)
         # Buffers the blocks freed would sit idle through the loss and the start of
         # backward, where memory peaks: let them go (backward refills the pool).
         self.buffers.clear()
 
     def start_backward(self) -> None:
-        self.running = Pass.BACKWARD
+        self._move(Pass.BACKWARD)
 
     def end_backward(self) -> None:
+        self._move(Pass.IDLE)
+        self.buffers.clear()
+
+    def reset(self) -> None:
+        """A forward or backward that raised: whatever ran has ended."""
         self.running = Pass.IDLE
         self.buffers.clear()
 

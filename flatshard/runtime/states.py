@@ -1,6 +1,6 @@
 """A unit's state, explicit: where its parameters are and where it is in a step.
 
-Two enums with checked transitions (in the spirit of FSDP2's `ShardedState` and
+Enums with checked transitions (in the spirit of FSDP2's `ShardedState` and
 `TrainingState`) instead of flags that can disagree: a transition the runtime never
 makes is a bug in flatshard, reported at once rather than as a hang or a wrong gradient
 later. `StepState` is all a unit's step has seen (its training state among it), reset in
@@ -17,6 +17,14 @@ class ShardedState(Enum):
     SHARDED = auto()  # only the shards are allocated
     GATHERING = auto()  # all-gathers issued, not yet waited on
     UNSHARDED = auto()  # the unsharded buffers hold the gathered parameters
+
+
+class Pass(Enum):
+    """Which pass a model (its root and every unit below) is running."""
+
+    IDLE = auto()
+    FORWARD = auto()
+    BACKWARD = auto()
 
 
 class TrainingState(Enum):
@@ -40,13 +48,21 @@ _TRAINING_MOVES = {
     TrainingState.PRE_BACKWARD: {TrainingState.POST_BACKWARD, TrainingState.IDLE},
     TrainingState.POST_BACKWARD: {TrainingState.IDLE},
 }  # fmt: skip
+_PASS_MOVES = {
+    # a forward that raised is begun again by the next one (reset_iteration ends any pass);
+    # a root method that calls its own forward (register_fsdp_forward_method) ends twice
+    Pass.IDLE: {Pass.FORWARD, Pass.BACKWARD, Pass.IDLE},
+    Pass.FORWARD: {Pass.IDLE, Pass.FORWARD},
+    Pass.BACKWARD: {Pass.IDLE},
+}
+_MOVES = {ShardedState: _SHARDED_MOVES, TrainingState: _TRAINING_MOVES, Pass: _PASS_MOVES}
 
 
 def check_move(old: Enum, new: Enum) -> Enum:
-    """`new`, if a unit may go there from `old`; else an internal error."""
-    moves = _SHARDED_MOVES if isinstance(old, ShardedState) else _TRAINING_MOVES
-    if new not in moves[old]:
-        raise RuntimeError(f"flatshard internal error: a unit moved from {old} to {new}")
+    """`new`, if a unit (or its model's pass) may go there from `old`; else an internal
+    error."""
+    if new not in _MOVES[type(old)][old]:
+        raise RuntimeError(f"flatshard internal error: moved from {old} to {new}")
     return new
 
 

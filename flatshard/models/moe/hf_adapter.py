@@ -157,7 +157,7 @@ def _transformers_layout(hf_config_json: str):
     in-memory tensors' shapes), from its model built on the meta device. Cached: load and
     save each ask."""
     from flatshard.hf.conversion import disk_mappings, model_tensors
-    from flatshard.hf.transformers_model import build_causal_lm
+    from flatshard.models.transformers.build import build_causal_lm
 
     with torch.device("meta"):
         hf_model = build_causal_lm(json.loads(hf_config_json))

@@ -1,0 +1,53 @@
+"""How a transformers model is split: its blocks are its decoder layers (the classes its
+`_no_split_modules` names), split over TP and EP by transformers' own plans
+(parallel/transformers_plan.py), then sharded by `parallelize` like any model."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+
+from flatshard.api.parallel_plan import ParallelPlan, register_plan
+from flatshard.api.parallelize import parallelize
+from flatshard.hf.errors import HFConfigError
+from flatshard.mesh import ParallelDims
+from flatshard.parallel.transformers_plan import (
+    apply_transformers_expert_parallel,
+    apply_transformers_tensor_parallel,
+    grouped_experts,
+)
+
+
+def shard_decoder_layers(model: nn.Module, dims: ParallelDims | None = None, **options):
+    """fully_shard every decoder layer, then the root, over every rank (or `dims`):
+    `parallelize`'s data-parallel path, what `from_pretrained(..., shard=...)` needs.
+    `options`: parallelize's (mp_policy, ...)."""
+    decoder_layers(model)  # its blocks, or why they cannot be told, before any mesh
+    dims = dims if dims is not None else ParallelDims(dist.get_world_size())
+    return parallelize(model, dims, **options)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The modules of the classes the model's `_no_split_modules` names (its blocks)."""
+    classes = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if m is not model and type(m).__name__ in classes]
+    if not layers:
+        raise HFConfigError(
+            f"{type(model).__name__}._no_split_modules is {sorted(classes)}: no module of the "
+            "model is of those classes, so flatshard cannot tell its decoder layers; pass a "
+            "sharding function of your own"
+        )
+    return layers
+
+
+register_plan(
+    lambda model: getattr(model, "_no_split_modules", None) is not None,
+    lambda model: ParallelPlan(
+        blocks=decoder_layers,
+        tensor_parallel=apply_transformers_tensor_parallel,
+        expert_parallel=apply_transformers_expert_parallel,
+        # transformers' grouped-expert kernels route by data-dependent sizes (its CPU
+        # fallback's backward cannot be traced): compiled blocks run them eagerly
+        uncompiled=lambda model: list(grouped_experts(model).values()),
+    ),
+)
