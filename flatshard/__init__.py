@@ -38,6 +38,12 @@ from flatshard.policy import CommPolicy, MixedPrecisionPolicy, OffloadPolicy
 from flatshard.registry import unit_of as state
 from flatshard.registry import units_below as units
 
+# flatshard.hf's names for the transformers family, which lives above it (models/): the face
+# hands them down, so `flatshard.hf.shard_decoder_layers` keeps working
+hf.TRANSFORMERS = models.TRANSFORMERS
+hf.build_causal_lm = models.build_causal_lm
+hf.shard_decoder_layers = models.shard_decoder_layers
+
 __all__ = [
     "CommPolicy",
     "CPUOffloadPolicy",

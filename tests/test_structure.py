@@ -50,25 +50,10 @@ def _resolve(name: str) -> str:
     return name
 
 
-def _forwarded(tree: ast.Module) -> set[ast.AST]:
-    """The nodes of a package face's module `__getattr__`: old public names it hands on from
-    a higher layer when first read (flatshard.hf's transformers names), imported nowhere else."""
-    return {
-        node
-        for top in tree.body
-        if isinstance(top, ast.FunctionDef) and top.name == "__getattr__"
-        for node in ast.walk(top)
-    }
-
-
 def _imports(path: pathlib.Path):
     """(imported module, names taken from it) for every flatshard import in the file,
-    function-local ones included (not a face's forwarding `__getattr__`)."""
-    tree = ast.parse(path.read_text())
-    forwarded = _forwarded(tree) if path.name == "__init__.py" else set()
-    for node in ast.walk(tree):
-        if node in forwarded:
-            continue
+    function-local ones included."""
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.split(".")[0] == "flatshard":

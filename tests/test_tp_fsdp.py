@@ -244,9 +244,9 @@ def _moments(optimizer) -> dict:
     return out
 
 
-def _save_tp(path, layout, kind):
+def _save_tp(path, layout, kind, sp=False):
     replicate, shard, tp = layout
-    model, dp_rank = tp_model(replicate, shard, tp)
+    model, dp_rank = tp_model(replicate, shard, tp, sp=sp)
     optimizer = _optimizer(kind)(model.parameters())
     data = batches(config(**CFG), SAVED_STEPS)
     train_ranks(
@@ -256,9 +256,9 @@ def _save_tp(path, layout, kind):
     return full_state(model), _moments(optimizer)
 
 
-def _resume_tp(path, layout, kind):
+def _resume_tp(path, layout, kind, sp=False):
     replicate, shard, tp = layout
-    model, dp_rank = tp_model(replicate, shard, tp, seed=3)
+    model, dp_rank = tp_model(replicate, shard, tp, seed=3, sp=sp and tp > 1)
     optimizer = _optimizer(kind)(model.parameters())
     checkpoint.load(path, model=model, optimizer=optimizer)
     loaded = full_state(model), _moments(optimizer)
@@ -314,6 +314,26 @@ def test_tp_checkpoint_loads_at_any_layout_and_resumes(tmp_path, saved_at, kind,
     if kind == "plain-state" and loads == SAMPLED[(saved_at, kind)]:
         messages = run_distributed(_load_wider_mlp, 4, path)
         assert all("ffn_dim: checkpoint 48, model 64" in m for m in messages), messages
+
+
+def test_sequence_parallel_checkpoint_resumes_at_any_layout(tmp_path):
+    """Saved under TP + SP (the root's vocabulary-parallel embedding has uneven TP pieces,
+    so each TP rank packs the Replicate final norm at other offsets): resumed under TP +
+    SP, at dp 4 and in one process, exactly as uninterrupted training."""
+    cfg = config(**CFG)
+    reference = build_model(cfg)
+    ref_losses = train_ranks(reference, batches(cfg, STEPS))
+    path = str(tmp_path / "sp")
+    saved_weights, saved_moments = run_distributed(_save_tp, 4, path, (1, 2, 2), "adamw", True)[0]
+    for layout in [(1, 1, 4), (1, 4, 1), (1, 1, 1)]:
+        world = layout[0] * layout[1] * layout[2]
+        (weights, moments), losses, final = run_distributed(
+            _resume_tp, world, path, layout, "adamw", True
+        )[0]
+        assert rel_diff(weights, saved_weights) == 0.0, layout
+        assert all(torch.equal(moments[k], saved_moments[k]) for k in saved_moments), layout
+        assert rel_losses(losses, ref_losses[SAVED_STEPS:]) <= TOLERANCE, layout
+        assert rel_diff(final, reference.state_dict()) <= TOLERANCE, layout
 
 
 def _load_wider_mlp(path):

@@ -32,8 +32,8 @@ from flatshard.cli.model import (
     saved_model_config,
 )
 from flatshard.models import family_of_config
-from flatshard.models.transformers import shard_decoder_layers
 from flatshard.models.lora import merge_adapters, peft_adapter
+from flatshard.models.transformers import shard_decoder_layers
 
 HF_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -30,8 +30,8 @@ from flatshard.models.lora import (
     merge_adapters,
 )
 from flatshard.models.qlora import quantize_bases
-from flatshard.models.transformers import TRANSFORMERS, build_causal_lm, shard_decoder_layers
 from flatshard.models.registry import config_from_dict as family_config_from_dict
+from flatshard.models.transformers import TRANSFORMERS, build_causal_lm, shard_decoder_layers
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -8,10 +8,10 @@ import textwrap
 
 import torch.distributed as dist
 
+from flatshard.api.fsdp_module import own_class
 from flatshard.cli import runs
 from flatshard.cli.config import toml_value
 from flatshard.cli.options import FINE_TUNE_LORA_LR, FINE_TUNE_LR, FINE_TUNE_MIN_LR_SHARE
-from flatshard.api.fsdp_module import own_class
 from flatshard.models import family_of_config
 
 

@@ -14,6 +14,7 @@ redistribute.py, the sharded parameters and what reads their spec in sharded_par
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from flatshard import comm
@@ -98,6 +99,8 @@ class RowShard(torch.Tensor):
         from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+        if not _writes_its_replica(dtensor, self.mesh_dim):
+            return []
         return [
             WriteItem(
                 index=MetadataIndex(fqn, chunk.offsets),
@@ -147,6 +150,22 @@ class RowShard(torch.Tensor):
         if op.seeded:
             return _draw_as_fsdp2(func, op, args, kwargs)
         return _dispatch(func, op, args, kwargs)
+
+
+def _writes_its_replica(dtensor, split: int) -> bool:
+    """Whether this rank writes its chunks: only the first of the ranks that replicate them
+    (along every Replicate mesh dim but the row split's). Replicas may cut the same rows
+    differently (a root unit whose vocabulary-parallel embedding has uneven TP pieces packs
+    a Replicate norm at other offsets on each TP rank), so DCP's dedup, which drops only
+    identical chunks, would keep overlapping ones."""
+    if not isinstance(dtensor, DTensor):
+        return True  # a plain-tensor optimizer state: no replicas
+    coordinate = dtensor.device_mesh.get_coordinate()
+    return all(
+        coordinate[d] == 0
+        for d, placement in enumerate(dtensor.placements)
+        if d != split and type(placement) is Replicate
+    )
 
 
 def _draw_as_fsdp2(func, op: OpInfo, args, kwargs):

@@ -11,7 +11,9 @@ checkpoints; flatshard/models/moe/hf_adapter.py: Qwen3-MoE, Mixtral, from_pretra
 it with adapter=MOE, else transformers' own model); any transformers causal LM is built
 and sharded in place by flatshard/models/transformers/, its disk tensors mapped by
 transformers' own conversion rules (conversion.py, tiles.py); a model whose parameter names
-are the HF names needs no adapter (GENERIC).
+are the HF names needs no adapter (GENERIC). That family's TRANSFORMERS, build_causal_lm and
+shard_decoder_layers are read here too: the package face (flatshard/__init__.py), above
+both, hands them down, so this layer imports nothing above it.
 """
 
 from flatshard.hf.adapter import GENERIC, StateDictAdapter, adapter_for, adapter_for_config
@@ -40,16 +42,3 @@ __all__ = [
     "read_hf_config",
     "save_pretrained",
 ]
-
-# Names that live with the transformers model family (flatshard.models) since the packages
-# became the layers; read here, they are handed on when first asked for, so code written
-# against flatshard.hf keeps working while this layer imports nothing above it.
-_FROM_MODELS = ("TRANSFORMERS", "build_causal_lm", "shard_decoder_layers")
-
-
-def __getattr__(name: str):
-    if name in _FROM_MODELS:
-        from flatshard import models
-
-        return getattr(models, name)
-    raise AttributeError(f"module 'flatshard.hf' has no attribute {name!r}")
