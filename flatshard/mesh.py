@@ -38,14 +38,16 @@ class ParallelDims:
     Ranks are laid out `(dp_replicate, dp_shard, tp)`, TP innermost. Expert parallelism
     borrows `ep` of the data-parallel ranks (ranks holding different tokens, replicas
     included); each expert is sharded over all `efsdp = world_size / ep` other ranks, TP
-    ranks included (they compute the experts for the same tokens). `build()` makes the
-    meshes."""
+    ranks included (they compute the experts for the same tokens). `sequence_parallel`:
+    TP also splits the norms and the residual stream by sequence (the model's plan says
+    how). `build()` makes the meshes."""
 
     world_size: int
     dp_replicate: int = 1
     dp_shard: int = -1
     tp: int = 1
     ep: int = 1
+    sequence_parallel: bool = False
     _built: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -71,6 +73,10 @@ class ParallelDims:
             raise MeshError(
                 f"dp_replicate x dp_shard x tp = {self.dp_replicate} x {self.dp_shard} x "
                 f"{self.tp} = {dense} ranks, but world_size is {self.world_size}"
+            )
+        if self.sequence_parallel and self.tp == 1:
+            raise MeshError(
+                "sequence_parallel splits the sequence over the TP ranks: it needs tp > 1"
             )
         if self.dp % self.ep:
             raise MeshError(

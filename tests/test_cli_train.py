@@ -295,6 +295,30 @@ def test_tensor_parallel_run_trains_like_data_parallel_and_resumes_without_tp(tm
         assert record["reduce_scatter_bytes"] == plan["communication"]["reduce_scatter"]
 
 
+def test_sequence_parallel_run_trains_like_one_process_and_resumes_without_tp(tmp_path):
+    """`--tp 2 --sp` on 2 processes (the norms and residual stream split by sequence, an odd
+    length: 31 tokens) takes the steps one process takes; its checkpoint resumes in one
+    process without TP, continuing those losses; `--sp` alone is a one-line error."""
+    sizes = ["--set", "model.preset=tiny", "--set", "data.seq_len=32",
+             "--set", "train.micro_batch=2", "--set", "train.global_batch=4",
+             "--set", "run.sample_tokens=0"]  # fmt: skip
+    plain, sp = tmp_path / "plain", tmp_path / "sp"
+    check_ok(flatshard("train", *sizes, "--steps", 4, "--nproc", 1, "--out", plain))
+    result = check_ok(
+        flatshard("train", *sizes, "--steps", 4, "--nproc", 2, "--tp", 2, "--sp", "--out", sp,
+                  "--set", "run.stop_at_step=2")
+    )  # fmt: skip
+    assert "tensor parallel over 2 (+ sequence)" in result.stdout
+    check_ok(flatshard("train", "--resume", sp, "--nproc", 1, "--set", "train.tp=1",
+                       "--set", "train.sp=false"))  # fmt: skip
+    expected = [r["loss"] for r in metrics(plain)]
+    got = [r["loss"] for r in metrics(sp)]
+    assert len(got) == 4
+    assert max(abs(a - b) / b for a, b in zip(got, expected)) <= 1e-5, (got, expected)
+    alone = flatshard("train", *sizes, "--steps", 1, "--nproc", 2, "--sp", "--out", tmp_path / "x")
+    assert "train.sp (sequence parallelism) splits the sequence over the TP ranks" in one_line_error(alone)
+
+
 # moe-tiny with a large aux loss weight, as `flatshard train` and `flatshard plan` take it
 MOE_TINY = ["--set", "model.preset=moe-tiny", "--set", "data.seq_len=32",
             "--set", "train.micro_batch=2", "--set", "train.global_batch=8",

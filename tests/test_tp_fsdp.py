@@ -6,8 +6,6 @@ ZeRO-2, with accumulation and tied embeddings."""
 
 from __future__ import annotations
 
-from functools import partial
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -47,11 +45,13 @@ def tp_model(
     replicate: int, shard: int, tp: int, zero_stage: int = 3, seed=0, sp=False, **overrides
 ):
     """The reference Llama, TP over `tp` ranks, then fully_shard over (replicate, shard)."""
-    dims = flatshard.ParallelDims(replicate * shard * tp, dp_replicate=replicate, tp=tp)
+    dims = flatshard.ParallelDims(
+        replicate * shard * tp, dp_replicate=replicate, tp=tp, sequence_parallel=sp
+    )
     model = build_model(config(**{**CFG, **overrides}), seed=seed)
-    plan = flatshard.ParallelPlan("layers", partial(parallelize_llama, sequence_parallel=sp))
+    plan = None  # the Llama family's (with sequence parallelism as dims ask)
     if tp == 1:  # TP over one rank: applied by hand (parallelize applies it for tp > 1)
-        plan.apply_tensor_parallel(model, dims.build().world["tp"])
+        parallelize_llama(model, dims.build().world["tp"])
         plan = flatshard.ParallelPlan("layers")
     flatshard.parallelize(model, dims, plan=plan, zero_stage=zero_stage)
     return model, dims.build().dp_rank

@@ -31,6 +31,8 @@ class ParallelPlan:
     tensor_parallel: splits the model over the TP mesh, in place: a function of (model,
         tp_mesh) or a `parallelize_module` plan (names may use `*`, e.g.
         "layers.*.attn.q_proj").
+    sequence_parallel: as tensor_parallel, also splitting the norms and residual stream by
+        sequence (torch's `SequenceParallel`), for `ParallelDims(sequence_parallel=True)`.
     expert_parallel: splits the experts over the EP mesh, in place, and returns the expert
         modules (each becomes a unit of its own, sharded over the other ranks):
         a function of (model, ep_mesh).
@@ -40,6 +42,7 @@ class ParallelPlan:
 
     blocks: Callable[[nn.Module], list[nn.Module]] | str = "layers"
     tensor_parallel: MeshPlan | None = None
+    sequence_parallel: MeshPlan | None = None
     expert_parallel: Callable[[nn.Module, DeviceMesh], list[nn.Module]] | None = None
     uncompiled: Callable[[nn.Module], list[nn.Module]] | None = None
 
@@ -57,17 +60,25 @@ class ParallelPlan:
             )
         return list(found)
 
-    def apply_tensor_parallel(self, model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    def apply_tensor_parallel(
+        self, model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False
+    ) -> None:
+        if sequence_parallel:
+            if self.sequence_parallel is None:
+                raise MeshError(
+                    f"sequence_parallel, but {type(model).__name__}'s plan has no sequence "
+                    "parallelism: pass parallelize(..., plan=flatshard.ParallelPlan("
+                    "sequence_parallel=...)) or leave it out"
+                )
+            _apply(self.sequence_parallel, model, tp_mesh)
+            return
         if self.tensor_parallel is None:
             raise MeshError(
                 f"tp={tp_mesh.size()}, but {type(model).__name__} has no tensor-parallel "
                 "plan: pass parallelize(..., plan=flatshard.ParallelPlan(tensor_parallel="
                 "{'layers.*.attn.q_proj': ColwiseParallel(), ...})) or use tp=1"
             )
-        if isinstance(self.tensor_parallel, dict):
-            parallelize_module(model, tp_mesh, self.tensor_parallel)
-        else:
-            self.tensor_parallel(model, tp_mesh)
+        _apply(self.tensor_parallel, model, tp_mesh)
 
     def apply_expert_parallel(self, model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Module]:
         experts = self.expert_parallel(model, ep_mesh) if self.expert_parallel else []
@@ -102,3 +113,10 @@ def plan_for(model: nn.Module) -> ParallelPlan:
         if accepts(model):
             return plan(model)
     return ParallelPlan()
+
+
+def _apply(plan: MeshPlan, model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    if isinstance(plan, dict):
+        parallelize_module(model, tp_mesh, plan)
+    else:
+        plan(model, tp_mesh)

@@ -54,7 +54,7 @@ def parallelize(
         zero_stage=zero_stage,
     )
     if meshes.tp is not None:
-        plan.apply_tensor_parallel(model, meshes.tp)
+        plan.apply_tensor_parallel(model, meshes.tp, meshes.dims.sequence_parallel)
     if meshes.ep is not None:  # experts: their own units, before their blocks'
         for experts in plan.apply_expert_parallel(model, meshes.ep):
             fully_shard(experts, mesh=meshes.expert_fsdp, **shard)

@@ -280,16 +280,23 @@ def parallel_dims(config: RunConfig, world_size: int) -> ParallelDims:
     """The run's degrees over `world_size` processes (dp_shard: what the others leave)."""
     train = config.train
     try:
-        return ParallelDims(world_size, dp_replicate=train.dp_replicate, tp=train.tp, ep=train.ep)
+        return ParallelDims(
+            world_size, dp_replicate=train.dp_replicate, tp=train.tp, ep=train.ep,
+            sequence_parallel=train.sp,
+        )  # fmt: skip
     except MeshError as error:  # it names the degree: say which key holds it, and the fix
-        raise ConfigError(f"train.{error}{_process_fix(train)}") from None
+        named = str(error).replace("sequence_parallel", "sp (sequence parallelism)", 1)
+        raise ConfigError(f"train.{named}{_process_fix(train)}") from None
 
 
 def _process_fix(train) -> str:
     """The smallest number of processes these degrees work on, as the flag that sets it."""
     for world in range(1, 1025):
         try:
-            ParallelDims(world, dp_replicate=train.dp_replicate, tp=train.tp, ep=train.ep)
+            ParallelDims(
+                world, dp_replicate=train.dp_replicate, tp=train.tp, ep=train.ep,
+                sequence_parallel=train.sp,
+            )  # fmt: skip
         except MeshError:
             continue
         return f"; run {world} processes or a multiple (--nproc {world})"

@@ -106,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --optimizer muon: each fused component its own matrix [train.muon_split_fused]",
     )
     train.add_argument(
+        "--sp",
+        action="store_true",
+        default=None,
+        help="with --tp N: sequence parallelism (norms and residual split by sequence) "
+        "[train.sp]",
+    )
+    train.add_argument(
         "--qlora",
         action="store_true",
         default=None,
@@ -237,6 +244,7 @@ def _train(args) -> int:
         + (["train.compile=true"] if args.compile else [])
         + (["train.muon_split_fused=true"] if args.muon_split_fused else [])
         + (["train.qlora=true"] if args.qlora else [])
+        + (["train.sp=true"] if args.sp else [])
         + args.set
     )
     config = run_config.build(args.config, overrides)

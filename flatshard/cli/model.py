@@ -204,7 +204,8 @@ def build_sharded(
         model = reference_model(cfg)
     stage = _stage(zero_stage, hpz_group, offload, activations)
     policy = mixed_precision(precision)
-    flatshard.parallelize(model, dims.build(device.type), mp_policy=policy, **stage)
+    with _as_config_error("train.sp" if dims.sequence_parallel else "train.tp"):
+        flatshard.parallelize(model, dims.build(device.type), mp_policy=policy, **stage)
     torch.manual_seed(seed)
     flatshard.materialize(model, device)
     return model
@@ -300,7 +301,9 @@ def build_hf(
                 raise ConfigError(f"train.lora_*: {error}") from None
         return parallelize(model)
 
-    with _as_config_error(f"train.tp={dims.tp}, train.ep={dims.ep}"):
+    with _as_config_error(
+        f"train.tp={dims.tp}, train.ep={dims.ep}" + (", train.sp" if dims.sequence_parallel else "")
+    ):
         if nf4_bases:  # NF4 quantizes a weight whole: load it unsplit, then split it
             model = hf.from_pretrained(path, device="cpu")
             shard(model)

@@ -124,6 +124,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("train.tp", 1, "tensor parallelism: ranks each block's heads and hidden units "
            "are split over (innermost; processes are dp_replicate x dp_shard x tp)",
            check=_positive),
+    Option("train.sp", False, "sequence parallelism: TP also splits the norms and the "
+           "residual stream by sequence (activations there 1/tp; all-gathers and "
+           "reduce-scatters in place of TP's all-reduces; needs train.tp > 1)"),
     Option("train.ep", 1, "expert parallelism: ranks each MoE layer's experts are split "
            "over (borrowed from the data-parallel ranks; experts sharded over the rest)",
            check=_positive),

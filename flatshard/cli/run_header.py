@@ -91,7 +91,7 @@ def _describe_mesh(train) -> str:
     if train.dp_replicate > 1:
         parts.append(f"HSDP over {train.dp_replicate} replicas")
     if train.tp > 1:
-        parts.append(f"tensor parallel over {train.tp}")
+        parts.append(f"tensor parallel over {train.tp}" + (" (+ sequence)" if train.sp else ""))
     if train.ep > 1:
         parts.append(f"experts split over {train.ep}")
     return "".join(", " + part for part in parts)

@@ -2,6 +2,8 @@
 config, hf_adapter.py / hf_config.py its Hugging Face names and config.json, parallel.py
 its tensor-parallel plan."""
 
+import functools
+
 from flatshard.api.parallel_plan import ParallelPlan
 from flatshard.models.llama.hf_adapter import LLAMA, LLAMA_RULES
 from flatshard.models.llama.hf_config import IGNORED_FIELDS, config_to_hf, hf_to_config
@@ -32,7 +34,11 @@ FAMILY = register(
         "llama",
         LlamaConfig,
         Llama,
-        plan=lambda model: ParallelPlan("layers", parallelize_llama),
+        plan=lambda model: ParallelPlan(
+            "layers",
+            parallelize_llama,
+            sequence_parallel=functools.partial(parallelize_llama, sequence_parallel=True),
+        ),
         describe=lambda config: "Llama",
     )
 )
