@@ -110,6 +110,37 @@ def test_llama3_8b_with_tensor_parallelism(capsys):
     assert result["communication"]["tp_wire_per_rank"] == 2 * 3 * 6 * L * tokens * d * BF16 // 4
 
 
+def test_llama3_8b_with_sequence_parallelism(capsys):
+    """--tp 4 --sp: the embedding and head split by vocabulary too; no TP all-reduce, but per
+    block the attention's and MLP's inputs all-gathered and outputs reduce-scattered in
+    forward and backward (and the embedding's output, the head's input, the logits); the
+    norms, residual stream and block inputs a quarter per rank, the heads' and hidden
+    units' a quarter already under TP alone."""
+    V, d, L, tokens = 128256, 4096, 32, 4096
+    one, tp, sp = (
+        plan(capsys, "llama3-8b", "--world-size", 64, *extra)
+        for extra in ([], ["--tp", 4], ["--tp", 4, "--sp"])
+    )
+    units = {unit["name"]: unit for unit in sp["units"]}
+    assert units["embed_tokens"]["numel"] == V // 4 * d
+    comm = sp["communication"]
+    each = (4 * L + 2) * tokens * d * BF16
+    assert comm["tp_all_reduce"] == 0 and comm["tp_reduce_scatter"] == each
+    assert comm["tp_all_gather"] == each + tokens * V * BF16
+    assert comm["tp_wire_per_rank"] == 3 * (comm["tp_all_gather"] + each) // 4
+    act = [result["memory"]["activations"] for result in (one, tp, sp)]
+    # per token and block without AC: norms 2 x (fp32 + bf16) x d and the projection
+    # outputs (none kept without AC) split only by SP; attention and SwiGLU by TP
+    split_by_tp = BF16 * 5 * 32 * 128 + FP32 * 32 + BF16 * 4 * 14336  # attention, SwiGLU
+    assert act[0] - act[1] == tokens * L * (split_by_tp - split_by_tp // 4)
+    norms = 2 * (FP32 + BF16) * d  # and the final norm's, in the head
+    assert act[1] - act[2] == tokens * (L * (norms - norms // 4) + (FP32 + BF16) * d * 3 // 4)
+    assert main(["plan", "llama3-8b", "--world-size", "64", "--tp", "4", "--sp"]) == 0
+    assert "tp 4 + SP" in capsys.readouterr().out
+    assert main(["plan", "llama3-8b", "--sp"]) == 2
+    assert "--sp splits the sequence over the TP ranks" in capsys.readouterr().err
+
+
 def test_qwen3_30b_a3b_on_8_ranks(capsys):
     result = plan(capsys, "qwen3-30b-a3b", "--world-size", 8, "--zero-stage", 2)
     V, d, L = 151936, 2048, 48

@@ -316,7 +316,10 @@ def test_sequence_parallel_run_trains_like_one_process_and_resumes_without_tp(tm
     assert len(got) == 4
     assert max(abs(a - b) / b for a, b in zip(got, expected)) <= 1e-5, (got, expected)
     alone = flatshard("train", *sizes, "--steps", 1, "--nproc", 2, "--sp", "--out", tmp_path / "x")
-    assert "train.sp (sequence parallelism) splits the sequence over the TP ranks" in one_line_error(alone)
+    assert (
+        "train.sp (sequence parallelism) splits the sequence over the TP ranks"
+        in one_line_error(alone)
+    )
 
 
 # moe-tiny with a large aux loss weight, as `flatshard train` and `flatshard plan` take it

@@ -31,20 +31,20 @@ class ParallelPlan:
     tensor_parallel: splits the model over the TP mesh, in place: a function of (model,
         tp_mesh) or a `parallelize_module` plan (names may use `*`, e.g.
         "layers.*.attn.q_proj").
-    sequence_parallel: as tensor_parallel, also splitting the norms and residual stream by
-        sequence (torch's `SequenceParallel`), for `ParallelDims(sequence_parallel=True)`.
     expert_parallel: splits the experts over the EP mesh, in place, and returns the expert
         modules (each becomes a unit of its own, sharded over the other ranks):
         a function of (model, ep_mesh).
     uncompiled: the modules `parallelize(compile=...)` leaves eager (code dynamo or inductor
         cannot take, e.g. data-dependent expert routing); each block is then compiled
-        region by region around them: a function of the model."""
+        region by region around them: a function of the model.
+    sequence_parallel: as tensor_parallel, also splitting the norms and residual stream by
+        sequence (torch's `SequenceParallel`), for `ParallelDims(sequence_parallel=True)`."""
 
     blocks: Callable[[nn.Module], list[nn.Module]] | str = "layers"
     tensor_parallel: MeshPlan | None = None
-    sequence_parallel: MeshPlan | None = None
     expert_parallel: Callable[[nn.Module, DeviceMesh], list[nn.Module]] | None = None
     uncompiled: Callable[[nn.Module], list[nn.Module]] | None = None
+    sequence_parallel: MeshPlan | None = None
 
     def blocks_of(self, model: nn.Module) -> list[nn.Module]:
         if callable(self.blocks):

@@ -109,8 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--sp",
         action="store_true",
         default=None,
-        help="with --tp N: sequence parallelism (norms and residual split by sequence) "
-        "[train.sp]",
+        help="with --tp N: sequence parallelism (norms and residual split by sequence) [train.sp]",
     )
     train.add_argument(
         "--qlora",

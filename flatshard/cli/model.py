@@ -204,7 +204,7 @@ def build_sharded(
         model = reference_model(cfg)
     stage = _stage(zero_stage, hpz_group, offload, activations)
     policy = mixed_precision(precision)
-    with _as_config_error("train.sp" if dims.sequence_parallel else "train.tp"):
+    with _as_config_error(_degrees(dims)):
         flatshard.parallelize(model, dims.build(device.type), mp_policy=policy, **stage)
     torch.manual_seed(seed)
     flatshard.materialize(model, device)
@@ -301,9 +301,7 @@ def build_hf(
                 raise ConfigError(f"train.lora_*: {error}") from None
         return parallelize(model)
 
-    with _as_config_error(
-        f"train.tp={dims.tp}, train.ep={dims.ep}" + (", train.sp" if dims.sequence_parallel else "")
-    ):
+    with _as_config_error(_degrees(dims)):
         if nf4_bases:  # NF4 quantizes a weight whole: load it unsplit, then split it
             model = hf.from_pretrained(path, device="cpu")
             shard(model)
@@ -317,6 +315,12 @@ def build_hf(
         shard(model)
     adapter.allocate(model, device)
     return model
+
+
+def _degrees(dims: ParallelDims) -> str:
+    return f"train.tp={dims.tp}, train.ep={dims.ep}" + (
+        ", train.sp" if dims.sequence_parallel else ""
+    )
 
 
 @contextlib.contextmanager

@@ -52,6 +52,10 @@ def add_arguments(parser) -> None:
         help="tensor-parallel ranks (innermost; default 1)",
     )
     parser.add_argument(
+        "--sp", action="store_true", default=None,
+        help="with --tp N: sequence parallelism (norms and residual split by sequence)",
+    )  # fmt: skip
+    parser.add_argument(
         "--ep",
         type=int,
         default=None,
@@ -215,7 +219,8 @@ LORA_TARGETS = BY_KEY["train.lora_targets"].default
 def _model_and_defaults(args):
     defaults = dict(
         world_size=8, dp_shard=None, zero_stage=3, param_dtype="bf16", reduce_dtype="fp32",
-        micro_batch=1, seq_len=4096, grad_accum=1, backend="nccl", hpz_group=0, tp=1, ep=1,
+        micro_batch=1, seq_len=4096, grad_accum=1, backend="nccl", hpz_group=0, tp=1, sp=False,
+        ep=1,
         offload=0.0, offload_disk=False, ac="none", optimizer="adamw", write_gbps=1.0,
         quantize_weights="none", quantize_grads="none", muon_split_fused=False,
     )  # fmt: skip
@@ -231,6 +236,7 @@ def _model_and_defaults(args):
             world, dp_replicate=train.dp_replicate, tp=train.tp, ep=train.ep
         ).dp_shard,
         tp=train.tp,
+        sp=train.sp,
         ep=train.ep,
         offload=train.offload or (1.0 if train.offload_dir else 0.0),
         offload_disk=bool(train.offload_dir),
@@ -328,7 +334,7 @@ def format_plan(result: Plan) -> str:
     s, m, c = result.setup, result.memory, result.communication
     mesh = f"{s.world_size} ranks (dp_shard {s.dp_shard}"
     mesh += f", dp_replicate {s.dp_replicate}" if s.dp_replicate > 1 else ""
-    mesh += f", tp {s.tp}" if s.tp > 1 else ""
+    mesh += f", tp {s.tp}" + (" + SP" if s.sp else "") if s.tp > 1 else ""
     mesh += f", ep {s.ep})" if s.ep > 1 else ")"
     lines = [
         f"flatshard plan: {result.model}, {_size(result.num_params)} parameters, on {mesh}",
@@ -380,6 +386,9 @@ def format_plan(result: Plan) -> str:
         lines.append(f"    replica all-reduce (HSDP)       {_gib(c['replica_all_reduce'])}")
     if c["tp_all_reduce"]:
         lines.append(f"    TP all-reduce (activations)     {_gib(c['tp_all_reduce'])}")
+    if c["tp_all_gather"]:
+        lines.append(f"    TP all-gather (SP activations)  {_gib(c['tp_all_gather'])}")
+        lines.append(f"    TP reduce-scatter (SP)          {_gib(c['tp_reduce_scatter'])}")
     if c["ep_all_to_all"]:
         lines.append(f"    EP all-to-all (tokens)          {_gib(c['ep_all_to_all'])}")
     wire = c["wire_per_rank"] + c["tp_wire_per_rank"] + c["ep_wire_per_rank"]

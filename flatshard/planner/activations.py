@@ -29,16 +29,44 @@ FP32 = 4  # bytes of an fp32 element; main weights are kept in fp32
 
 @dataclass(frozen=True)
 class Saved:
-    """Bytes per token: all that a piece of a layer saves, and what selective AC keeps."""
+    """Bytes per token: all that a piece of a layer saves, and what selective AC keeps; of
+    each, the part tensor parallelism splits over its ranks (heads, hidden units: `by_tp`)
+    and the part sequence parallelism splits (norms, the residual stream: `by_sp`)."""
 
     all: int
     kept: int = 0
+    by_tp: tuple[int, int] = (0, 0)  # (all, kept)
+    by_sp: tuple[int, int] = (0, 0)
 
     def __add__(self, other: Saved) -> Saved:
-        return Saved(self.all + other.all, self.kept + other.kept)
+        return Saved(self.all + other.all, self.kept + other.kept,
+                     _plus(self.by_tp, other.by_tp), _plus(self.by_sp, other.by_sp))  # fmt: skip
 
     def __rmul__(self, count: int) -> Saved:
-        return Saved(count * self.all, count * self.kept)
+        return Saved(count * self.all, count * self.kept, _times(count, self.by_tp),
+                     _times(count, self.by_sp))  # fmt: skip
+
+    def on_rank(self, tp: int, sp: bool) -> Saved:
+        """What one of `tp` ranks saves (`sp`: with sequence parallelism)."""
+        parts = [self.by_tp] + ([self.by_sp] if sp else [])
+        less = [sum(part[i] - part[i] // tp for part in parts) for i in (0, 1)]
+        return Saved(self.all - less[0], self.kept - less[1])
+
+    @staticmethod
+    def split_by_tp(all: int, kept: int = 0) -> Saved:
+        return Saved(all, kept, by_tp=(all, kept))
+
+    @staticmethod
+    def split_by_sp(all: int, kept: int = 0) -> Saved:
+        return Saved(all, kept, by_sp=(all, kept))
+
+
+def _plus(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    return a[0] + b[0], a[1] + b[1]
+
+
+def _times(count: int, a: tuple[int, int]) -> tuple[int, int]:
+    return count * a[0], count * a[1]
 
 
 @dataclass(frozen=True)
@@ -49,6 +77,19 @@ class Activations:
     layers: tuple[tuple[int, Saved], ...]
     block_input: int
     head: int
+    head_norm: int = 0  # of the head's bytes, the final norm's (sequence parallelism splits it)
+
+    def on_rank(self, tp: int, sp: bool) -> Activations:
+        """What one of `tp` tensor-parallel ranks saves: attention heads and hidden units
+        split; with `sp` also the norms, the residual stream and the blocks' inputs. The
+        logits stay whole (the head's output is gathered for the loss)."""
+        if tp == 1:
+            return self
+        layers = tuple((count, saved.on_rank(tp, sp)) for count, saved in self.layers)
+        if not sp:
+            return Activations(layers, self.block_input, self.head, self.head_norm)
+        head = self.head - self.head_norm + self.head_norm // tp
+        return Activations(layers, self.block_input // tp, head, self.head_norm // tp)
 
     def per_token(self, mode: str = "none") -> int:
         if mode not in MODES:
@@ -74,7 +115,7 @@ class Activations:
 def norm_bytes(dim: int, a: int) -> Saved:
     # RMSNorm keeps its fp32 input (a copy under bf16) and its normalised output; selective
     # AC recomputes it
-    return Saved(FP32 * dim + a * dim)
+    return Saved.split_by_sp(FP32 * dim + a * dim)
 
 
 def head_bytes(dim: int, vocab: int, a: int) -> int:
@@ -88,25 +129,25 @@ def attention_bytes(heads: int, kv_heads: int, head_dim: int, qk_norm: bool, a: 
     # SDPA keeps q, k, v (kv repeated to all heads), its output and logsumexp; o_proj its
     # input. Selective AC keeps the q, k, v projections' outputs and SDPA's output and
     # logsumexp, and recomputes RoPE (and the head norms)
-    saved = Saved(
+    saved = Saved.split_by_tp(
         a * 5 * heads * head_dim + FP32 * heads,
         a * (2 * heads + 2 * kv_heads) * head_dim + FP32 * heads,
     )
-    if qk_norm:
-        saved += norm_bytes((heads + kv_heads) * head_dim, a)  # per-head q and k norms
+    if qk_norm:  # per-head q and k norms: split with the heads
+        saved += Saved.split_by_tp(norm_bytes((heads + kv_heads) * head_dim, a).all)
     return saved
 
 
 def swiglu_bytes(ffn: int, a: int) -> Saved:
     # gate|up output, silu(gate), their product; selective AC keeps the first
-    return Saved(a * 4 * ffn, a * 2 * ffn)
+    return Saved.split_by_tp(a * 4 * ffn, a * 2 * ffn)
 
 
 def projection_outputs(dim: int, a: int) -> Saved:
     # o_proj's and down_proj's outputs: only selective AC keeps them (matrix products)
-    return Saved(0, 2 * a * dim)
+    return Saved.split_by_sp(0, 2 * a * dim)
 
 
 def layer_activations(layers, dim: int, vocab: int, a: int) -> Activations:
     kinds = tuple((count, saved) for count, saved in layers if count)
-    return Activations(kinds, a * dim, head_bytes(dim, vocab, a))
+    return Activations(kinds, a * dim, head_bytes(dim, vocab, a), norm_bytes(dim, a).all)

@@ -50,9 +50,9 @@ from flatshard.planner.muon_cost import muon_figures
 from flatshard.planner.offload_split import offloaded_share, split_memory
 from flatshard.planner.parallel_cost import (
     DTYPE_BYTES,
+    embedding_shape,
     ep_communication,
     ep_local,
-    hidden_size,
     tp_communication,
     tp_local,
 )
@@ -82,6 +82,7 @@ class Setup:
     optimizer: str = "adamw"  # adamw(-fused), torch-adamw (two fp32 states), sgd (momentum: one)
     hpz_group: int = 0  # ZeRO-3: ranks a block stays sharded over after forward (0: all)
     tp: int = 1  # tensor-parallel ranks (innermost)
+    sp: bool = False  # sequence parallelism: TP also splits the norms and residual stream
     ep: int = 1  # expert-parallel ranks (borrowed from dp_shard x tp)
     offload: float = 0.0  # share of each rank's shards offloaded to the host
     offload_disk: bool = False  # the offloaded optimizer state in the disk tier's files
@@ -126,6 +127,8 @@ class Setup:
             raise ConfigError(f"--hpz-group {self.hpz_group}: it must be >= 0 (0: all ranks)")
         if self.zero_stage not in (1, 2, 3):
             raise ConfigError(f"--zero-stage must be 1, 2 or 3, got {self.zero_stage}")
+        if self.sp and self.tp == 1:
+            raise ConfigError("--sp splits the sequence over the TP ranks: it needs --tp > 1")
         self.dims  # noqa: B018  (validates the degrees: a MeshError names what is wrong)
         if self.hpz_group and (
             self.zero_stage != 3 or self.dp_shard % self.hpz_group or self.tp > 1
@@ -166,14 +169,14 @@ class Plan:
 
 
 def plan(spec: ModelSpec, setup: Setup) -> Plan:
-    hidden, num_params = hidden_size(spec), spec.num_params
+    (vocab, hidden), num_params = embedding_shape(spec), spec.num_params
     if setup.tp > 1 and not hidden:
         raise ConfigError(f"--tp {setup.tp}: {spec.name} has no token embedding to size TP by")
     muon = muon_figures(spec, setup) if setup.optimizer == "muon" else None
     if muon is not None:
         setup = replace(setup, muon_share=muon["share"])
     if setup.tp > 1:
-        spec = tp_local(spec, setup.tp)
+        spec = tp_local(spec, setup.tp, setup.sp)
     if setup.ep > 1:
         spec = ep_local(spec, setup.ep, setup.dims.efsdp)
     separate = needs_bucket_per_param(setup.offload)
@@ -188,7 +191,7 @@ def plan(spec: ModelSpec, setup: Setup) -> Plan:
     }
     memory = by_ac[setup.ac]
     communication = step_communication(units, setup)
-    communication.update(tp_communication(spec, setup, hidden))
+    communication.update(tp_communication(spec, setup, hidden, vocab))
     communication.update(ep_communication(spec, setup, hidden))
     used = sum(u.numel * u.count for u in units)
     padding = sum(u.padding * u.count for u in units) / used if used else 0.0
@@ -205,7 +208,8 @@ def _memory(spec: ModelSpec, units: tuple[UnitFigures, ...], setup: Setup) -> di
     params = total(lambda u: u.shard) * FP32 + total(lambda u: u.nf4) // setup.dp_shard
     grads = total(lambda u: u.shard_trainable) * FP32
     optimizer = round(setup.optimizer_states * total(lambda u: u.shard_trainable)) * FP32
-    activations = setup.micro_batch * setup.seq_len * spec.activations(pb).per_token(setup.ac)
+    per_token = spec.activations(pb).on_rank(setup.tp, setup.sp).per_token(setup.ac)
+    activations = setup.micro_batch * setup.seq_len * per_token
     looked_up = [u for u in units if is_looked_up(u, setup)]
     # the output gradients a lookup gathers (and their fp32 copy), alive while its backward
     # adds them up

@@ -14,18 +14,26 @@ from flatshard.planner.model_spec import ModelSpec, UnitSpec
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
-def hidden_size(spec: ModelSpec) -> int:
-    """The width of the activations TP all-reduces: the token embedding's."""
+def embedding_shape(spec: ModelSpec) -> tuple[int, int]:
+    """(vocabulary, hidden width): the token embedding's shape (the width of the
+    activations TP communicates)."""
     for unit in spec.units:
         for param in unit.params:
             if param.name.endswith("embed_tokens.weight"):
-                return param.shape[1]
-    return 0
+                return tuple(param.global_shape or param.shape)
+    return 0, 0
 
 
-def tp_local(spec: ModelSpec, tp: int) -> ModelSpec:
-    """The model as each TP rank holds it (flatshard.parallel's plan, or the spec's own)."""
-    local_shape = spec.tp_local_shape or tp_local_shape
+def tp_local(spec: ModelSpec, tp: int, sp: bool = False) -> ModelSpec:
+    """The model as each TP rank holds it (flatshard.parallel's plan, or the spec's own;
+    `sp`: the embedding and head split by vocabulary too, the larger piece on rank 0)."""
+    block_shape = spec.tp_local_shape or tp_local_shape
+
+    def local_shape(name, shape, tp):
+        if sp and name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            return (-(-shape[0] // tp), *shape[1:])
+        return block_shape(name, shape, tp)
+
     try:
         units = tuple(
             replace(
@@ -80,14 +88,25 @@ def ep_communication(spec: ModelSpec, setup, hidden: int) -> dict[str, int]:
     return {"ep_all_to_all": total, "ep_wire_per_rank": (setup.ep - 1) * total // setup.ep}
 
 
-def tp_communication(spec: ModelSpec, setup, hidden: int) -> dict[str, int]:
-    """Bytes per rank per step of the TP all-reduces, per block and micro-batch: in forward
-    each row-parallel output's, in backward each column-parallel input gradient's (torch's
-    ColwiseParallel reduces q, k and v separately)."""
-    tokens = setup.micro_batch * setup.seq_len
-    tp = setup.tp
+def tp_communication(spec: ModelSpec, setup, hidden: int, vocab: int) -> dict[str, int]:
+    """Bytes per rank per step of TP's collectives (the payload: the whole activation), per
+    micro-batch. Without SP, all-reduces per block: in forward each row-parallel output's,
+    in backward each column-parallel input gradient's (torch's ColwiseParallel reduces q, k
+    and v separately). With SP (torchtitan's plan) none: per block the attention's and the
+    MLP's inputs are all-gathered by sequence and their outputs reduce-scattered, in
+    forward and (reversed) in backward; the embedding's output is reduce-scattered and the
+    head's input all-gathered (reversed in backward), and its logits all-gathered."""
+    tokens = setup.micro_batch * setup.seq_len * setup.grad_accum
+    tp, a = setup.tp, DTYPE_BYTES[setup.param_dtype]
+    figures = dict.fromkeys(("tp_all_reduce", "tp_all_gather", "tp_reduce_scatter"), 0)
+    if tp == 1:
+        return {**figures, "tp_wire_per_rank": 0}
+    activation = tokens * hidden * a
+    if setup.sp:
+        each = (4 * spec.n_layers + 2) * activation  # all-gathers, and reduce-scatters
+        figures.update(tp_all_gather=each + tokens * vocab * a, tp_reduce_scatter=each)
+        wire = (tp - 1) * (figures["tp_all_gather"] + each) // tp
+        return {**figures, "tp_wire_per_rank": wire}
     per_block = len(LLAMA_BLOCK_PLAN)  # rowwise: forward; colwise and fused: backward
-    total = per_block * spec.n_layers * setup.grad_accum * tokens * hidden
-    total *= DTYPE_BYTES[setup.param_dtype]
-    total = total if tp > 1 else 0
-    return {"tp_all_reduce": total, "tp_wire_per_rank": 2 * (tp - 1) * total // tp}
+    figures["tp_all_reduce"] = per_block * spec.n_layers * activation
+    return {**figures, "tp_wire_per_rank": 2 * (tp - 1) * figures["tp_all_reduce"] // tp}
