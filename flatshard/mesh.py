@@ -19,6 +19,7 @@ does not split.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -35,7 +36,9 @@ class ParallelDims:
     """Degrees of parallelism over `world_size` ranks. -1 for `dp_shard` (the default) or
     `dp_replicate`: whatever the other dense degrees leave.
 
-    Ranks are laid out `(dp_replicate, dp_shard, tp)`, TP innermost. Expert parallelism
+    Ranks are laid out `(dp_replicate, dp_shard, cp, tp)`, TP innermost. Context parallelism
+    splits each sequence over `cp` ranks (they share a batch); the parameters are sharded
+    over `dp_shard x cp`, as torchtitan shards them. Expert parallelism
     borrows `ep` of the data-parallel ranks (ranks holding different tokens, replicas
     included); each expert is sharded over all `efsdp = world_size / ep` other ranks, TP
     ranks included (they compute the experts for the same tokens). `sequence_parallel`:
@@ -48,19 +51,21 @@ class ParallelDims:
     tp: int = 1
     ep: int = 1
     sequence_parallel: bool = False
+    cp: int = 1
     _built: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "tp", "ep"):
+        for name in ("world_size", "tp", "ep", "cp"):
             _check_degree(name, getattr(self, name))
         left = [n for n in ("dp_replicate", "dp_shard") if getattr(self, n) == -1]
         if len(left) == 2:
             raise MeshError("give dp_replicate or dp_shard (at most one may be -1)")
         if left:
-            given = [n for n in ("dp_replicate", "dp_shard", "tp") if n not in left]
+            given = [n for n in ("dp_replicate", "dp_shard", "cp", "tp") if n not in left]
+            given = [n for n in given if n != "cp" or self.cp > 1]  # cp named where used
             for name in given:
                 _check_degree(name, getattr(self, name))
-            others = getattr(self, given[0]) * getattr(self, given[1])
+            others = math.prod(getattr(self, n) for n in given)
             if self.world_size % others:
                 named = " x ".join(given)
                 values = " x ".join(str(getattr(self, n)) for n in given)
@@ -68,12 +73,17 @@ class ParallelDims:
             object.__setattr__(self, left[0], self.world_size // others)
         _check_degree("dp_replicate", self.dp_replicate)
         _check_degree("dp_shard", self.dp_shard)
-        dense = self.dp_replicate * self.dp_shard * self.tp
+        dense = self.dp_replicate * self.dp_shard * self.cp * self.tp
         if dense != self.world_size:
+            with_cp = (" x cp", f" x {self.cp}") if self.cp > 1 else ("", "")
             raise MeshError(
-                f"dp_replicate x dp_shard x tp = {self.dp_replicate} x {self.dp_shard} x "
-                f"{self.tp} = {dense} ranks, but world_size is {self.world_size}"
+                f"dp_replicate x dp_shard{with_cp[0]} x tp = {self.dp_replicate} x "
+                f"{self.dp_shard}{with_cp[1]} x {self.tp} = {dense} ranks, but world_size is "
+                f"{self.world_size}"
             )
+        if self.cp > 1 and self.ep > 1:
+            raise MeshError("context parallelism (cp > 1) with expert parallelism (ep > 1) is "
+                            "not supported yet: use one of them")  # fmt: skip
         if self.sequence_parallel and self.tp == 1:
             raise MeshError(
                 "sequence_parallel splits the sequence over the TP ranks: it needs tp > 1"
@@ -98,8 +108,9 @@ class ParallelDims:
     @property
     def dense_grad_divide_factor(self) -> int:
         """What a dense parameter's summed gradient is divided by: the data-parallel ranks
-        (TP ranks hold pieces of one gradient, not copies)."""
-        return self.dp
+        and, within each, the CP ranks' parts of its sequences (TP ranks hold pieces of one
+        gradient, not copies)."""
+        return self.dp * self.cp
 
     @property
     def expert_grad_divide_factor(self) -> int:
@@ -129,7 +140,8 @@ class ParallelDims:
 @dataclass(frozen=True)
 class Meshes:
     """The named meshes of a `ParallelDims`: `world` over (dp_replicate, dp_shard, tp) (a
-    dim of degree 1 included), `experts` over (efsdp, ep) when ep > 1, and `dp`, every
+    dim of degree 1 included; with context parallelism (dp_replicate, dp_shard, cp, tp) and
+    `dp_shard_cp` flattened), `experts` over (efsdp, ep) when ep > 1, and `dp`, every
     data-parallel rank as one dim (data loading, loss averaging)."""
 
     dims: ParallelDims
@@ -139,9 +151,13 @@ class Meshes:
 
     @staticmethod
     def _build(dims: ParallelDims, device_type: str) -> Meshes:
-        shape = (dims.dp_replicate, dims.dp_shard, dims.tp)
-        names = ("dp_replicate", "dp_shard", "tp")
+        # a cp dim only where there is context parallelism: each dim costs process groups
+        cp = ((dims.cp,), ("cp",)) if dims.cp > 1 else ((), ())
+        shape = (dims.dp_replicate, dims.dp_shard, *cp[0], dims.tp)
+        names = ("dp_replicate", "dp_shard", *cp[1], "tp")
         world = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        if dims.cp > 1:  # the parameters' shard dim: dp_shard x cp as one
+            world["dp_shard", "cp"]._flatten("dp_shard_cp")
         dp = world["dp_shard"]
         if dims.dp_replicate > 1:
             dp = world["dp_replicate", "dp_shard"]._flatten("dp")
@@ -156,10 +172,17 @@ class Meshes:
 
     @property
     def fsdp(self) -> DeviceMesh:
-        """What `fully_shard` shards the dense parameters over: (dp_replicate, dp_shard)."""
+        """What `fully_shard` shards the dense parameters over: (dp_replicate, dp_shard),
+        the shard dim `dp_shard x cp` with context parallelism."""
+        shard = "dp_shard_cp" if self.dims.cp > 1 else "dp_shard"
         if self.dims.dp_replicate > 1:
-            return self.world["dp_replicate", "dp_shard"]
-        return self.world["dp_shard"]
+            return self.world["dp_replicate", shard]
+        return self.world[shard]
+
+    @property
+    def cp(self) -> DeviceMesh | None:
+        """The context-parallel mesh (None without context parallelism)."""
+        return self.world["cp"] if self.dims.cp > 1 else None
 
     @property
     def tp(self) -> DeviceMesh | None:
@@ -362,7 +385,7 @@ def _joined(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
             "the parameters are DTensors on a tensor-parallel mesh that is not a sibling of "
             f"fully_shard's mesh: {how}"
         )
-    if any(order.index(tp_names[0]) < order.index(name) for name in dp_names):
+    if any(order.index(tp_names[0]) < order.index(name) for name in dp_names if name in order):
         raise MeshError(
             f"the tensor-parallel dim {tp_names[0]!r} must come after the data-parallel dims "
             f"{dp_names} in the mesh ({tuple(order)}): TP is the innermost dimension"

@@ -38,13 +38,17 @@ class ParallelPlan:
         cannot take, e.g. data-dependent expert routing); each block is then compiled
         region by region around them: a function of the model.
     sequence_parallel: as tensor_parallel, also splitting the norms and residual stream by
-        sequence (torch's `SequenceParallel`), for `ParallelDims(sequence_parallel=True)`."""
+        sequence (torch's `SequenceParallel`), for `ParallelDims(sequence_parallel=True)`.
+    context_parallel: makes the model's attention see the whole sequence while each rank
+        of the CP mesh holds part of it (`flatshard.parallel.apply_context_parallel`): a
+        function of (model, cp_mesh)."""
 
     blocks: Callable[[nn.Module], list[nn.Module]] | str = "layers"
     tensor_parallel: MeshPlan | None = None
     expert_parallel: Callable[[nn.Module, DeviceMesh], list[nn.Module]] | None = None
     uncompiled: Callable[[nn.Module], list[nn.Module]] | None = None
     sequence_parallel: MeshPlan | None = None
+    context_parallel: Callable[[nn.Module, DeviceMesh], None] | None = None
 
     def blocks_of(self, model: nn.Module) -> list[nn.Module]:
         if callable(self.blocks):
@@ -79,6 +83,15 @@ class ParallelPlan:
                 "{'layers.*.attn.q_proj': ColwiseParallel(), ...})) or use tp=1"
             )
         _apply(self.tensor_parallel, model, tp_mesh)
+
+    def apply_context_parallel(self, model: nn.Module, cp_mesh: DeviceMesh) -> None:
+        if self.context_parallel is None:
+            raise MeshError(
+                f"cp={cp_mesh.size()}, but {type(model).__name__}'s plan has no context "
+                "parallelism: pass parallelize(..., plan=flatshard.ParallelPlan("
+                "context_parallel=...)) or use cp=1"
+            )
+        self.context_parallel(model, cp_mesh)
 
     def apply_expert_parallel(self, model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Module]:
         experts = self.expert_parallel(model, ep_mesh) if self.expert_parallel else []

@@ -1,6 +1,7 @@
 """`parallelize`: the one composition of tensor, expert and fully sharded data parallelism.
 
-TP first (the blocks' parameters become DTensors on the TP mesh), then EP (each block's
+TP first (the blocks' parameters become DTensors on the TP mesh), then CP (attention over
+the whole sequence while each CP rank holds part of it), then EP (each block's
 experts split over the EP mesh and sharded, in units of their own, over the other ranks),
 then each block's activation memory mode (checkpointing, or offload to the host), then
 `fully_shard` of every block, then of the root, all on the meshes of one `ParallelDims`;
@@ -55,6 +56,8 @@ def parallelize(
     )
     if meshes.tp is not None:
         plan.apply_tensor_parallel(model, meshes.tp, meshes.dims.sequence_parallel)
+    if meshes.cp is not None:
+        plan.apply_context_parallel(model, meshes.cp)
     if meshes.ep is not None:  # experts: their own units, before their blocks'
         for experts in plan.apply_expert_parallel(model, meshes.ep):
             fully_shard(experts, mesh=meshes.expert_fsdp, **shard)

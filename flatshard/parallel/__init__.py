@@ -7,9 +7,24 @@ expert_parallel.py  experts split over an EP mesh, tokens dispatched by all-to-a
 latent_attention.py  DeepSeek's MLA split by heads
 gated_deltanet.py  Qwen3-Next's Gated DeltaNet split by heads
 transformers_plan.py  transformers' own base_model_tp_plan / base_model_ep_plan, applied
+context_parallel.py  the sequence split over a CP mesh, attention over all of it
 """
 
+from flatshard.parallel.context_parallel import (
+    ContextParallel,
+    apply_context_parallel,
+    sequence_positions,
+    split_sequence,
+)
 from flatshard.parallel.expert_parallel import ExpertParallel
 from flatshard.parallel.tensor_parallel import FusedColwiseParallel, HeadNormParallel
 
-__all__ = ["ExpertParallel", "FusedColwiseParallel", "HeadNormParallel"]
+__all__ = [
+    "ContextParallel",
+    "ExpertParallel",
+    "FusedColwiseParallel",
+    "HeadNormParallel",
+    "apply_context_parallel",
+    "sequence_positions",
+    "split_sequence",
+]

@@ -25,6 +25,7 @@ from flatshard.models.llama.parallel import (
     LLAMA_BLOCK_PLAN,
     check_tp,
     parallelize_llama,
+    split_context,
     tp_local_shape,
 )
 from flatshard.models.registry import ModelFamily, register
@@ -38,6 +39,7 @@ FAMILY = register(
             "layers",
             parallelize_llama,
             sequence_parallel=functools.partial(parallelize_llama, sequence_parallel=True),
+            context_parallel=split_context,
         ),
         describe=lambda config: "Llama",
     )
@@ -65,5 +67,6 @@ __all__ = [
     "parallelize_llama",
     "rope_cos_sin",
     "rope_inv_freq",
+    "split_context",
     "tp_local_shape",
 ]

@@ -235,6 +235,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     """Causal grouped-query self-attention with RoPE (and optional Qwen-style extras)."""
 
+    # set by context parallelism (flatshard/parallel/context_parallel.py): this rank holds
+    # part of the sequence and attends over the keys and values of every rank
+    context_parallel = None
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -262,6 +266,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # -> [B, heads, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.context_parallel is not None:
+            k, v = self.context_parallel.gather(k, v)
         if cache is not None:  # generation: attend to every token seen so far
             k, v = cache.extend(layer, k, v)
             mask = cache.attention_mask(t, k.shape[2], x.device)
@@ -326,6 +332,20 @@ def attention_extras(cache, layer: int, mask) -> tuple[tuple, dict]:
     return (() if cache is None else (cache, layer)), ({} if mask is None else {"mask": mask})
 
 
+def attention_mask(model: nn.Module, position_ids: torch.Tensor | None):
+    """What a model's attention is masked by: None (causal) without positions; under context
+    parallelism the local queries' view of the whole sequence; else packed documents'."""
+    context = getattr(model, "context_parallel", None)
+    if context is not None:
+        if position_ids is None:
+            raise ValueError(
+                "context parallelism: each rank holds part of the sequence, so the model "
+                "needs its tokens' position_ids (flatshard.parallel.split_sequence gives both)"
+            )
+        return context.mask(position_ids)
+    return None if position_ids is None else document_mask(position_ids)
+
+
 def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
     """[B, 1, T, T] bool, True where a token may attend: earlier tokens of its own document.
     A document starts where a position does not follow the one before (as transformers reads
@@ -383,7 +403,7 @@ class Llama(nn.Module):
         [B, T] (as transformers takes them): each token's position in its document; where
         they restart, a new document begins that attends only to itself (packed data)."""
         cos, sin = rope_at(self.config, tokens, cache, position_ids)
-        mask = None if position_ids is None else document_mask(position_ids)
+        mask = attention_mask(self, position_ids)
         h = self.embed_tokens(tokens)
         for index, layer in enumerate(self.layers):
             args, kwargs = attention_extras(cache, index, mask)

@@ -1,5 +1,5 @@
-"""Tensor parallelism for the reference Llama (and the MoE's attention), from outside the
-model.
+"""Tensor and context parallelism for the reference Llama (and the MoE's attention), from
+outside the model.
 
 Each block's attention splits its heads over the TP ranks (q/k/v column-parallel, o
 row-parallel) and its MLP its hidden units (gate/up column-parallel, down row-parallel):
@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from flatshard.errors import MeshError
+from flatshard.parallel.context_parallel import apply_context_parallel
 from flatshard.parallel.tensor_parallel import FusedColwiseParallel, HeadNormParallel
 
 
@@ -117,3 +118,9 @@ def tp_local_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...
             "tensor-parallel ranks; pick a tp that divides it"
         )
     return tuple(n // tp if d == dim else n for d, n in enumerate(shape))
+
+
+def split_context(model, cp_mesh) -> None:
+    """Context parallelism for the reference Llama (and MoE): every block's attention
+    gathers the keys and values of the sequence's other parts."""
+    apply_context_parallel(model, [block.attn for block in model.layers], cp_mesh)

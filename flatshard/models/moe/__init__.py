@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from flatshard.api.parallel_plan import ParallelPlan
+from flatshard.models.llama.parallel import split_context
 from flatshard.models.moe.balance import update_score_bias
 from flatshard.models.moe.config import MoEConfig
 from flatshard.models.moe.hf_adapter import MOE, MOE_RULES
@@ -43,7 +44,9 @@ FAMILY = register(
         "moe",
         MoEConfig,
         MoE,
-        plan=lambda model: ParallelPlan("layers", parallelize_moe, split_experts),
+        plan=lambda model: ParallelPlan(
+            "layers", parallelize_moe, split_experts, context_parallel=split_context
+        ),
         loss=moe_training_loss,
         describe=describe,
         hf_export=False,

@@ -25,7 +25,7 @@ from flatshard.models.llama.model import (
     Linear,
     RMSNorm,
     attention_extras,
-    document_mask,
+    attention_mask,
     rope_at,
 )
 from flatshard.models.moe.config import MoEConfig
@@ -159,7 +159,7 @@ class MoE(nn.Module):
     ):  # fmt: skip
         """`cache`, `position_ids`: as Llama's (flatshard.models.KVCache; packed documents)."""
         cos, sin = rope_at(self.config, tokens, cache, position_ids)
-        mask = None if position_ids is None else document_mask(position_ids)
+        mask = attention_mask(self, position_ids)
         h = self.embed_tokens(tokens)
         stats = []
         for index, layer in enumerate(self.layers):

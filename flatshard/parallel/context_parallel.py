@@ -1,0 +1,89 @@
+"""Context parallelism: every sequence split over the `cp` ranks, attention over the whole.
+
+Each rank holds two of the sequence's `2 x cp` equal chunks, chunk `r` and chunk
+`2cp - 1 - r`, so under a causal mask every rank has the same attention work (torchtitan's
+and Megatron's load balancing). Everything but attention is per token and runs on the
+local tokens as it is; attention gathers the keys and values of every rank (an all-gather
+whose backward reduce-scatters their gradients), puts them in sequence order and lets each
+local query see the keys at or before its position. The model learns its tokens' places
+from `position_ids` (RoPE at those positions, the mask from them).
+
+This is the all-gather-K/V variant, which runs on any backend and any attention kernel;
+torch's `context_parallel` (ring attention over SDPA's CUDA kernels) is not used.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed import _functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+
+from flatshard.errors import MeshError
+
+
+def sequence_positions(length: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """The positions of the tokens rank `rank` of `cp` holds of a `length`-token sequence:
+    chunks `rank` and `2cp - 1 - rank` of `2cp` equal ones."""
+    if length % (2 * cp):
+        raise MeshError(
+            f"context parallelism over {cp} ranks splits each sequence into {2 * cp} equal "
+            f"chunks: the model's input of {length} tokens is not a multiple of {2 * cp}; "
+            f"pick a sequence length whose input (data.seq_len) is one"
+        )
+    chunk = length // (2 * cp)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    second = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk, device=device)
+    return torch.cat([first, second])
+
+
+def split_sequence(tensor: torch.Tensor, cp_mesh: DeviceMesh, dim: int = 1) -> torch.Tensor:
+    """This rank's tokens of `tensor` (token ids, labels, positions: [B, T, ...] with the
+    sequence along `dim`)."""
+    positions = sequence_positions(tensor.shape[dim], cp_mesh.size(), cp_mesh.get_local_rank())
+    return tensor.index_select(dim, positions.to(tensor.device))
+
+
+class ContextParallel:
+    """What a model's attention needs under context parallelism: the keys and values of
+    every rank in sequence order (`gather`), and which of them each local query sees
+    (`mask`). Set on the model and its attention modules by `apply_context_parallel`."""
+
+    def __init__(self, cp_mesh: DeviceMesh):
+        if cp_mesh.ndim != 1:
+            raise MeshError(f"context parallelism takes a 1-D mesh, got {cp_mesh.ndim}-D")
+        self.mesh = cp_mesh
+        self.size = cp_mesh.size()
+        self._order: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def gather(self, key: torch.Tensor, value: torch.Tensor):
+        """[B, H, T_local, D] each -> [B, H, T, D], the whole sequence in order."""
+        length = key.shape[2] * self.size
+        order = self._sequence_order(length, key.device)
+        both = torch.cat([key, value], dim=1)  # one collective for both
+        gathered = funcol.all_gather_tensor_autograd(both, 2, self.mesh.get_group())
+        gathered = gathered.index_select(2, order)
+        return gathered.split(key.shape[1], dim=1)
+
+    def mask(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """[B, 1, T_local, T] bool: a local query (at `position_ids` [B, T_local]) sees the
+        keys at or before its position."""
+        length = position_ids.shape[1] * self.size
+        keys = torch.arange(length, device=position_ids.device)
+        return (keys[None, None, :] <= position_ids[:, :, None]).unsqueeze(1)
+
+    def _sequence_order(self, length: int, device) -> torch.Tensor:
+        """Where each position sits in the gathered ranks' chunks (rank order)."""
+        key = (length, device)
+        if key not in self._order:
+            held = [sequence_positions(length, self.size, r) for r in range(self.size)]
+            self._order[key] = torch.argsort(torch.cat(held)).to(device)
+        return self._order[key]
+
+
+def apply_context_parallel(model, attention_modules, cp_mesh: DeviceMesh) -> None:
+    """Split `model`'s sequence over `cp_mesh`: the model reads its mask from it, each
+    attention module gathers keys and values through it."""
+    context = ContextParallel(cp_mesh)
+    model.context_parallel = context
+    for module in attention_modules:
+        module.context_parallel = context

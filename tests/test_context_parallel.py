@@ -1,0 +1,121 @@
+"""Context parallelism (`ParallelDims(cp=N)`): each sequence split over the CP ranks in
+load-balanced chunks, attention over the whole of it, the parameters sharded over
+dp_shard x cp. Every layout trains as one process does, and its checkpoint resumes at
+any other."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed import run_distributed
+from reference import build_model, config, full_state, mean_over_ranks, rel_diff, rel_losses
+from reference import train as train_ranks
+
+import flatshard
+from flatshard import checkpoint
+from flatshard.errors import MeshError
+from flatshard.parallel import sequence_positions, split_sequence
+
+pytestmark = pytest.mark.slow
+
+CFG = dict(n_heads=8, n_kv_heads=4, dim=32, ffn_dim=48)  # tp | 4
+SEQ = 17  # a model input of 16 tokens: 2 x cp chunks for cp 2 and 4
+STEPS, SAVED_STEPS = 5, 2
+TOLERANCE = 1e-5
+
+
+def _batches(steps=STEPS):
+    generator = torch.Generator().manual_seed(1)
+    vocab = config(**CFG).vocab_size
+    return [torch.randint(0, vocab, (8, SEQ), generator=generator) for _ in range(steps)]
+
+
+def _loss(model, tokens, cp_mesh):
+    """This rank's mean loss over its part of each sequence (positions given: RoPE and the
+    causal mask follow them)."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    positions = torch.arange(inputs.shape[1]).expand_as(inputs)
+    if cp_mesh is not None:
+        inputs, targets, positions = (
+            split_sequence(t, cp_mesh) for t in (inputs, targets, positions)
+        )
+    logits = model(inputs, position_ids=positions)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def _model(dims, seed=0):
+    model = build_model(config(**CFG), seed=seed)
+    if dims is None:
+        return model, None, 0, 1
+    meshes = dims.build()
+    flatshard.parallelize(model, meshes)
+    return model, meshes.cp, meshes.dp_rank, dims.dp
+
+
+def _train(dims, data, model=None, optimizer=None):
+    model, cp_mesh, dp_rank, dp = model or _model(dims)
+    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = train_ranks(
+        model, data, rank=dp_rank, world=dp, make_optimizer=lambda _: optimizer,
+        loss_fn=lambda m, tokens: _loss(m, tokens, cp_mesh),
+    )  # fmt: skip
+    if dims is not None and dp == 1:  # train() reduced nothing: the mean over every rank
+        losses = [mean_over_ranks(loss, dims.world_size) for loss in losses]
+    elif dims is not None:  # train() summed every rank's and divided by dp
+        losses = [loss * dp / dims.world_size for loss in losses]
+    return losses, model, optimizer
+
+
+def _layout(dp_shard, cp, tp):
+    return flatshard.ParallelDims(dp_shard * cp * tp, dp_shard=dp_shard, cp=cp, tp=tp)
+
+
+def _run(layout):
+    losses, model, _ = _train(_layout(*layout), _batches())
+    return losses, full_state(model)
+
+
+@pytest.mark.parametrize("layout", [(2, 2, 1), (1, 2, 2), (1, 4, 1)], ids=str)
+def test_context_parallel_trains_like_one_process(layout):
+    """(dp 2, cp 2), (cp 2, tp 2), (cp 4) at world 4: 5 AdamW steps, losses and weights
+    equal one process's."""
+    ref_losses, reference, _ = _train(None, _batches())
+    for losses, weights in run_distributed(_run, 4, layout):
+        assert rel_losses(losses, ref_losses) <= TOLERANCE
+        assert rel_diff(weights, reference.state_dict()) <= TOLERANCE
+
+
+def _save(path):
+    dims = _layout(1, 2, 2)
+    _, model, optimizer = _train(dims, _batches(SAVED_STEPS))
+    checkpoint.save(path, model=model, optimizer=optimizer, step=SAVED_STEPS)
+
+
+def _resume(path, layout):
+    dims = None if layout is None else _layout(*layout)
+    parts = _model(dims, seed=3)
+    optimizer = torch.optim.AdamW(parts[0].parameters(), lr=1e-2)
+    checkpoint.load(path, model=parts[0], optimizer=optimizer)
+    losses, model, _ = _train(dims, _batches()[SAVED_STEPS:], parts, optimizer)
+    return losses, full_state(model)
+
+
+def test_a_checkpoint_written_at_cp_and_tp_resumes_at_dp_and_in_one_process(tmp_path):
+    ref_losses, reference, _ = _train(None, _batches())
+    path = str(tmp_path / "cp")
+    run_distributed(_save, 4, path)
+    resumed = [run_distributed(_resume, world, path, (world, 1, 1))[0] for world in (4, 1)]
+    for losses, weights in resumed:
+        assert rel_losses(losses, ref_losses[SAVED_STEPS:]) <= TOLERANCE
+        assert rel_diff(weights, reference.state_dict()) <= TOLERANCE
+
+
+def test_load_balanced_chunks_and_a_length_they_cannot_split():
+    # rank r holds chunks r and 2cp - 1 - r: the same causal work on every rank
+    assert sequence_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert sequence_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    with pytest.raises(MeshError, match="input of 10 tokens is not a multiple of 4"):
+        sequence_positions(10, 2, 0)
+    with pytest.raises(MeshError, match="dp_replicate x dp_shard x cp x tp = 1 x 2 x 2 x 2"):
+        flatshard.ParallelDims(4, dp_shard=2, cp=2, tp=2)
