@@ -5,7 +5,8 @@ version string), in one place.
   `reduce_scatter_single` (the older `all_gather_into_tensor` / `reduce_scatter_tensor`
   warn and forward to them); earlier releases have only the older names. Looked up at each
   call, so anything that wraps `torch.distributed`'s functions (a byte counter, a test)
-  still sees the call.
+  still sees the call. Their autograd form (context parallelism's K/V gather) likewise:
+  `all_gather_single_autograd` (2.13), `all_gather_tensor_autograd` before.
 - FSDP2's `DataParallelMeshDims` (torch 2.13): defined here alike where torch lacks it.
 - Moving one storage's memory into another (`UntypedStorage._swap_data_ptr_`, which the CPU
   buffer pool uses): tried once on two small storages, and the pool keeps nothing where the
@@ -38,6 +39,14 @@ def all_gather_single(output, input, group=None, async_op=False):
 def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return scatter(output, input, op=op, group=group, async_op=async_op)
+
+
+def all_gather_autograd(tensor: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's `tensor` concatenated along dim 0; its backward reduce-scatters."""
+    from torch.distributed import _functional_collectives as funcol
+
+    gather = getattr(funcol, "all_gather_single_autograd", None)
+    return (gather or funcol.all_gather_tensor_autograd)(tensor, 0, group)
 
 
 @functools.cache

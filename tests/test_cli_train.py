@@ -322,6 +322,35 @@ def test_sequence_parallel_run_trains_like_one_process_and_resumes_without_tp(tm
     )
 
 
+def test_context_parallel_run_trains_like_one_process_and_resumes_without_cp(tmp_path):
+    """`--cp 2 --tp 2` on 4 processes (each sequence split over a CP pair in load-balanced
+    chunks, attention over the whole) takes the steps and evaluates as one process; its
+    checkpoint resumes in one process, continuing those losses; a sequence length the
+    chunks cannot split is a one-line error."""
+    sizes = ["--set", "model.preset=tiny", "--set", "data.seq_len=32",
+             "--set", "train.micro_batch=2", "--set", "train.global_batch=4",
+             "--set", "run.sample_tokens=0", "--set", "data.eval=0.05",
+             "--set", "train.eval_interval=2"]  # fmt: skip
+    plain, cp = tmp_path / "plain", tmp_path / "cp"
+    check_ok(flatshard("train", *sizes, "--steps", 4, "--nproc", 1, "--out", plain))
+    result = check_ok(
+        flatshard("train", *sizes, "--steps", 4, "--nproc", 4, "--cp", 2, "--tp", 2,
+                  "--out", cp, "--set", "run.stop_at_step=2")
+    )  # fmt: skip
+    assert "each sequence split over 2 (context parallel)" in result.stdout
+    check_ok(flatshard("train", "--resume", cp, "--nproc", 1, "--set", "train.cp=1",
+                       "--set", "train.tp=1"))  # fmt: skip
+    expected, got = metrics(plain), metrics(cp)
+    assert len(got) == 4
+    for key in ("loss", "eval_loss"):
+        pairs = [(r[key], e[key]) for r, e in zip(got, expected) if key in r]
+        assert len(pairs) == (4 if key == "loss" else 2), (key, pairs)
+        assert max(abs(a - b) / b for a, b in pairs) <= 1e-5, (key, pairs)
+    odd = flatshard("train", *sizes, "--steps", 1, "--nproc", 2, "--cp", 2,
+                    "--set", "data.seq_len=30", "--out", tmp_path / "odd")  # fmt: skip
+    assert "data.seq_len (30) must be a multiple of 4" in one_line_error(odd)
+
+
 # moe-tiny with a large aux loss weight, as `flatshard train` and `flatshard plan` take it
 MOE_TINY = ["--set", "model.preset=moe-tiny", "--set", "data.seq_len=32",
             "--set", "train.micro_batch=2", "--set", "train.global_batch=8",

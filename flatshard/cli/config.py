@@ -282,7 +282,7 @@ def parallel_dims(config: RunConfig, world_size: int) -> ParallelDims:
     try:
         return ParallelDims(
             world_size, dp_replicate=train.dp_replicate, tp=train.tp, ep=train.ep,
-            sequence_parallel=train.sp,
+            sequence_parallel=train.sp, cp=train.cp,
         )  # fmt: skip
     except MeshError as error:  # it names the degree: say which key holds it, and the fix
         named = str(error).replace("sequence_parallel", "sp (sequence parallelism)", 1)
@@ -295,7 +295,7 @@ def _process_fix(train) -> str:
         try:
             ParallelDims(
                 world, dp_replicate=train.dp_replicate, tp=train.tp, ep=train.ep,
-                sequence_parallel=train.sp,
+                sequence_parallel=train.sp, cp=train.cp,
             )  # fmt: skip
         except MeshError:
             continue
@@ -324,6 +324,16 @@ def check(config: RunConfig, world_size: int | None = None) -> None:
             f"train.global_batch ({train.global_batch}) must be a multiple of train.micro_batch "
             f"({train.micro_batch})"
         )
+    if train.cp > 1 and config.data.pack:
+        raise ConfigError(
+            "train.cp splits each sequence by plain positions; packed conversations "
+            "(data.pack) restart them: use one of the two"
+        )
+    if train.cp > 1 and config.data.seq_len % (2 * train.cp):
+        raise ConfigError(
+            f"train.cp ({train.cp}) splits each sequence into {2 * train.cp} equal chunks: "
+            f"data.seq_len ({config.data.seq_len}) must be a multiple of {2 * train.cp}"
+        )
     if world_size is not None:  # the run's whole config (a resume's merged with its own)
         _check_lora(config)
         dims = parallel_dims(config, world_size)
@@ -333,6 +343,7 @@ def check(config: RunConfig, world_size: int | None = None) -> None:
             or train.dp_replicate > 1
             or train.tp > 1
             or train.ep > 1
+            or train.cp > 1
         ):
             raise ConfigError(
                 f"train.hpz_group ({train.hpz_group}) needs train.zero_stage=3, no HSDP "
@@ -342,7 +353,8 @@ def check(config: RunConfig, world_size: int | None = None) -> None:
             )
         if train.global_batch % (train.micro_batch * dims.dp):
             per_step = train.micro_batch * dims.dp
-            shared = f"; the {train.tp} TP ranks of a group share a batch" if train.tp > 1 else ""
+            sharing = train.tp * train.cp
+            shared = f"; the {sharing} TP/CP ranks of a group share a batch" if sharing > 1 else ""
             raise ConfigError(
                 f"train.global_batch ({train.global_batch}) must be a multiple of "
                 f"train.micro_batch x data-parallel ranks ({train.micro_batch} x {dims.dp} = "
@@ -371,10 +383,11 @@ def _check_lora(config: RunConfig) -> None:
     if train.qlora and not train.lora_rank:
         raise ConfigError("train.qlora quantizes the bases LoRA adapts: set train.lora_rank "
                           "(--lora R) too")  # fmt: skip
-    if train.lora_rank and (train.tp > 1 or train.ep > 1):
+    if train.lora_rank and (train.tp > 1 or train.ep > 1 or train.cp > 1):
         raise ConfigError(
-            "LoRA (train.lora_rank) runs data-parallel only for now: set train.tp=1 and "
-            "train.ep=1 (the adapters are small; ZeRO shards the frozen base already)"
+            "LoRA (train.lora_rank) runs data-parallel only for now: set train.tp=1, "
+            "train.cp=1 and train.ep=1 (the adapters are small; ZeRO shards the frozen base "
+            "already)"
         )
 
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from flatshard import comm
 from flatshard.data.sequences import IGNORE
-from flatshard.models.registry import position_kwargs
+from flatshard.models.registry import model_inputs, position_kwargs
 
 
 class Evaluation:
@@ -40,8 +40,10 @@ class Evaluation:
         return step == train.steps or bool(interval and step % interval == 0)
 
     @torch.no_grad()
-    def run(self, model, micro_batch: int, dp_rank: int, dp_world: int, device) -> dict:
-        """{"eval_loss", "eval_perplexity", "eval_tokens"}; call on every rank."""
+    def run(self, model, micro_batch: int, dp_rank: int, dp_world: int, device, cp: int = 1
+            ) -> dict:  # fmt: skip
+        """{"eval_loss", "eval_perplexity", "eval_tokens"}; call on every rank (`cp`: the
+        context-parallel ranks that split each window's tokens)."""
         was_training = model.training
         model.eval()
         per_round = micro_batch * dp_world
@@ -57,12 +59,17 @@ class Evaluation:
             for j, index in enumerate(indices):
                 if index < 0:  # a weightless forward: the others gather with it
                     targets[j] = IGNORE
-            positions = position_kwargs(model, self._positions(indices, device))  # packed
-            output = model(batch[:, :-1], **positions)
+            inputs, targets, positions = model_inputs(
+                model,
+                batch,
+                targets.to(device),
+                self._positions(indices, device),  # packed
+            )
+            output = model(inputs, **position_kwargs(model, positions))
             logits = getattr(output, "logits", output)  # transformers: an output object
             losses = F.cross_entropy(
-                logits.float().flatten(0, 1), targets.to(device).flatten(),
-                ignore_index=IGNORE, reduction="none",
+                logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
+                reduction="none",
             )  # fmt: skip
             sums[0] += losses.double().sum().cpu()
             sums[1] += float((targets != IGNORE).sum())
@@ -74,7 +81,7 @@ class Evaluation:
         return {
             "eval_loss": loss,
             "eval_perplexity": math.exp(min(loss, 700.0)),
-            "eval_tokens": round(float(sums[1])) // _replicas(dp_world),
+            "eval_tokens": round(float(sums[1])) // _replicas(dp_world * cp),
         }
 
     def _positions(self, indices: list[int], device) -> torch.Tensor | None:
@@ -83,7 +90,8 @@ class Evaluation:
         return None if rows[0] is None else torch.from_numpy(np.stack(rows)).to(device)
 
 
-def _replicas(dp_world: int) -> int:
-    """How many ranks computed each window (TP peers share one data-parallel batch)."""
+def _replicas(token_ranks: int) -> int:
+    """How many ranks computed each token (TP peers share one data-parallel batch; CP
+    ranks split it)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    return max(1, world // dp_world)
+    return max(1, world // token_ranks)

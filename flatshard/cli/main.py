@@ -40,6 +40,7 @@ TRAIN_FLAGS = {
     "dp_replicate": ("train.dp_replicate", "N", "HSDP: replicas of the sharded model"),
     "tp": ("train.tp", "N", "tensor parallelism over N ranks (innermost)"),
     "ep": ("train.ep", "N", "expert parallelism over N ranks (MoE models)"),
+    "cp": ("train.cp", "N", "context parallelism: each sequence split over N ranks"),
     "offload": ("train.offload", "F", "keep and step this share of the optimizer on the host"),
     "offload_dir": ("train.offload_dir", "DIR", "optimizer state in memory-mapped files here"),
     "hpz_group": ("train.hpz_group", "N", "ZeRO-3: backward gathers inside groups of N (hpZ)"),

@@ -318,9 +318,10 @@ def build_hf(
 
 
 def _degrees(dims: ParallelDims) -> str:
-    return f"train.tp={dims.tp}, train.ep={dims.ep}" + (
-        ", train.sp" if dims.sequence_parallel else ""
-    )
+    """The config keys of the degrees a model is split by."""
+    named = f"train.tp={dims.tp}, train.ep={dims.ep}"
+    named += f", train.cp={dims.cp}" if dims.cp > 1 else ""
+    return named + (", train.sp" if dims.sequence_parallel else "")
 
 
 @contextlib.contextmanager

@@ -127,6 +127,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("train.sp", False, "sequence parallelism: TP also splits the norms and the "
            "residual stream by sequence (activations there 1/tp; all-gathers and "
            "reduce-scatters in place of TP's all-reduces; needs train.tp > 1)"),
+    Option("train.cp", 1, "context parallelism: ranks each sequence is split over (in "
+           "load-balanced chunks; the parameters sharded over dp_shard x cp; processes are "
+           "dp_replicate x dp_shard x cp x tp)", check=_positive),
     Option("train.ep", 1, "expert parallelism: ranks each MoE layer's experts are split "
            "over (borrowed from the data-parallel ranks; experts sharded over the rest)",
            check=_positive),

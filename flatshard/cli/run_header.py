@@ -92,6 +92,8 @@ def _describe_mesh(train) -> str:
         parts.append(f"HSDP over {train.dp_replicate} replicas")
     if train.tp > 1:
         parts.append(f"tensor parallel over {train.tp}" + (" (+ sequence)" if train.sp else ""))
+    if train.cp > 1:
+        parts.append(f"each sequence split over {train.cp} (context parallel)")
     if train.ep > 1:
         parts.append(f"experts split over {train.ep}")
     return "".join(", " + part for part in parts)

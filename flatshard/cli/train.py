@@ -128,7 +128,7 @@ class Trainer:
             if self.evaluation is not None and self.evaluation.due(self.step, config.train):
                 record.update(self.evaluation.run(
                     self.model, config.train.micro_batch, self.dp_rank, self.dp_world,
-                    self.ranks.device,
+                    self.ranks.device, self.dims.cp,
                 ))  # fmt: skip
             if self.progress is not None:
                 self.progress.step(record)
@@ -153,7 +153,7 @@ class Trainer:
         step_started = time.perf_counter()
         loss_sum, labelled = accumulate_gradients(
             self.model, self.order, self.position, train, self.dp_rank, self.dp_world,
-            ranks.device,
+            ranks.device, self.dims.cp,
         )  # fmt: skip
         grad_norm = _clip(self.model, train.grad_clip)
         shared = share_step(loss_sum, self.stop, self.memory.peak(), self.ranks.world_size)
@@ -230,12 +230,13 @@ class Trainer:
 
 
 def accumulate_gradients(model, order, position: int, train, dp_rank: int, dp_world: int,
-                         device) -> tuple[torch.Tensor, int | None]:  # fmt: skip
+                         device, cp: int = 1) -> tuple[torch.Tensor, int | None]:  # fmt: skip
     """Forward and backward of this rank's micro-batches of the step whose global batch
     starts at `position`: (the summed loss, how many targets carry loss: None when all
     do). With chat data every labelled token of the step weighs alike: each micro-batch's
     summed loss is divided by this rank's share of the step's labelled tokens (gradients
-    average over the data-parallel ranks)."""
+    average over the data-parallel ranks, and the `cp` context-parallel ranks that split
+    each sequence's tokens)."""
     accumulation = train.global_batch // (train.micro_batch * dp_world)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     step_labels = order.labels(position, train.global_batch)  # every rank's micro-batches
@@ -254,7 +255,8 @@ def accumulate_gradients(model, order, position: int, train, dp_rank: int, dp_wo
         else:
             mine = first - position
             labels = step_labels[mine : mine + train.micro_batch].to(device)
-            loss = training_loss(model, batch, labels=labels, divisor=max(labelled, 1) / dp_world,
+            share = max(labelled, 1) / (dp_world * cp)
+            loss = training_loss(model, batch, labels=labels, divisor=share,
                                  position_ids=positions)  # fmt: skip
         loss.backward()
         loss_sum += loss.detach().double()

@@ -28,8 +28,26 @@ def next_token_loss(
     """Cross-entropy of each token's prediction of the next (a transformers model's output
     object included); see `token_loss` for `labels` and `divisor`. `position_ids` [B, T]:
     packed documents (see `position_kwargs`)."""
-    output = model(batch[:, :-1], **position_kwargs(model, position_ids))
-    return token_loss(getattr(output, "logits", output), batch, labels, divisor)
+    inputs, targets, position_ids = model_inputs(model, batch, labels, position_ids)
+    output = model(inputs, **position_kwargs(model, position_ids))
+    return token_loss(getattr(output, "logits", output), targets, divisor)
+
+
+def model_inputs(model: nn.Module, batch: torch.Tensor, labels=None, position_ids=None):
+    """(inputs, targets, position_ids) of `batch` [B, T + 1] as the model takes them: the
+    targets its next tokens, or `labels`; under context parallelism this rank's part of
+    each sequence, with its positions."""
+    inputs, targets = batch[:, :-1], batch[:, 1:] if labels is None else labels
+    context = getattr(model, "context_parallel", None)
+    if context is None:
+        return inputs, targets, position_ids
+    if position_ids is not None:
+        raise ValueError(
+            "context parallelism and packed documents (data.pack) do not mix yet: each "
+            "rank's part of the sequence is masked by its plain positions"
+        )
+    positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
+    return context.split(inputs), context.split(targets), context.split(positions)
 
 
 def position_kwargs(model: nn.Module, position_ids) -> dict:
@@ -50,15 +68,15 @@ def _takes_use_cache(model_type: type) -> bool:
     return "use_cache" in inspect.signature(model_type.forward).parameters
 
 
-def token_loss(logits, batch, labels=None, divisor=None) -> torch.Tensor:
-    """The mean cross-entropy of the next-token targets of `batch`; with `labels` (the
-    targets, -100 where a token carries no loss: a chat's prompt), their sum over the
-    labelled tokens divided by `divisor` (the trainer's share of the global batch's labelled
-    tokens, so every labelled token of a step weighs the same)."""
+def token_loss(logits, targets, divisor=None) -> torch.Tensor:
+    """The mean cross-entropy of `targets`; with `divisor`, their sum over the labelled
+    targets (-100 where a token carries no loss: a chat's prompt) divided by it (the
+    trainer's share of the global batch's labelled tokens, so every labelled token of a
+    step weighs the same)."""
     logits = logits.float().flatten(0, 1)
-    if labels is None:
-        return F.cross_entropy(logits, batch[:, 1:].flatten())
-    summed = F.cross_entropy(logits, labels.flatten(), ignore_index=-100, reduction="sum")
+    if divisor is None:
+        return F.cross_entropy(logits, targets.flatten())
+    summed = F.cross_entropy(logits, targets.flatten(), ignore_index=-100, reduction="sum")
     return summed / divisor
 
 

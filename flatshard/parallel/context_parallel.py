@@ -15,9 +15,9 @@ torch's `context_parallel` (ring attention over SDPA's CUDA kernels) is not used
 from __future__ import annotations
 
 import torch
-from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
+from flatshard import compat
 from flatshard.errors import MeshError
 
 
@@ -55,13 +55,17 @@ class ContextParallel:
         self.size = cp_mesh.size()
         self._order: dict[tuple[int, torch.device], torch.Tensor] = {}
 
+    def split(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's tokens of `tensor` (see `split_sequence`)."""
+        return split_sequence(tensor, self.mesh, dim)
+
     def gather(self, key: torch.Tensor, value: torch.Tensor):
         """[B, H, T_local, D] each -> [B, H, T, D], the whole sequence in order."""
         length = key.shape[2] * self.size
         order = self._sequence_order(length, key.device)
-        both = torch.cat([key, value], dim=1)  # one collective for both
-        gathered = funcol.all_gather_tensor_autograd(both, 2, self.mesh.get_group())
-        gathered = gathered.index_select(2, order)
+        both = torch.cat([key, value], dim=1).movedim(2, 0)  # one collective, by sequence
+        gathered = compat.all_gather_autograd(both.contiguous(), self.mesh.get_group())
+        gathered = gathered.index_select(0, order).movedim(0, 2)
         return gathered.split(key.shape[1], dim=1)
 
     def mask(self, position_ids: torch.Tensor) -> torch.Tensor:

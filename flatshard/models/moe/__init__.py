@@ -16,7 +16,13 @@ from flatshard.models.moe.loss import load_balancing_loss
 from flatshard.models.moe.model import GroupedExperts, MoE, MoEBlock, MoELayer
 from flatshard.models.moe.parallel import parallelize_moe, split_experts
 from flatshard.models.moe.router import RouterStats
-from flatshard.models.registry import ModelFamily, position_kwargs, register, token_loss
+from flatshard.models.registry import (
+    ModelFamily,
+    model_inputs,
+    position_kwargs,
+    register,
+    token_loss,
+)
 
 
 def moe_training_loss(
@@ -25,9 +31,10 @@ def moe_training_loss(
     """Next-token cross-entropy (`token_loss`) plus the weighted load-balancing loss, whose
     router statistics are summed over `group` (default: every rank; each holds another
     slice of the batch), so the loss and its gradients are the global batch's."""
+    inputs, targets, position_ids = model_inputs(model, batch, labels, position_ids)
     positions = position_kwargs(model, position_ids)
-    logits, stats = model(batch[:, :-1], return_router_stats=True, **positions)
-    loss = token_loss(logits, batch, labels, divisor)
+    logits, stats = model(inputs, return_router_stats=True, **positions)
+    loss = token_loss(logits, targets, divisor)
     group = group if group is not None else dist.group.WORLD
     return loss + model.config.aux_loss_coef * load_balancing_loss(stats, group)
 
