@@ -141,6 +141,29 @@ def test_llama3_8b_with_sequence_parallelism(capsys):
     assert "--sp splits the sequence over the TP ranks" in capsys.readouterr().err
 
 
+def test_context_parallelism_and_a_128k_token_plan_that_fits_80_gb(capsys):
+    """--cp splits each sequence: activations per rank for its share of the tokens, plus
+    the keys and values of the rest (gathered, repeated to the query heads) every block
+    keeps; per block the KV heads' keys and values all-gathered in forward (again in a
+    full-AC recompute) and their gradients reduce-scattered. 128k tokens fit 80 GB per
+    rank: llama3-8b on 64 ranks at cp 8, llama3-70b on 64 at tp 8 + SP, cp 8 (full AC)."""
+    L, T, q_rows, kv_rows = 32, 8192, 32 * 128, 8 * 128
+    one, two = (plan(capsys, "llama3-8b", "--seq-len", T, "--cp", cp) for cp in (1, 2))
+    others = 2 * L * (T // 2) * q_rows * BF16
+    assert two["memory"]["activations"] == one["memory"]["activations"] // 2 + others
+    assert two["communication"]["cp_reduce_scatter"] == L * T * 2 * kv_rows * BF16
+    assert two["communication"]["cp_all_gather"] == L * T * 2 * kv_rows * BF16
+    assert main(["plan", "llama3-8b", "--cp", "3"]) == 2
+    assert "--cp 3 must divide" in capsys.readouterr().err
+    long = ["--seq-len", 131072, "--world-size", 64, "--ac", "full"]
+    eight = plan(capsys, "llama3-8b", *long, "--cp", 8)
+    seventy = plan(capsys, "llama3-70b", *long, "--tp", 8, "--sp", "--cp", 8)
+    assert plan(capsys, "llama3-8b", *long)["memory"]["device"] > 80 * 2**30  # without CP
+    assert max(eight["memory"]["device"], seventy["memory"]["device"]) < 80 * 2**30
+    recomputed = eight["communication"]
+    assert recomputed["cp_all_gather"] == 2 * recomputed["cp_reduce_scatter"]
+
+
 def test_qwen3_30b_a3b_on_8_ranks(capsys):
     result = plan(capsys, "qwen3-30b-a3b", "--world-size", 8, "--zero-stage", 2)
     V, d, L = 151936, 2048, 48

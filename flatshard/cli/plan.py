@@ -52,6 +52,10 @@ def add_arguments(parser) -> None:
         help="tensor-parallel ranks (innermost; default 1)",
     )
     parser.add_argument(
+        "--cp", type=int, default=None, metavar="N",
+        help="context-parallel ranks each sequence is split over (within --dp-shard)",
+    )  # fmt: skip
+    parser.add_argument(
         "--sp", action="store_true", default=None,
         help="with --tp N: sequence parallelism (norms and residual split by sequence)",
     )  # fmt: skip
@@ -220,7 +224,7 @@ def _model_and_defaults(args):
     defaults = dict(
         world_size=8, dp_shard=None, zero_stage=3, param_dtype="bf16", reduce_dtype="fp32",
         micro_batch=1, seq_len=4096, grad_accum=1, backend="nccl", hpz_group=0, tp=1, sp=False,
-        ep=1,
+        ep=1, cp=1,
         offload=0.0, offload_disk=False, ac="none", optimizer="adamw", write_gbps=1.0,
         quantize_weights="none", quantize_grads="none", muon_split_fused=False,
     )  # fmt: skip
@@ -233,10 +237,12 @@ def _model_and_defaults(args):
     defaults.update(
         world_size=world,
         dp_shard=ParallelDims(
-            world, dp_replicate=train.dp_replicate, tp=train.tp, ep=train.ep
-        ).dp_shard,
+            world, dp_replicate=train.dp_replicate, tp=train.tp, ep=train.ep, cp=train.cp
+        ).dp_shard
+        * train.cp,  # the ranks a unit is sharded over: dp_shard x cp
         tp=train.tp,
         sp=train.sp,
+        cp=train.cp,
         ep=train.ep,
         offload=train.offload or (1.0 if train.offload_dir else 0.0),
         offload_disk=bool(train.offload_dir),
@@ -250,7 +256,9 @@ def _model_and_defaults(args):
         muon_split_fused=train.muon_split_fused,
         micro_batch=train.micro_batch,
         seq_len=config.data.seq_len,
-        grad_accum=max(1, train.global_batch // (train.micro_batch * world // train.tp)),
+        grad_accum=max(
+            1, train.global_batch // (train.micro_batch * world // (train.tp * train.cp))
+        ),
         backend="nccl" if _uses_cuda(config.run.device) else "gloo",
     )
     if config.model.hf:  # the Hugging Face model train --hf would fine-tune
@@ -332,15 +340,22 @@ def _nf4_line(result: Plan) -> list[str]:
 
 def format_plan(result: Plan) -> str:
     s, m, c = result.setup, result.memory, result.communication
-    mesh = f"{s.world_size} ranks (dp_shard {s.dp_shard}"
+    mesh = f"{s.world_size} ranks (dp_shard {s.dp_shard // s.cp}"
     mesh += f", dp_replicate {s.dp_replicate}" if s.dp_replicate > 1 else ""
     mesh += f", tp {s.tp}" + (" + SP" if s.sp else "") if s.tp > 1 else ""
+    mesh += f", cp {s.cp}" if s.cp > 1 else ""
     mesh += f", ep {s.ep})" if s.ep > 1 else ")"
     lines = [
         f"flatshard plan: {result.model}, {_size(result.num_params)} parameters, on {mesh}",
         f"  ZeRO-{s.zero_stage} ({s.backend}), {s.param_dtype} compute, {s.reduce_dtype} "
         f"gradient reduction, fp32 weights and {s.optimizer_name} state; micro batch "
-        f"{s.micro_batch} x {s.seq_len} tokens, {s.grad_accum} micro-batch(es) per step",
+        f"{s.micro_batch} x {s.seq_len} tokens, {s.grad_accum} micro-batch(es) per step"
+        + (
+            f"; each sequence split over {s.cp} ranks ({s.seq_len // s.cp} tokens each), the "
+            f"units over dp_shard x cp = {s.dp_shard}"
+            if s.cp > 1
+            else ""
+        ),
         "",
         f"  {'unit (one fully_shard call)':<32}{'params':>10}{'per rank':>11}{'padding':>10}"
         f"{'buckets':>9}",
@@ -389,9 +404,13 @@ def format_plan(result: Plan) -> str:
     if c["tp_all_gather"]:
         lines.append(f"    TP all-gather (SP activations)  {_gib(c['tp_all_gather'])}")
         lines.append(f"    TP reduce-scatter (SP)          {_gib(c['tp_reduce_scatter'])}")
+    if c["cp_all_gather"]:
+        lines.append(f"    CP all-gather (keys, values)    {_gib(c['cp_all_gather'])}")
+        lines.append(f"    CP reduce-scatter (their grads) {_gib(c['cp_reduce_scatter'])}")
     if c["ep_all_to_all"]:
         lines.append(f"    EP all-to-all (tokens)          {_gib(c['ep_all_to_all'])}")
     wire = c["wire_per_rank"] + c["tp_wire_per_rank"] + c["ep_wire_per_rank"]
+    wire += c["cp_wire_per_rank"]
     lines.append(f"    on the wire (ring algorithms)   {_gib(wire)}")
     k = result.checkpoint
     total, each = _gib(k["bytes"]).strip(), _gib(k["bytes_per_writer"]).strip()

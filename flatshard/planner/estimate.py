@@ -50,6 +50,8 @@ from flatshard.planner.muon_cost import muon_figures
 from flatshard.planner.offload_split import offloaded_share, split_memory
 from flatshard.planner.parallel_cost import (
     DTYPE_BYTES,
+    context_parallel_keys,
+    cp_communication,
     embedding_shape,
     ep_communication,
     ep_local,
@@ -83,6 +85,7 @@ class Setup:
     hpz_group: int = 0  # ZeRO-3: ranks a block stays sharded over after forward (0: all)
     tp: int = 1  # tensor-parallel ranks (innermost)
     sp: bool = False  # sequence parallelism: TP also splits the norms and residual stream
+    cp: int = 1  # context-parallel ranks each sequence is split over (within dp_shard)
     ep: int = 1  # expert-parallel ranks (borrowed from dp_shard x tp)
     offload: float = 0.0  # share of each rank's shards offloaded to the host
     offload_disk: bool = False  # the offloaded optimizer state in the disk tier's files
@@ -108,7 +111,7 @@ class Setup:
 
     def __post_init__(self):
         for name in (
-            "world_size", "dp_shard", "micro_batch", "seq_len", "grad_accum", "tp", "ep"
+            "world_size", "dp_shard", "micro_batch", "seq_len", "grad_accum", "tp", "ep", "cp"
         ):  # fmt: skip
             if getattr(self, name) < 1:
                 flag = f"--{name.replace('_', '-')}"
@@ -129,6 +132,12 @@ class Setup:
             raise ConfigError(f"--zero-stage must be 1, 2 or 3, got {self.zero_stage}")
         if self.sp and self.tp == 1:
             raise ConfigError("--sp splits the sequence over the TP ranks: it needs --tp > 1")
+        if self.cp > 1 and (self.dp_shard % self.cp or self.seq_len % (2 * self.cp)):
+            raise ConfigError(
+                f"--cp {self.cp} must divide the ranks a unit is sharded over (--dp-shard "
+                f"{self.dp_shard}: parameters shard over dp_shard x cp), and --seq-len "
+                f"{self.seq_len} must be a multiple of {2 * self.cp} (load-balanced chunks)"
+            )
         self.dims  # noqa: B018  (validates the degrees: a MeshError names what is wrong)
         if self.hpz_group and (
             self.zero_stage != 3 or self.dp_shard % self.hpz_group or self.tp > 1
@@ -142,8 +151,9 @@ class Setup:
     def dims(self) -> ParallelDims:
         """The degrees, validated as `fully_shard`'s mesh validates them."""
         return ParallelDims(
-            self.world_size, dp_replicate=-1, dp_shard=self.dp_shard, tp=self.tp, ep=self.ep
-        )
+            self.world_size, dp_replicate=-1, dp_shard=self.dp_shard // self.cp, tp=self.tp,
+            ep=self.ep, cp=self.cp,
+        )  # fmt: skip
 
     @property
     def dp_replicate(self) -> int:
@@ -193,6 +203,7 @@ def plan(spec: ModelSpec, setup: Setup) -> Plan:
     communication = step_communication(units, setup)
     communication.update(tp_communication(spec, setup, hidden, vocab))
     communication.update(ep_communication(spec, setup, hidden))
+    communication.update(cp_communication(spec, setup))
     used = sum(u.numel * u.count for u in units)
     padding = sum(u.padding * u.count for u in units) / used if used else 0.0
     peaks = {mode: figures["device"] for mode, figures in by_ac.items()}
@@ -209,7 +220,8 @@ def _memory(spec: ModelSpec, units: tuple[UnitFigures, ...], setup: Setup) -> di
     grads = total(lambda u: u.shard_trainable) * FP32
     optimizer = round(setup.optimizer_states * total(lambda u: u.shard_trainable)) * FP32
     per_token = spec.activations(pb).on_rank(setup.tp, setup.sp).per_token(setup.ac)
-    activations = setup.micro_batch * setup.seq_len * per_token
+    activations = setup.micro_batch * setup.seq_len // setup.cp * per_token
+    activations += context_parallel_keys(spec, setup)
     looked_up = [u for u in units if is_looked_up(u, setup)]
     # the output gradients a lookup gathers (and their fp32 copy), alive while its backward
     # adds them up

@@ -96,7 +96,7 @@ def tp_communication(spec: ModelSpec, setup, hidden: int, vocab: int) -> dict[st
     MLP's inputs are all-gathered by sequence and their outputs reduce-scattered, in
     forward and (reversed) in backward; the embedding's output is reduce-scattered and the
     head's input all-gathered (reversed in backward), and its logits all-gathered."""
-    tokens = setup.micro_batch * setup.seq_len * setup.grad_accum
+    tokens = setup.micro_batch * setup.seq_len // setup.cp * setup.grad_accum  # this rank's
     tp, a = setup.tp, DTYPE_BYTES[setup.param_dtype]
     figures = dict.fromkeys(("tp_all_reduce", "tp_all_gather", "tp_reduce_scatter"), 0)
     if tp == 1:
@@ -110,3 +110,42 @@ def tp_communication(spec: ModelSpec, setup, hidden: int, vocab: int) -> dict[st
     per_block = len(LLAMA_BLOCK_PLAN)  # rowwise: forward; colwise and fused: backward
     figures["tp_all_reduce"] = per_block * spec.n_layers * activation
     return {**figures, "tp_wire_per_rank": 2 * (tp - 1) * figures["tp_all_reduce"] // tp}
+
+
+def _projection_rows(spec: ModelSpec, suffix: str) -> int:
+    """The output rows of a block's projection named `...{suffix}` on this (TP) rank."""
+    for unit in spec.units:
+        for param in unit.params:
+            if param.name.endswith(suffix) and len(param.shape) == 2:
+                return param.shape[0]
+    return 0
+
+
+def context_parallel_keys(spec: ModelSpec, setup) -> int:
+    """Bytes per rank that context parallelism adds to what a block saves: the keys and
+    values of the rest of the sequence, gathered and repeated to every query head (a local
+    token's own are counted per token). Every block keeps them without checkpointing (and
+    selective keeps them, as the gathered collective's output); with full or offload
+    checkpointing only the block whose backward runs."""
+    if setup.cp == 1:
+        return 0
+    q_rows = _projection_rows(spec, "q_proj.weight")
+    others = setup.seq_len - setup.seq_len // setup.cp
+    per_block = 2 * setup.micro_batch * others * q_rows * DTYPE_BYTES[setup.param_dtype]
+    blocks = spec.n_layers if setup.ac in ("none", "selective") else 1
+    return blocks * per_block
+
+
+def cp_communication(spec: ModelSpec, setup) -> dict[str, int]:
+    """Bytes per rank per step of context parallelism's collectives (the payload: the whole
+    gathered tensor): per block and micro-batch, forward all-gathers the keys and values
+    (the KV heads of this TP rank), backward reduce-scatters their gradients; full or
+    offload checkpointing gathers again in the recompute."""
+    if setup.cp == 1:
+        return {"cp_all_gather": 0, "cp_reduce_scatter": 0, "cp_wire_per_rank": 0}
+    kv_rows = _projection_rows(spec, "k_proj.weight")
+    tokens = setup.micro_batch * setup.seq_len * setup.grad_accum
+    each = spec.n_layers * tokens * 2 * kv_rows * DTYPE_BYTES[setup.param_dtype]
+    gathers = each * (2 if setup.ac in ("full", "offload") else 1)
+    wire = (setup.cp - 1) * (gathers + each) // setup.cp
+    return {"cp_all_gather": gathers, "cp_reduce_scatter": each, "cp_wire_per_rank": wire}
