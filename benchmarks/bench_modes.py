@@ -30,6 +30,7 @@ from flatshard.models import (  # noqa: E402
     load_balancing_loss,
 )
 from flatshard.models.llama import parallelize_llama  # noqa: E402
+from flatshard.models.registry import next_token_loss  # noqa: E402
 
 PRESETS = {
     # LlamaConfig.tiny(): mixed row counts (vocab 61, gate_up 90 rows) so padding shows.
@@ -166,6 +167,13 @@ HSDP_MODES = ["fsdp2-hsdp", "hsdp3", "fsdp2-hpz", "hpz3"]
 # with FSDP2's / flatshard's fully_shard over the data-parallel dim of a (world / TP_DEGREE,
 # TP_DEGREE) mesh, run when asked for with --modes
 TP_MODES = ["fsdp2-tp", "tp3"]
+# Long sequences (run when asked for with --modes): TP + sequence parallelism (torchtitan's
+# plan: parallelize_llama(sequence_parallel=True)) under FSDP2 and flatshard over the same
+# (world / TP_DEGREE, TP_DEGREE) mesh; flatshard's context parallelism over CP_DEGREE ranks
+# (each sequence split in load-balanced chunks, K/V all-gathered, parameters sharded over
+# dp_shard x cp), beside plain fsdp2 / zero3 on the same tokens (torch's own CP needs CUDA)
+SP_MODES = ["fsdp2-sp", "sp3"]
+LONG_MODES = [*SP_MODES, "cp3"]
 # The MoE model (presets with moe=True; with them only these and `single`): FSDP2's or
 # flatshard's fully_shard per block and root, no expert parallelism; and flatshard ZeRO-3
 # with flatshard.parallel.ExpertParallel over EP_DEGREE ranks, the experts sharded over the
@@ -224,6 +232,9 @@ MODE_NAMES = {
     "hpz3": "flatshard hpZ",
     "fsdp2-tp": "FSDP2 TP",
     "tp3": "flatshard TP ZeRO-3",
+    "fsdp2-sp": "FSDP2 TP+SP",
+    "sp3": "flatshard TP+SP ZeRO-3",
+    "cp3": "flatshard CP ZeRO-3",
     "fsdp2-moe": "FSDP2 (no EP)",
     "moe3": "flatshard ZeRO-3 (no EP)",
     "ep3": "flatshard EP ZeRO-3",
@@ -250,6 +261,7 @@ MODE_NAMES = {
 }
 FLATSHARD_STAGES = {
     "zero3": 3, "zero2": 2, "zero1": 1, "hsdp3": 3, "hpz3": 3, "tp3": 3, "moe3": 3, "ep3": 3,
+    "sp3": 3, "cp3": 3,
     "off50": 3, "off100": 3, "offdisk": 3, "compile3": 3, "acfull3": 3, "acsel3": 3,
     "acoff3": 3, "zero3f": 3, "zero1f": 1, "zero3ff": 3, "zero3m": 3, "zero3tm": 3, "zero3q8": 3,
     "zero3qf8": 3, "zero3qg8": 3, "zero3q8g8": 3,
@@ -258,6 +270,7 @@ HPZ_GROUP = 2
 HSDP_REPLICAS = 2
 TP_DEGREE = 2
 EP_DEGREE = 2
+CP_DEGREE = 2
 
 
 @functools.cache
@@ -271,6 +284,10 @@ def parallel_dims(kind: str = "dp"):
         return flatshard.ParallelDims(world, dp_replicate=HSDP_REPLICAS)
     if kind == "tp":
         return flatshard.ParallelDims(world, tp=TP_DEGREE)
+    if kind == "sp":
+        return flatshard.ParallelDims(world, tp=TP_DEGREE, sequence_parallel=True)
+    if kind == "cp":
+        return flatshard.ParallelDims(world, cp=CP_DEGREE)
     if kind == "ep":
         return flatshard.ParallelDims(world, ep=EP_DEGREE)
     return flatshard.ParallelDims(world)
@@ -282,7 +299,9 @@ def dims_for(mode: str):
         return parallel_dims("hsdp")
     if mode in TP_MODES:
         return parallel_dims("tp")
-    return parallel_dims("ep" if mode == "ep3" else "dp")
+    if mode in SP_MODES:
+        return parallel_dims("sp")
+    return parallel_dims({"ep3": "ep", "cp3": "cp"}.get(mode, "dp"))
 
 
 def is_moe(preset: str) -> bool:
@@ -295,8 +314,9 @@ def data_slice(mode: str) -> tuple[int, int]:
     same sequences, as the TP split needs)."""
     import torch.distributed as dist
 
-    if mode in TP_MODES:
-        return parallel_dims("tp").build().dp_rank, parallel_dims("tp").dp
+    if mode in TP_MODES or mode in LONG_MODES:  # TP/CP ranks share their group's sequences
+        dims = dims_for(mode)
+        return dims.build().dp_rank, dims.dp
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -473,10 +493,10 @@ def build_mode(mode: str, cfg: LlamaConfig, param_dtype: torch.dtype):
         policy = policy if low else MixedPrecisionPolicy()
         meshes = dims_for(mode).build("cpu")
         mesh = meshes.fsdp
-        if mode == "fsdp2-tp":
+        if mode in ("fsdp2-tp", "fsdp2-sp"):
             # the same plan as flatshard's (the fused gate_up _StridedShard(0, 2) over TP):
             # FSDP2 2.13 accepts it and shards it _StridedShard(0, TP) over dp_shard
-            parallelize_llama(model, meshes.tp)
+            parallelize_llama(model, meshes.tp, sequence_parallel=mode == "fsdp2-sp")
         # None is FSDP2's default: blocks reshard after forward, the root stays gathered for
         # its backward (an explicit True reshards the root too and gathers it again)
         reshard = HPZ_GROUP if mode == "fsdp2-hpz" else None
@@ -511,4 +531,6 @@ def build_mode(mode: str, cfg: LlamaConfig, param_dtype: torch.dtype):
         )
         if mode in QUANTIZED_MODES:
             model.set_comm_policy(flatshard.CommPolicy(**QUANTIZED_MODES[mode]))
+        if mode == "cp3":  # this rank's part of each sequence, at its positions
+            loss = next_token_loss
     return model, (lambda tokens: loss(model, tokens)), (lambda value: value.backward())

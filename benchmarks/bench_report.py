@@ -483,6 +483,15 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
             f"flatshard TP ZeRO-3 vs FSDP2 TP: step x {_fmt_ratio(wall)} "
             f"(CPU {_fmt_ratio(cpu)}), step-paired medians as above."
         )
+    long = [
+        f"{MODE_NAMES[ours]} vs {MODE_NAMES[peer]}: step x "
+        f"{_fmt_ratio(_paired_ratio(summary, ours, peer))} "
+        f"(CPU {_fmt_ratio(_paired_ratio(summary, ours, peer, 'cpu_times'))})"
+        for ours, peer in (("sp3", "fsdp2-sp"), ("sp3", "fsdp2-tp"), ("cp3", "fsdp2"))
+        if ours in summary and peer in summary
+    ]
+    if long:
+        explain.append(f"\nLong sequences: {'; '.join(long)}, step-paired medians as above.")
     if "fsdp2-moe" in summary:
         pairs = [
             f"{MODE_NAMES[m]} vs FSDP2 (no EP): step x "

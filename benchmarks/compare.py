@@ -11,7 +11,9 @@ every mode, inside one set of spawned worker processes (one gloo process group):
 and on request (--modes) HSDP, hpZ, and tensor parallelism (`fsdp2-tp`, `tp3`:
 flatshard.models.llama.parallelize_llama over 2 ranks, then FSDP2's or flatshard's fully_shard
 over the data-parallel dim of a (world / 2, 2) mesh; every rank of a TP group trains on its
-data-parallel rank's slice of the same global batch), and with an MoE preset (`tiny-moe`,
+data-parallel rank's slice of the same global batch), long-sequence modes (`fsdp2-sp`,
+`sp3`: TP with sequence parallelism; `cp3`: flatshard's context parallelism over 2 ranks,
+beside `fsdp2`/`zero3` on the same tokens), and with an MoE preset (`tiny-moe`,
 `moe-small`) the MoE modes: `fsdp2-moe` and `moe3` (FSDP2's or flatshard's fully_shard per
 block and root, no expert parallelism) and `ep3` (flatshard ZeRO-3 with
 flatshard.parallel.ExpertParallel over 2 ranks, experts sharded over world / 2); every rank
@@ -67,11 +69,13 @@ import torch.multiprocessing as mp
 from bench_modes import (
     AC_MODES,
     COMPILE_MODES,
+    CP_DEGREE,
     DTYPES,
     EP_DEGREE,
     FLAT_OPTIMIZER_MODES,
     FUSED_OPTIMIZER_MODES,
     HSDP_MODES,
+    LONG_MODES,
     MODE_NAMES,
     MODES,
     MOE_MODES,
@@ -79,6 +83,7 @@ from bench_modes import (
     OFFLOAD_MODES,
     PRESETS,
     QUANTIZED_MODES,
+    SP_MODES,
     TP_DEGREE,
     TP_MODES,
     is_moe,
@@ -222,7 +227,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.modes is None:
         args.modes = ",".join(["single", *MOE_MODES] if moe else MODES)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    known = MODES + HSDP_MODES + TP_MODES + MOE_MODES + OFFLOAD_MODES + COMPILE_MODES
+    known = MODES + HSDP_MODES + TP_MODES + LONG_MODES + MOE_MODES + OFFLOAD_MODES + COMPILE_MODES
     known += AC_MODES + FLAT_OPTIMIZER_MODES + FUSED_OPTIMIZER_MODES + MUON_MODES
     known = list(dict.fromkeys(known + list(QUANTIZED_MODES)))  # zero3ff is in two lists
     unknown = sorted(set(modes) - set(known))
@@ -242,7 +247,13 @@ def parse_args(argv=None) -> argparse.Namespace:
             )
     if set(modes) & set(HSDP_MODES) and args.world % 2:
         parser.error("the HSDP and hpZ modes need an even --world (groups of 2)")
-    if set(modes) & set(TP_MODES):
+    seq = PRESETS[args.preset]["seq"]
+    if "cp3" in modes and (args.world % CP_DEGREE or seq % (2 * CP_DEGREE)):
+        parser.error(
+            f"cp3 needs --world divisible by {CP_DEGREE} (the CP degree) and the preset's "
+            f"sequence ({seq}) by {2 * CP_DEGREE} (its load-balanced chunks)"
+        )
+    if set(modes) & set(TP_MODES + SP_MODES):
         if args.world % TP_DEGREE:
             parser.error(f"the TP modes need a --world divisible by {TP_DEGREE} (the TP degree)")
         try:

@@ -151,8 +151,10 @@ def test_compare_tp_modes(tmp_path):
     FSDP2 and flatshard ZeRO-3 over the same parallelize_llama plan train like one process
     (each TP group on its data-parallel rank's slice), all-reduce the same TP activations
     (counted at DTensor's functional collectives), send per rank (N-1)/N of groups of 2, and
-    the report gives flatshard's step-paired ratio to FSDP2 TP."""
-    modes = "single,fsdp2-tp,tp3"
+    the report gives flatshard's step-paired ratio to FSDP2 TP. With sequence parallelism
+    (torchtitan's plan under both) and flatshard's context parallelism (cp 2) the same
+    steps; SP all-reduces far less than TP (all-gathers and reduce-scatters instead)."""
+    modes = "single,fsdp2,fsdp2-tp,tp3,fsdp2-sp,sp3,cp3"
     text = _run_compare(
         tmp_path, "--preset", "tiny-tp", "--world", "4", "--modes", modes, "--interleave", "steps"
     )
@@ -168,6 +170,13 @@ def test_compare_tp_modes(tmp_path):
     ) / 2
     assert abs(_kib(peer["sent /step"]) / expected - 1) < 0.02, (peer, expected)
     assert re.search(r"flatshard TP ZeRO-3 vs FSDP2 TP: step x [0-9.]+ \(CPU [0-9.]+\)", text)
+    sp, sp_peer = _row(text, "flatshard TP+SP ZeRO-3"), _row(text, "FSDP2 TP+SP")
+    for row in (sp, sp_peer, _row(text, "flatshard CP ZeRO-3")):
+        assert float(row["loss Δ vs single"]) <= 1e-6, row
+    assert sp["all-reduce /step"] == sp_peer["all-reduce /step"]
+    assert _kib(sp["all-reduce /step"]) < _kib(ours["all-reduce /step"]) / 4
+    assert re.search(r"flatshard TP\+SP ZeRO-3 vs FSDP2 TP\+SP: step x [0-9.]+", text)
+    assert re.search(r"flatshard CP ZeRO-3 vs FSDP2: step x [0-9.]+", text)
 
 
 def test_compare_moe_modes(tmp_path):
