@@ -178,6 +178,27 @@ def test_plan_matches_measured_peaks_per_activation_checkpointing_mode(tmp_path)
     assert measured["full"] < measured["selective"] < measured["none"]
 
 
+def test_plan_matches_measured_peaks_with_sequence_and_context_parallelism(tmp_path):
+    """At 4096-token sequences (activations dominant), each rank's measured peak under TP +
+    SP and under CP is within 10% of the planner's: its share of the activations (CP: plus
+    the keys and values it gathers)."""
+    sizes = ["--set", "model.preset=tiny", "--set", "data.seq_len=4096", "--set", "run.nproc=2",
+             "--set", "train.micro_batch=4", "--set", "train.global_batch=4"]  # fmt: skip
+    env = cli_env(MALLOC_MMAP_THRESHOLD_="65536")
+    for layout in (["--set", "train.tp=2", "--set", "train.sp=true"], ["--set", "train.cp=2"]):
+        run = tmp_path / layout[-1].replace("=", "")
+        check_ok(
+            flatshard("train", *sizes, *layout, "--steps", 2, "--out", run,
+                      "--set", "run.sample_tokens=0", "--set", "checkpoint.interval=0",
+                      "--set", "checkpoint.at_end=false", env=env)
+        )  # fmt: skip
+        measured = metrics(run)[-1]["peak_mem_bytes"]
+        plan = json.loads(check_ok(flatshard("plan", *sizes, *layout, "--json")).stdout)
+        predicted = plan["memory"]["total"]
+        assert abs(measured - predicted) <= 0.10 * predicted, (layout, measured, predicted)
+        assert plan["memory"]["activations"] > 0.8 * predicted  # what is being measured
+
+
 @pytest.mark.parametrize(
     "stage, precision, weights, grads",
     [(1, "bf16", "none", "none"), (2, "fp32", "none", "int8"), (3, "bf16", "int8", "int8")],

@@ -119,3 +119,23 @@ def test_load_balanced_chunks_and_a_length_they_cannot_split():
         sequence_positions(10, 2, 0)
     with pytest.raises(MeshError, match="dp_replicate x dp_shard x cp x tp = 1 x 2 x 2 x 2"):
         flatshard.ParallelDims(4, dp_shard=2, cp=2, tp=2)
+
+
+@pytest.mark.parametrize("prefix", [0, 14], ids=["first-chunk", "later-chunk"])
+def test_a_chunks_attention_over_its_prefix_equals_masked_sdpa(prefix):
+    """Forward and gradients of the maskless chunk attention (prefix unmasked, own chunk
+    causal, merged by log-sum-exp) equal SDPA's with the explicit lower-right mask."""
+    from flatshard.parallel.chunk_attention import chunk_attention
+
+    torch.manual_seed(0)
+    length = 6
+    q = torch.randn(2, 4, length, 8, requires_grad=True)
+    k, v = (torch.randn(2, 4, prefix + length, 8, requires_grad=True) for _ in range(2))
+    mask = torch.ones(length, prefix + length, dtype=torch.bool).tril(prefix)
+    ours = chunk_attention(q, k, v)
+    theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    grad = torch.randn_like(ours)
+    for a, b in zip(torch.autograd.grad(ours, (q, k, v), grad),
+                    torch.autograd.grad(theirs, (q, k, v), grad)):  # fmt: skip
+        assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+    assert torch.allclose(ours, theirs, atol=1e-6)

@@ -4,12 +4,13 @@ Each rank holds two of the sequence's `2 x cp` equal chunks, chunk `r` and chunk
 `2cp - 1 - r`, so under a causal mask every rank has the same attention work (torchtitan's
 and Megatron's load balancing). Everything but attention is per token and runs on the
 local tokens as it is; attention gathers the keys and values of every rank (an all-gather
-whose backward reduce-scatters their gradients), puts them in sequence order and lets each
-local query see the keys at or before its position. The model learns its tokens' places
-from `position_ids` (RoPE at those positions, the mask from them).
+whose backward reduce-scatters their gradients), puts them in sequence order, and each of
+the rank's two query chunks attends to the keys up to its end (chunk_attention.py: the
+fused kernel, no mask). The model learns its tokens' places from `position_ids` (RoPE at
+those positions).
 
-This is the all-gather-K/V variant, which runs on any backend and any attention kernel;
-torch's `context_parallel` (ring attention over SDPA's CUDA kernels) is not used.
+This is the all-gather-K/V variant, which runs on any backend; torch's `context_parallel`
+(ring attention over SDPA's CUDA kernels) is not used.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from flatshard import compat
 from flatshard.errors import MeshError
+from flatshard.parallel.chunk_attention import chunk_attention
 
 
 def sequence_positions(length: int, cp: int, rank: int, device=None) -> torch.Tensor:
@@ -45,8 +47,9 @@ def split_sequence(tensor: torch.Tensor, cp_mesh: DeviceMesh, dim: int = 1) -> t
 
 class ContextParallel:
     """What a model's attention needs under context parallelism: the keys and values of
-    every rank in sequence order (`gather`), and which of them each local query sees
-    (`mask`). Set on the model and its attention modules by `apply_context_parallel`."""
+    every rank in sequence order (`gather`), and the attention of this rank's queries over
+    them (`attend`). Set on the model and its attention modules by
+    `apply_context_parallel`."""
 
     def __init__(self, cp_mesh: DeviceMesh):
         if cp_mesh.ndim != 1:
@@ -68,12 +71,16 @@ class ContextParallel:
         gathered = gathered.index_select(0, order).movedim(0, 2)
         return gathered.split(key.shape[1], dim=1)
 
-    def mask(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """[B, 1, T_local, T] bool: a local query (at `position_ids` [B, T_local]) sees the
-        keys at or before its position."""
-        length = position_ids.shape[1] * self.size
-        keys = torch.arange(length, device=position_ids.device)
-        return (keys[None, None, :] <= position_ids[:, :, None]).unsqueeze(1)
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+        """Causal attention of this rank's queries [B, H, T_local, D] (its two chunks) over
+        the whole sequence's keys and values [B, H, T, D]."""
+        chunk = query.shape[2] // 2
+        rank = self.mesh.get_local_rank()
+        outputs = []
+        for index, part in zip((rank, 2 * self.size - 1 - rank), query.split(chunk, dim=2)):
+            end = (index + 1) * chunk  # the keys it sees: those up to its own end
+            outputs.append(chunk_attention(part, key[:, :, :end], value[:, :, :end]))
+        return torch.cat(outputs, dim=2)
 
     def _sequence_order(self, length: int, device) -> torch.Tensor:
         """Where each position sits in the gathered ranks' chunks (rank order)."""

@@ -277,8 +277,11 @@ class Attention(nn.Module):
             # memory-efficient kernel does not take enable_gqa and would fall back to math).
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        causal = mask is None and q.shape[2] == k.shape[2]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        if self.context_parallel is not None:
+            out = self.context_parallel.attend(q, k, v)
+        else:
+            causal = mask is None and q.shape[2] == k.shape[2]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -333,16 +336,15 @@ def attention_extras(cache, layer: int, mask) -> tuple[tuple, dict]:
 
 
 def attention_mask(model: nn.Module, position_ids: torch.Tensor | None):
-    """What a model's attention is masked by: None (causal) without positions; under context
-    parallelism the local queries' view of the whole sequence; else packed documents'."""
-    context = getattr(model, "context_parallel", None)
-    if context is not None:
+    """What a model's attention is masked by: None (causal) without positions and under
+    context parallelism (its attention knows each chunk's place); else packed documents'."""
+    if getattr(model, "context_parallel", None) is not None:
         if position_ids is None:
             raise ValueError(
                 "context parallelism: each rank holds part of the sequence, so the model "
                 "needs its tokens' position_ids (flatshard.parallel.split_sequence gives both)"
             )
-        return context.mask(position_ids)
+        return None
     return None if position_ids is None else document_mask(position_ids)
 
 
