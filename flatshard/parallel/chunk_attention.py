@@ -21,13 +21,14 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 
-def chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+def chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale=None):
     """query [B, H, L, D] at the last L positions of key/value [B, H, P, D] (P >= L):
-    each query sees the keys at or before its position."""
+    each query sees the keys at or before its position. `scale`: of the scores (None:
+    1/sqrt(D), SDPA's)."""
     if query.device.type != "cpu":
         mask = causal_lower_right(query.shape[2], key.shape[2])
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask)
-    return _ChunkAttention.apply(query, key, value)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+    return _ChunkAttention.apply(query, key, value, scale)
 
 
 def _parts(key: torch.Tensor, value: torch.Tensor, length: int):
@@ -41,11 +42,11 @@ def _parts(key: torch.Tensor, value: torch.Tensor, length: int):
 
 class _ChunkAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value):
+    def forward(ctx, query, key, value, scale):
         outputs, lses = [], []
         for k, v, causal in _parts(key, value, query.shape[2]):
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                query, k, v, 0.0, causal
+                query, k, v, 0.0, causal, scale=scale
             )
             outputs.append(out.float())
             lses.append(lse)
@@ -53,6 +54,7 @@ class _ChunkAttention(torch.autograd.Function):
         merged = sum(out * (part - lse).exp().unsqueeze(-1) for out, part in zip(outputs, lses))
         merged = merged.to(query.dtype)
         ctx.save_for_backward(query, key, value, merged, lse)
+        ctx.scale = scale
         return merged
 
     @staticmethod
@@ -62,9 +64,9 @@ class _ChunkAttention(torch.autograd.Function):
         grad_keys, grad_values = [], []
         for k, v, causal in _parts(key, value, query.shape[2]):
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                grad.contiguous(), query, k, v, out, lse, 0.0, causal
+                grad.contiguous(), query, k, v, out, lse, 0.0, causal, scale=ctx.scale
             )
             grad_query += dq
             grad_keys.append(dk)
             grad_values.append(dv)
-        return grad_query, torch.cat(grad_keys, dim=2), torch.cat(grad_values, dim=2)
+        return grad_query, torch.cat(grad_keys, dim=2), torch.cat(grad_values, dim=2), None

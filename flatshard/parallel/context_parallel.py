@@ -71,15 +71,15 @@ class ContextParallel:
         gathered = gathered.index_select(0, order).movedim(0, 2)
         return gathered.split(key.shape[1], dim=1)
 
-    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale=None):
         """Causal attention of this rank's queries [B, H, T_local, D] (its two chunks) over
-        the whole sequence's keys and values [B, H, T, D]."""
+        the whole sequence's keys and values [B, H, T, D] (`scale`: of the scores)."""
         chunk = query.shape[2] // 2
         rank = self.mesh.get_local_rank()
         outputs = []
         for index, part in zip((rank, 2 * self.size - 1 - rank), query.split(chunk, dim=2)):
             end = (index + 1) * chunk  # the keys it sees: those up to its own end
-            outputs.append(chunk_attention(part, key[:, :, :end], value[:, :, :end]))
+            outputs.append(chunk_attention(part, key[:, :, :end], value[:, :, :end], scale))
         return torch.cat(outputs, dim=2)
 
     def _sequence_order(self, length: int, device) -> torch.Tensor:

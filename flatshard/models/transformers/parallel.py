@@ -11,6 +11,7 @@ from flatshard.api.parallel_plan import ParallelPlan, register_plan
 from flatshard.api.parallelize import parallelize
 from flatshard.hf.errors import HFConfigError
 from flatshard.mesh import ParallelDims
+from flatshard.models.transformers.context_parallel import split_context
 from flatshard.parallel.transformers_plan import (
     apply_transformers_expert_parallel,
     apply_transformers_tensor_parallel,
@@ -49,5 +50,6 @@ register_plan(
         # transformers' grouped-expert kernels route by data-dependent sizes (its CPU
         # fallback's backward cannot be traced): compiled blocks run them eagerly
         uncompiled=lambda model: list(grouped_experts(model).values()),
+        context_parallel=lambda model, mesh: split_context(model, decoder_layers(model), mesh),
     ),
 )
