@@ -92,10 +92,12 @@ def tp_communication(spec: ModelSpec, setup, hidden: int, vocab: int) -> dict[st
     """Bytes per rank per step of TP's collectives (the payload: the whole activation), per
     micro-batch. Without SP, all-reduces per block: in forward each row-parallel output's,
     in backward each column-parallel input gradient's (torch's ColwiseParallel reduces q, k
-    and v separately). With SP (torchtitan's plan) none: per block the attention's and the
-    MLP's inputs are all-gathered by sequence and their outputs reduce-scattered, in
-    forward and (reversed) in backward; the embedding's output is reduce-scattered and the
-    head's input all-gathered (reversed in backward), and its logits all-gathered."""
+    and v separately). With SP (torchtitan's plan) per block the attention's and the MLP's
+    inputs are all-gathered by sequence and their outputs reduce-scattered, in forward and
+    (reversed) in backward, but the MLP input's gradient is all-reduced (torch's
+    PrepareModuleInput hands the MLP a plain tensor, whose column-parallel gradient comes
+    back partial); the embedding's output is reduce-scattered and the head's input
+    all-gathered (reversed in backward), and its logits all-gathered."""
     tokens = setup.micro_batch * setup.seq_len // setup.cp * setup.grad_accum  # this rank's
     tp, a = setup.tp, DTYPE_BYTES[setup.param_dtype]
     figures = dict.fromkeys(("tp_all_reduce", "tp_all_gather", "tp_reduce_scatter"), 0)
@@ -103,9 +105,14 @@ def tp_communication(spec: ModelSpec, setup, hidden: int, vocab: int) -> dict[st
         return {**figures, "tp_wire_per_rank": 0}
     activation = tokens * hidden * a
     if setup.sp:
-        each = (4 * spec.n_layers + 2) * activation  # all-gathers, and reduce-scatters
-        figures.update(tp_all_gather=each + tokens * vocab * a, tp_reduce_scatter=each)
-        wire = (tp - 1) * (figures["tp_all_gather"] + each) // tp
+        layers = spec.n_layers
+        figures.update(
+            tp_all_gather=(4 * layers + 2) * activation + tokens * vocab * a,
+            tp_reduce_scatter=(3 * layers + 2) * activation,
+            tp_all_reduce=layers * activation,
+        )
+        wire = (tp - 1) * (figures["tp_all_gather"] + figures["tp_reduce_scatter"]) // tp
+        wire += 2 * (tp - 1) * figures["tp_all_reduce"] // tp
         return {**figures, "tp_wire_per_rank": wire}
     per_block = len(LLAMA_BLOCK_PLAN)  # rowwise: forward; colwise and fused: backward
     figures["tp_all_reduce"] = per_block * spec.n_layers * activation
