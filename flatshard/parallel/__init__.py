@@ -7,6 +7,7 @@ expert_parallel.py  experts split over an EP mesh, tokens dispatched by all-to-a
 latent_attention.py  DeepSeek's MLA split by heads
 gated_deltanet.py  Qwen3-Next's Gated DeltaNet split by heads
 transformers_plan.py  transformers' own base_model_tp_plan / base_model_ep_plan, applied
+transformers_sequence.py  that plan with the sequence split between the blocks (SP)
 context_parallel.py  the sequence split over a CP mesh, attention over all of it
 chunk_attention.py  a query chunk's causal attention over the keys up to its end, maskless
 """

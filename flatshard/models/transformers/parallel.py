@@ -17,6 +17,7 @@ from flatshard.parallel.transformers_plan import (
     apply_transformers_tensor_parallel,
     grouped_experts,
 )
+from flatshard.parallel.transformers_sequence import apply_transformers_sequence_parallel
 
 
 def shard_decoder_layers(model: nn.Module, dims: ParallelDims | None = None, **options):
@@ -51,5 +52,8 @@ register_plan(
         # fallback's backward cannot be traced): compiled blocks run them eagerly
         uncompiled=lambda model: list(grouped_experts(model).values()),
         context_parallel=lambda model, mesh: split_context(model, decoder_layers(model), mesh),
+        sequence_parallel=lambda model, mesh: apply_transformers_sequence_parallel(
+            model, mesh, decoder_layers(model)
+        ),
     ),
 )

@@ -1,7 +1,8 @@
-"""Context parallelism (`ParallelDims(cp=N)`): each sequence split over the CP ranks in
-load-balanced chunks, attention over the whole of it, the parameters sharded over
-dp_shard x cp. Every layout trains as one process does, and its checkpoint resumes at
-any other."""
+"""Long sequences. Context parallelism (`ParallelDims(cp=N)`): each sequence split over the
+CP ranks in load-balanced chunks, attention over the whole of it, the parameters sharded
+over dp_shard x cp; and sequence parallelism for a transformers model (the reference
+Llama's is in test_tp_fsdp.py). Every layout trains as one process does, and a CP
+checkpoint resumes at any other."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from distributed import run_distributed
 from reference import build_model, config, full_state, mean_over_ranks, rel_diff, rel_losses
 from reference import train as train_ranks
+from torch.distributed.tensor import Shard
 
 import flatshard
 from flatshard import checkpoint
@@ -68,8 +70,10 @@ def _train(dims, data, model=None, optimizer=None):
     return losses, model, optimizer
 
 
-def _layout(dp_shard, cp, tp):
-    return flatshard.ParallelDims(dp_shard * cp * tp, dp_shard=dp_shard, cp=cp, tp=tp)
+def _layout(dp_shard, cp, tp, sp=False):
+    return flatshard.ParallelDims(
+        dp_shard * cp * tp, dp_shard=dp_shard, cp=cp, tp=tp, sequence_parallel=sp
+    )
 
 
 def _run(layout):
@@ -134,6 +138,8 @@ def _train_transformers(layout):
         meshes = dims.build()
         flatshard.parallelize(model, meshes)
         dp_rank, dp, world = meshes.dp_rank, dims.dp, dims.world_size
+        if dims.sequence_parallel:  # the embedding split by vocabulary over TP
+            assert model.model.embed_tokens.weight.placements[-1] == Shard(0)
     losses = train_ranks(
         model, _batches(), rank=dp_rank, world=dp,
         # lr 1e-3: AdamW turns the rounding of near-zero gradients into whole steps (at
@@ -148,10 +154,15 @@ def _train_transformers(layout):
     return losses, full_state(model)
 
 
-@pytest.mark.parametrize("layout", [(2, 2, 1), (1, 2, 2)], ids=str)
-def test_a_transformers_model_under_context_parallelism_trains_like_one_process(layout):
+@pytest.mark.parametrize(
+    "layout", [(2, 2, 1), (1, 2, 2), (2, 1, 2, True)], ids=["dp2-cp2", "cp2-tp2", "dp2-tp2-sp"]
+)
+def test_a_transformers_model_under_context_and_sequence_parallelism_trains_like_one_process(
+    layout,
+):
     """transformers' own Llama, its attention run by flatshard's CP attention (registered
-    as an attention implementation): (dp 2, cp 2) and (cp 2, tp 2 by its own TP plan)."""
+    as an attention implementation): (dp 2, cp 2) and (cp 2, tp 2 by its own TP plan); and
+    under its TP plan with the sequence split between the blocks (dp 2, tp 2 + SP)."""
     ref_losses, reference = _train_transformers(None)
     for losses, weights in run_distributed(_train_transformers, 4, layout):
         assert rel_losses(losses, ref_losses) <= TOLERANCE

@@ -1,0 +1,85 @@
+"""Sequence parallelism for a transformers causal LM: its own tensor-parallel plan
+(transformers_plan.py) with torchtitan's sequence split around it.
+
+Each decoder layer's two norms run on the layer's share of the sequence (`SequenceParallel`),
+the attention and the MLP gather the sequence first (`PrepareModuleInput`) and their output
+projections reduce-scatter it back (`RowwiseParallel` to `Shard(1)`); the embedding and the
+head are split by vocabulary, the head's logits gathered for the loss. The residual stream
+stays a sequence-sharded DTensor, so the model's own code sees the whole sequence's shape
+(its positions, RoPE and mask as without SP). Layers of the Llama shape only (the two norms
+`input_layernorm` / `post_attention_layernorm` around `self_attn` and `mlp`); another shape,
+or tied embeddings, is refused by name.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from flatshard.errors import MeshError
+from flatshard.parallel.transformers_plan import tensor_parallel_styles
+
+_LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+_SEQUENCE = Shard(1)
+
+
+def apply_transformers_sequence_parallel(model: nn.Module, tp_mesh, layers) -> None:
+    """Split a transformers causal LM over the 1-D `tp_mesh` by its own TP plan, with the
+    sequence split between the blocks (`layers`: its decoder layers)."""
+    _check(model, layers)
+    styles = tensor_parallel_styles(model, tp_mesh.size())
+    for name, style in styles.items():
+        if type(style) is RowwiseParallel:  # o_proj, down_proj: back to the sequence split
+            style = RowwiseParallel(output_layouts=_SEQUENCE, use_local_output=False)
+        parallelize_module(model.get_submodule(name), tp_mesh, style)
+    gather = {"hidden_states": Replicate()}
+    for layer in layers:
+        parallelize_module(layer, tp_mesh, {
+            "input_layernorm": SequenceParallel(),
+            "self_attn": PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": _SEQUENCE}, desired_input_kwarg_layouts=gather
+            ),
+            "post_attention_layernorm": SequenceParallel(),
+            "mlp": PrepareModuleInput(
+                input_layouts=(_SEQUENCE,), desired_input_layouts=(Replicate(),)
+            ),
+        })  # fmt: skip
+    base = model.base_model
+    parallelize_module(base, tp_mesh, {
+        "embed_tokens": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=_SEQUENCE, use_local_output=False
+        ),
+        "norm": SequenceParallel(),
+    })  # fmt: skip
+    head = ColwiseParallel(input_layouts=_SEQUENCE, output_layouts=Replicate())
+    parallelize_module(model.get_output_embeddings(), tp_mesh, head)
+
+
+def _check(model: nn.Module, layers) -> None:
+    name = type(model).__name__
+    if getattr(model.config, "tie_word_embeddings", False):
+        raise MeshError(
+            f"sequence parallelism splits the embedding and the head by vocabulary in "
+            f"different layouts; {name} ties them: use sequence_parallel=False"
+        )
+    base = model.base_model
+    shapes = {type(layer).__name__ for layer in layers if not _llama_shaped(layer)}
+    if shapes or not all(hasattr(base, part) for part in ("embed_tokens", "norm")):
+        raise MeshError(
+            f"sequence parallelism for transformers models takes Llama-shaped decoder "
+            f"layers ({', '.join(_LAYER_PARTS)}) and a base model with embed_tokens and norm; "
+            f"{name} ({', '.join(sorted(shapes)) or 'its base model'}) is not: use "
+            "sequence_parallel=False"
+        )
+
+
+def _llama_shaped(layer: nn.Module) -> bool:
+    children = {name for name, _ in layer.named_children()}
+    return children == set(_LAYER_PARTS)
