@@ -407,17 +407,18 @@ def test_expert_parallel_run_trains_like_data_parallel_and_resumes_at_another_ep
 
 def test_tensor_and_expert_parallel_moe_run_trains_like_data_parallel(tmp_path):
     """`--model moe-tiny --tp 2 --ep 2` on 4 processes: attention split over TP pairs,
-    experts over the ranks holding different tokens; the losses of a plain 2-process run."""
+    experts over the ranks holding different tokens; and `--tp 2 --sp` (the norms and
+    residual split by sequence, each MoE layer gathering it): the losses of a plain
+    2-process run."""
     sizes = MOE_TINY
-    plain, both = tmp_path / "plain", tmp_path / "both"
+    plain = tmp_path / "plain"
     check_ok(flatshard("train", *sizes, "--steps", 3, "--nproc", 2, "--out", plain))
-    check_ok(
-        flatshard("train", *sizes, "--steps", 3, "--nproc", 4, "--tp", 2, "--ep", 2,
-                  "--out", both)
-    )  # fmt: skip
     expected = [r["loss"] for r in metrics(plain)]
-    got = [r["loss"] for r in metrics(both)]
-    assert max(abs(a - b) / b for a, b in zip(got, expected)) <= 1e-5, (got, expected)
+    for name, layout in (("tp-ep", ["--tp", 2, "--ep", 2]), ("tp-sp", ["--tp", 2, "--sp"])):
+        check_ok(flatshard("train", *sizes, "--steps", 3, "--nproc", 4, *layout,
+                           "--out", tmp_path / name))  # fmt: skip
+        got = [r["loss"] for r in metrics(tmp_path / name)]
+        assert max(abs(a - b) / b for a, b in zip(got, expected)) <= 1e-5, (name, got, expected)
 
 
 @pytest.mark.parametrize(

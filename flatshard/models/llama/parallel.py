@@ -77,31 +77,45 @@ def parallelize_llama(model, tp_mesh, sequence_parallel: bool = False) -> None:
         kinds.update({"attn.q_norm": "head_norm", "attn.k_norm": "head_norm"})
     plan = {name: style(kind) for name, kind in kinds.items()}
     if sequence_parallel:
-        if model.config.tie_embeddings:
-            raise MeshError(
-                "sequence_parallel splits the embedding and the head by vocabulary in "
-                "different layouts; a tied model cannot: use sequence_parallel=False"
-            )
-        seq = Shard(1)
+        split_root_by_sequence(model, tp_mesh)
+        plan.update(ATTENTION_BY_SEQUENCE)
         plan.update({
-            "attn_norm": SequenceParallel(),
-            "attn": PrepareModuleInput(
-                input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)
-            ),
-            "attn.o_proj": RowwiseParallel(output_layouts=seq),
-            "mlp_norm": SequenceParallel(),
             "mlp": PrepareModuleInput(
-                input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True
+                input_layouts=(SEQUENCE,), desired_input_layouts=(Replicate(),),
+                use_local_output=True,
             ),
-            "mlp.down_proj": RowwiseParallel(output_layouts=seq),
-        })  # fmt: skip
-        parallelize_module(model, tp_mesh, {
-            "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-            "norm": SequenceParallel(),
-            "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+            "mlp.down_proj": RowwiseParallel(output_layouts=SEQUENCE),
         })  # fmt: skip
     for block in model.layers:
         parallelize_module(block, tp_mesh, plan)
+
+
+SEQUENCE = Shard(1)
+# sequence parallelism around a block's attention: its norm on the sequence shard, the
+# attention gathering it, its output projection reduce-scattering it back
+ATTENTION_BY_SEQUENCE = {
+    "attn_norm": SequenceParallel(),
+    "attn": PrepareModuleInput(
+        input_layouts=(SEQUENCE, None, None), desired_input_layouts=(Replicate(), None, None)
+    ),
+    "attn.o_proj": RowwiseParallel(output_layouts=SEQUENCE),
+    "mlp_norm": SequenceParallel(),
+}
+
+
+def split_root_by_sequence(model, tp_mesh) -> None:
+    """Sequence parallelism's root: the embedding and head split by vocabulary, the
+    embedding's output and the final norm by sequence, the logits gathered for the loss."""
+    if model.config.tie_embeddings:
+        raise MeshError(
+            "sequence_parallel splits the embedding and the head by vocabulary in "
+            "different layouts; a tied model cannot: use sequence_parallel=False"
+        )
+    parallelize_module(model, tp_mesh, {
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=SEQUENCE),
+        "norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=SEQUENCE, output_layouts=Replicate()),
+    })  # fmt: skip
 
 
 def tp_local_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:

@@ -3,6 +3,8 @@ Llama's attention with routed grouped experts. model.py / config.py the model,
 router.py, expert_compute.py, balance.py and loss.py its routing, hf_adapter.py /
 hf_config.py its Hugging Face names and config.json, parallel.py its TP and EP plan."""
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -52,7 +54,11 @@ FAMILY = register(
         MoEConfig,
         MoE,
         plan=lambda model: ParallelPlan(
-            "layers", parallelize_moe, split_experts, context_parallel=split_context
+            "layers",
+            parallelize_moe,
+            split_experts,
+            context_parallel=split_context,
+            sequence_parallel=functools.partial(parallelize_moe, sequence_parallel=True),
         ),
         loss=moe_training_loss,
         describe=describe,
