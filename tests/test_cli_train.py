@@ -317,9 +317,10 @@ def test_tensor_parallel_run_trains_like_data_parallel_and_resumes_without_tp(tm
 
 
 def test_sequence_parallel_run_trains_like_one_process_and_resumes_without_tp(tmp_path):
-    """`--tp 2 --sp` on 2 processes (the norms and residual stream split by sequence, an odd
-    length: 31 tokens) takes the steps one process takes; its checkpoint resumes in one
-    process without TP, continuing those losses; `--sp` alone is a one-line error."""
+    """`--tp 2 --sp` on 2 processes (the norms and residual stream split by sequence) takes
+    the steps one process takes; its checkpoint resumes in one process without TP,
+    continuing those losses; `--sp` alone, and a sequence the TP ranks cannot split evenly,
+    are one-line errors."""
     sizes = ["--set", "model.preset=tiny", "--set", "data.seq_len=32",
              "--set", "train.micro_batch=2", "--set", "train.global_batch=4",
              "--set", "run.sample_tokens=0"]  # fmt: skip
@@ -341,6 +342,9 @@ def test_sequence_parallel_run_trains_like_one_process_and_resumes_without_tp(tm
         "train.sp (sequence parallelism) splits the sequence over the TP ranks"
         in one_line_error(alone)
     )
+    odd = flatshard("train", *sizes, "--steps", 1, "--nproc", 2, "--tp", 2, "--sp",
+                    "--set", "data.seq_len=31", "--out", tmp_path / "odd")  # fmt: skip
+    assert "data.seq_len (31) must be a multiple of train.tp" in one_line_error(odd)
 
 
 def test_context_parallel_run_trains_like_one_process_and_resumes_without_cp(tmp_path):

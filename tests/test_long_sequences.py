@@ -169,6 +169,17 @@ def test_a_transformers_model_under_context_and_sequence_parallelism_trains_like
         assert rel_diff(weights, reference) <= TOLERANCE
 
 
+def _odd_sequence_under_sp():
+    model = build_model(config(**CFG, tie_embeddings=False))
+    flatshard.parallelize(model, _layout(1, 1, 2, sp=True).build())
+    with pytest.raises(ValueError, match="input of 15 tokens is not a multiple of 2"):
+        model(torch.zeros(2, 15, dtype=torch.long))
+
+
+def test_a_sequence_the_tp_ranks_cannot_split_is_one_clear_error_under_sp():
+    run_distributed(_odd_sequence_under_sp, 2)
+
+
 def test_load_balanced_chunks_and_a_length_they_cannot_split():
     # rank r holds chunks r and 2cp - 1 - r: the same causal work on every rank
     assert sequence_positions(8, 2, 0).tolist() == [0, 1, 6, 7]

@@ -324,6 +324,11 @@ def check(config: RunConfig, world_size: int | None = None) -> None:
             f"train.global_batch ({train.global_batch}) must be a multiple of train.micro_batch "
             f"({train.micro_batch})"
         )
+    if train.sp and config.data.seq_len % train.tp:
+        raise ConfigError(
+            f"train.sp splits each sequence over the {train.tp} TP ranks: data.seq_len "
+            f"({config.data.seq_len}) must be a multiple of train.tp"
+        )
     if train.cp > 1 and config.data.pack:
         raise ConfigError(
             "train.cp splits each sequence by plain positions; packed conversations "

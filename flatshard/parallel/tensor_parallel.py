@@ -145,3 +145,20 @@ class _GatherParts(torch.autograd.Function):
         full = grad.split([n * size for n in ctx.sizes], dim=-1)
         mine = [part.chunk(size, dim=-1)[rank] for part in full]
         return torch.cat(mine, dim=-1), None, None
+
+
+def require_whole_sequence_shards(embedding: nn.Module, tp: int) -> None:
+    """Sequence parallelism splits the sequence into `tp` equal shards: check each input of
+    the model's `embedding` (token ids [B, T]) before anything runs, so a length that does
+    not split is one clear error rather than a shape mismatch deep in a block."""
+
+    def check(module, args, kwargs):
+        tokens = args[0] if args else kwargs.get("input")
+        if tokens is not None and tokens.shape[-1] % tp:
+            raise ValueError(
+                f"sequence parallelism splits each sequence over {tp} TP ranks: the model's "
+                f"input of {tokens.shape[-1]} tokens is not a multiple of {tp}; pick a "
+                f"sequence length whose input (data.seq_len) is one"
+            )
+
+    embedding.register_forward_pre_hook(check, with_kwargs=True)

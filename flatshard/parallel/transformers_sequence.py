@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from flatshard.errors import MeshError
+from flatshard.parallel.tensor_parallel import require_whole_sequence_shards
 from flatshard.parallel.transformers_plan import tensor_parallel_styles
 
 _LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
@@ -52,6 +53,7 @@ def apply_transformers_sequence_parallel(model: nn.Module, tp_mesh, layers) -> N
             ),
         })  # fmt: skip
     base = model.base_model
+    require_whole_sequence_shards(base.embed_tokens, tp_mesh.size())
     parallelize_module(base, tp_mesh, {
         "embed_tokens": RowwiseParallel(
             input_layouts=Replicate(), output_layouts=_SEQUENCE, use_local_output=False

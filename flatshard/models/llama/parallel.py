@@ -23,7 +23,11 @@ from torch.distributed.tensor.parallel import (
 
 from flatshard.errors import MeshError
 from flatshard.parallel.context_parallel import apply_context_parallel
-from flatshard.parallel.tensor_parallel import FusedColwiseParallel, HeadNormParallel
+from flatshard.parallel.tensor_parallel import (
+    FusedColwiseParallel,
+    HeadNormParallel,
+    require_whole_sequence_shards,
+)
 
 
 def check_tp(config, tp: int) -> None:
@@ -111,6 +115,7 @@ def split_root_by_sequence(model, tp_mesh) -> None:
             "sequence_parallel splits the embedding and the head by vocabulary in "
             "different layouts; a tied model cannot: use sequence_parallel=False"
         )
+    require_whole_sequence_shards(model.embed_tokens, tp_mesh.size())
     parallelize_module(model, tp_mesh, {
         "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=SEQUENCE),
         "norm": SequenceParallel(),
