@@ -132,11 +132,16 @@ class Setup:
             raise ConfigError(f"--zero-stage must be 1, 2 or 3, got {self.zero_stage}")
         if self.sp and self.tp == 1:
             raise ConfigError("--sp splits the sequence over the TP ranks: it needs --tp > 1")
-        if self.cp > 1 and (self.dp_shard % self.cp or self.seq_len % (2 * self.cp)):
+        if self.cp > 1 and self.dp_shard % self.cp:
             raise ConfigError(
                 f"--cp {self.cp} must divide the ranks a unit is sharded over (--dp-shard "
-                f"{self.dp_shard}: parameters shard over dp_shard x cp), and --seq-len "
-                f"{self.seq_len} must be a multiple of {2 * self.cp} (load-balanced chunks)"
+                f"{self.dp_shard}: parameters shard over dp_shard x cp); pick a --world-size "
+                f"or --dp-shard that {self.cp} divides"
+            )
+        if self.cp > 1 and self.seq_len % (2 * self.cp):
+            raise ConfigError(
+                f"--cp {self.cp} splits each sequence into {2 * self.cp} equal chunks: "
+                f"--seq-len {self.seq_len} must be a multiple of {2 * self.cp}"
             )
         self.dims  # noqa: B018  (validates the degrees: a MeshError names what is wrong)
         if self.hpz_group and (
