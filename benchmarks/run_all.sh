@@ -39,6 +39,9 @@ run --preset many-small --modes ddp,fsdp2,zero3,zero3f --steps 6 --world 4
 # Muon (issue 35): flatshard's owner-per-matrix Muon against torch's on FSDP2 and the flat AdamW
 run --preset 35m --world 4 --modes fsdp2,zero3f,fsdp2-muon,zero3m --steps 4 --rounds 2 \
   --interleave steps
+# Long sequences (issue 61): TP + sequence parallelism under FSDP2 and flatshard, flatshard's
+# context parallelism, beside plain FSDP2 / ZeRO-3 and TP
+run --preset 35m --modes fsdp2,zero3,fsdp2-tp,tp3,fsdp2-sp,sp3,cp3 --interleave steps
 # Host time per step in the unit hooks (issue 38 item 2), one process
 "$python" benchmarks/host_profile.py --preset many-small --steps 20 | sed 's/^/    /' >> "$out"
 # RL state movement (issue 36): offload/reload and full weights against FSDP2 recipes
