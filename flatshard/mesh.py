@@ -168,6 +168,10 @@ class Meshes:
             ranks = torch.arange(dims.world_size).view(dims.dp // dims.ep, dims.ep, dims.tp)
             ranks = ranks.permute(0, 2, 1).reshape(dims.efsdp, dims.ep)
             experts = DeviceMesh(device_type, ranks, mesh_dim_names=("efsdp", "ep"))
+        # every rank has made every group before any goes on: a rank that raised right
+        # after (a bad config) and exited would take rank 0's store away from peers still
+        # connecting their groups, which then print gloo's "Connection reset" traces
+        dist.barrier()
         return Meshes(dims, world, dp, experts)
 
     @property
