@@ -16,6 +16,7 @@ LAYERS = [
     {"errors", "compat", "registry"},
     {"policy", "layout", "comm", "data"},
     {"dtensor", "mesh"},
+    {"shard_mesh"},  # a mesh as fully_shard uses it (over mesh.py's meshes)
     {"runtime", "parallel"},
     {"api", "optim"},
     {"checkpoint"},
@@ -26,8 +27,9 @@ LAYERS = [
     {"cli"},
     {"__main__"},  # python -m flatshard
 ]
-# loose in flatshard/: the face, leaves, and mesh.py (the one owner of the device meshes)
-LEAVES = {"errors", "compat", "registry", "policy", "mesh", "__init__", "__main__"}
+# loose in flatshard/: the face, leaves, mesh.py (the one owner of the device meshes) and
+# shard_mesh.py (fully_shard's view of one)
+LEAVES = {"errors", "compat", "registry", "policy", "mesh", "shard_mesh", "__init__", "__main__"}
 
 
 def _module_name(path: pathlib.Path) -> str:

@@ -18,7 +18,6 @@ from flatshard.comm import peer_failure
 from flatshard.dtensor import patches
 from flatshard.dtensor.tp_params import onto_tp_mesh
 from flatshard.errors import WrappingError
-from flatshard.mesh import ShardMesh, split_spmd_mesh
 from flatshard.policy import (
     MixedPrecisionPolicy,
     as_mixed_precision,
@@ -29,6 +28,7 @@ from flatshard.policy import (
 from flatshard.runtime.build_unit import UnitSettings, build_unit
 from flatshard.runtime.first_use import first_use_groups
 from flatshard.runtime.offload import place as offload_pieces
+from flatshard.shard_mesh import ShardMesh, split_spmd_mesh
 
 
 def fully_shard(

@@ -19,7 +19,8 @@ import torch.distributed as dist
 import flatshard
 from flatshard import comm
 from flatshard.cli import runs
-from flatshard.cli.config import RunConfig, check, parallel_dims
+from flatshard.cli.config import RunConfig
+from flatshard.cli.config_rules import check, parallel_dims
 from flatshard.cli.errors import TrainingStopped
 from flatshard.cli.evaluation import Evaluation
 from flatshard.cli.generate import sample_at_end

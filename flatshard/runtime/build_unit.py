@@ -19,7 +19,6 @@ from flatshard.dtensor.tp_params import tp_param_info, tp_placement
 from flatshard.errors import LayoutError, WrappingError
 from flatshard.layout import ParamInfo, declared_components, plan_unit_layout
 from flatshard.layout.offload import needs_bucket_per_param
-from flatshard.mesh import ShardMesh
 from flatshard.policy import MixedPrecisionPolicy, OffloadPolicy
 from flatshard.runtime import load_hooks
 from flatshard.runtime.flat_bucket import FlatBucket
@@ -30,6 +29,7 @@ from flatshard.runtime.states import Resharding
 from flatshard.runtime.subclass_params import SubclassGather, has_gather_protocol, problem_with
 from flatshard.runtime.subclass_params import shard as shard_subclass_param
 from flatshard.runtime.unit import Unit
+from flatshard.shard_mesh import ShardMesh
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,6 @@ from flatshard.models.llama.model import (
     LlamaConfig,
     RMSNorm,
     TransformerBlock,
-    apply_rope,
-    rope_cos_sin,
-    rope_inv_freq,
 )
 from flatshard.models.llama.parallel import (
     LLAMA_BLOCK_PLAN,
@@ -28,6 +25,7 @@ from flatshard.models.llama.parallel import (
     split_context,
     tp_local_shape,
 )
+from flatshard.models.llama.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from flatshard.models.registry import ModelFamily, register
 
 FAMILY = register(

@@ -26,8 +26,8 @@ from flatshard.models.llama.model import (
     RMSNorm,
     attention_extras,
     attention_mask,
-    rope_at,
 )
+from flatshard.models.llama.rope import rope_at
 from flatshard.models.moe.config import MoEConfig
 from flatshard.models.moe.expert_compute import (
     expert_outputs,

@@ -1,0 +1,128 @@
+"""The rules between a run config's keys (checked when a config is built, and with the
+number of processes when a run starts) and the run's degrees of parallelism from them."""
+
+from __future__ import annotations
+
+from flatshard.cli.errors import ConfigError
+from flatshard.errors import MeshError
+from flatshard.mesh import ParallelDims
+
+
+def parallel_dims(config, world_size: int) -> ParallelDims:
+    """The run's degrees over `world_size` processes (dp_shard: what the others leave)."""
+    train = config.train
+    try:
+        return ParallelDims(
+            world_size, dp_replicate=train.dp_replicate, tp=train.tp, ep=train.ep,
+            sequence_parallel=train.sp, cp=train.cp,
+        )  # fmt: skip
+    except MeshError as error:  # it names the degree: say which key holds it, and the fix
+        named = str(error).replace("sequence_parallel", "sp (sequence parallelism)", 1)
+        raise ConfigError(f"train.{named}{_process_fix(train)}") from None
+
+
+def _process_fix(train) -> str:
+    """The smallest number of processes these degrees work on, as the flag that sets it."""
+    for world in range(1, 1025):
+        try:
+            ParallelDims(
+                world, dp_replicate=train.dp_replicate, tp=train.tp, ep=train.ep,
+                sequence_parallel=train.sp, cp=train.cp,
+            )  # fmt: skip
+        except MeshError:
+            continue
+        return f"; run {world} processes or a multiple (--nproc {world})"
+    return ""
+
+
+def _batch_fixes(global_batch: int, micro_batch: int, dp: int) -> str:
+    """Flags that make `global_batch` split over `dp` ranks in micro-batches."""
+    fixes = []
+    if global_batch % dp == 0:
+        fixes.append(
+            f"--micro-batch {max(d for d in range(1, micro_batch) if global_batch // dp % d == 0)}"
+        )
+    fixes.append(f"--global-batch {-(-global_batch // (micro_batch * dp)) * micro_batch * dp}")
+    return "pass " + " or ".join(fixes) + ", or change the number of processes (--nproc)"
+
+
+def check(config, world_size: int | None = None) -> None:
+    """Rules between keys; with `world_size`, also the batch split over processes."""
+    train = config.train
+    if train.min_lr > train.lr:
+        raise ConfigError(f"train.min_lr ({train.min_lr}) must not exceed train.lr ({train.lr})")
+    if train.global_batch % train.micro_batch:
+        raise ConfigError(
+            f"train.global_batch ({train.global_batch}) must be a multiple of train.micro_batch "
+            f"({train.micro_batch})"
+        )
+    if train.sp and config.data.seq_len % train.tp:
+        raise ConfigError(
+            f"train.sp splits each sequence over the {train.tp} TP ranks: data.seq_len "
+            f"({config.data.seq_len}) must be a multiple of train.tp"
+        )
+    if train.cp > 1 and config.data.pack:
+        raise ConfigError(
+            "train.cp splits each sequence by plain positions; packed conversations "
+            "(data.pack) restart them: use one of the two"
+        )
+    if train.cp > 1 and config.data.seq_len % (2 * train.cp):
+        raise ConfigError(
+            f"train.cp ({train.cp}) splits each sequence into {2 * train.cp} equal chunks: "
+            f"data.seq_len ({config.data.seq_len}) must be a multiple of {2 * train.cp}"
+        )
+    if world_size is not None:  # the run's whole config (a resume's merged with its own)
+        _check_lora(config)
+        dims = parallel_dims(config, world_size)
+        if train.hpz_group and (
+            train.zero_stage != 3
+            or dims.dp_shard % train.hpz_group
+            or train.dp_replicate > 1
+            or train.tp > 1
+            or train.ep > 1
+            or train.cp > 1
+        ):
+            raise ConfigError(
+                f"train.hpz_group ({train.hpz_group}) needs train.zero_stage=3, no HSDP "
+                f"(train.dp_replicate=1), no TP or EP (train.tp=1, train.ep=1) and must divide "
+                f"the processes "
+                f"({dims.dp_shard})"
+            )
+        if train.global_batch % (train.micro_batch * dims.dp):
+            per_step = train.micro_batch * dims.dp
+            sharing = train.tp * train.cp
+            shared = f"; the {sharing} TP/CP ranks of a group share a batch" if sharing > 1 else ""
+            raise ConfigError(
+                f"train.global_batch ({train.global_batch}) must be a multiple of "
+                f"train.micro_batch x data-parallel ranks ({train.micro_batch} x {dims.dp} = "
+                f"{per_step}{shared}; {world_size} processes asked for): "
+                + _batch_fixes(train.global_batch, train.micro_batch, dims.dp)
+            )
+    model, seq_len = config.model, config.data.seq_len
+    if model.max_seq_len and model.max_seq_len < seq_len:
+        raise ConfigError(
+            f"model.max_seq_len ({model.max_seq_len}) is shorter than data.seq_len ({seq_len})"
+        )
+    if config.run.stop_at_step > train.steps:
+        raise ConfigError(
+            f"run.stop_at_step ({config.run.stop_at_step}) is past train.steps ({train.steps})"
+        )
+    if "{" in config.run.out_dir.replace("{time}", ""):
+        raise ConfigError(f"run.out_dir {config.run.out_dir!r}: only {{time}} may be substituted")
+
+
+def _check_lora(config) -> None:
+    train = config.train
+    if train.lora_rank and not config.model.hf:
+        raise ConfigError(
+            "train.lora_rank needs a pretrained model to adapt: set model.hf (--hf DIR)"
+        )
+    if train.qlora and not train.lora_rank:
+        raise ConfigError("train.qlora quantizes the bases LoRA adapts: set train.lora_rank "
+                          "(--lora R) too")  # fmt: skip
+    if train.lora_rank and (train.tp > 1 or train.ep > 1 or train.cp > 1):
+        raise ConfigError(
+            "LoRA (train.lora_rank) runs data-parallel only for now: set train.tp=1, "
+            "train.cp=1 and train.ep=1 (the adapters are small; ZeRO shards the frozen base "
+            "already)"
+        )
