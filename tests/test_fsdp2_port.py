@@ -1,7 +1,7 @@
 """The behaviours PyTorch's FSDP2 unit tests check, each run with FSDP2 and with flatshard
 (only the import differs, tests/fsdp2_behaviours.py) at world 2 (4 where said); results
 must agree: fp32 losses and full weights to 1e-6, bf16 to bf16 rounding, structure
-exactly. Not ported (with why) is listed in NOT_PORTED; README gives the count."""
+exactly. Not ported (with why) is listed in NOT_PORTED; docs/development.md gives the count."""
 
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ def test_behaves_as_fsdp2(name):
     close(ours, theirs, tolerance, name)
 
 
-def test_the_count_in_readme():
+def test_the_count_in_the_docs():
     import pathlib
 
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert f"{len(BEHAVIOURS)} behaviours of FSDP2's unit tests" in readme
+    page = pathlib.Path(__file__).resolve().parents[1] / "docs" / "development.md"
+    assert f"{len(BEHAVIOURS)} behaviours of FSDP2's unit tests" in page.read_text()

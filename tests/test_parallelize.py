@@ -1,4 +1,4 @@
-"""`flatshard.parallelize` and `ParallelDims`: the README's snippet (HSDP x TP x EP with
+"""`flatshard.parallelize` and `ParallelDims`: the docs' snippet (HSDP x TP x EP with
 offload on the reference MoE, world 4) and a model of the user's own with its own TP plan
 (dp 2 x tp 2) train like one process; the meshes hold the ranks the docs say; a plan that
 cannot apply says why."""
@@ -26,18 +26,18 @@ pytestmark = pytest.mark.slow  # deselect with -m 'not slow' for a quick loop
 
 STEPS = 4
 TOLERANCE = 1e-6
-README = Path(__file__).resolve().parents[1] / "README.md"
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guides" / "parallelize.md"
 
 
 def readme_snippet() -> str:
-    """The README's python block that calls parallelize on the reference MoE."""
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    """The parallelize guide's python block that calls parallelize on the reference MoE."""
+    blocks = re.findall(r"```python\n(.*?)```", GUIDE.read_text(), re.S)
     return next(b for b in blocks if "flatshard.parallelize(model, dims" in b)
 
 
 def _run_readme_snippet():
     scope: dict = {}
-    exec(readme_snippet(), scope)  # noqa: S102  (our own README)
+    exec(readme_snippet(), scope)  # noqa: S102  (our own docs)
     model, optimizer = scope["model"], scope["optimizer"]
     data_rank, data_ranks = scope["data_rank"], scope["data_ranks"]
     group = scope["dims"].build().dp.get_group()
@@ -57,7 +57,7 @@ def test_readme_snippet_trains_like_one_process():
     torch.manual_seed(0)
     reference = MoE(MoEConfig.tiny("mixtral"))
     data = batches(reference.config, STEPS)
-    snippet_adamw = partial(torch.optim.AdamW, lr=1e-3)  # the README's optimizer
+    snippet_adamw = partial(torch.optim.AdamW, lr=1e-3)  # the snippet's optimizer
     ref_losses = train(reference, data, loss_fn=moe_loss, make_optimizer=snippet_adamw)
     for losses, weights in run_distributed(_run_readme_snippet, 4):
         assert rel_losses(losses, ref_losses) <= TOLERANCE

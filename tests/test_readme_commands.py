@@ -1,10 +1,11 @@
-"""Every `flatshard ...` command the README shows runs as written (a few steps for `train`):
-the lines of its code blocks and the commands quoted in its text. Placeholders (`runs/<time>`,
-`path/to/model`, `my.txt`, ...) become a run, a tiny Hugging Face model or a file made here;
-`torchrun` lines need GPUs and are left to scripts/gpu_check.py."""
+"""Every `flatshard ...` command the README and the docs show runs as written (a few steps
+for `train`): the lines of their code blocks and the commands quoted in their text.
+Placeholders (`runs/<time>`, `path/to/model`, `my.txt`, ...) become a run, a tiny Hugging Face
+model or a file made here; `torchrun` lines need GPUs and are left to scripts/gpu_check.py."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -19,19 +20,25 @@ from tiny_tokenizer import make_tokenizer_dir
 pytestmark = pytest.mark.slow  # deselect with -m 'not slow' for a quick loop
 transformers = pytest.importorskip("transformers")
 
-README = os.path.join(REPO_ROOT, "README.md")
+PAGES = [
+    os.path.join(REPO_ROOT, "README.md"),
+    *sorted(glob.glob(os.path.join(REPO_ROOT, "docs", "**", "*.md"), recursive=True)),
+]
 QUOTED = re.compile(r"`(flatshard (?:train|plan|sample|inspect|convert) [^`]*)`")
 
 
 def readme_commands() -> list[str]:
-    """The README's flatshard commands, in order: code-block lines (continuations joined,
-    comments dropped) and commands quoted in the text."""
-    commands, in_block, pending = [], False, ""
-    for line in open(README).read().splitlines():
-        if line.startswith("```"):
+    """The README's and the docs' flatshard commands, in order: code-block lines
+    (continuations joined, comments dropped) and commands quoted in the text."""
+    commands, in_block, output, pending = [], False, False, ""
+    for line in "\n".join(open(page).read() for page in PAGES).splitlines():
+        if line.strip().startswith("```"):
             in_block = not in_block
+            output = line.strip() == "```text"  # what a command prints, not a command
             continue
         if in_block:
+            if output:
+                continue
             line = pending + line.strip()
             pending = ""
             if line.endswith("\\"):

@@ -1,4 +1,4 @@
-"""The package's structure as README's architecture table draws it: every import goes down the
+"""The package's structure as docs/concepts/architecture.md draws it: every import goes down the
 layers (or stays inside its own folder), no modules import each other in a circle, no module
 reads another's private names (tests included), and nothing but the package face and a few
 leaves lies loose in `flatshard/`. Read from the source with `ast`: nothing is imported."""

@@ -34,6 +34,9 @@ from flatshard.errors import CheckpointError
 
 @dataclass
 class LoadResult:
+    """What `checkpoint.load` loaded: the step, its directory, the saving run's world size,
+    the keys skipped (non-strict), whether the RNG states were restored, and the extras."""
+
     step: int
     path: str
     world_size: int  # of the run that saved it

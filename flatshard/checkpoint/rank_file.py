@@ -34,6 +34,7 @@ from flatshard import comm, compat
 from flatshard.checkpoint.global_plan import PlannedItem, file_name
 
 DEFAULT_STAGING_BYTES = 256 << 20
+"""The most host memory a save's copies hold at once (256 MiB), in waves of half of it."""
 
 
 def write(

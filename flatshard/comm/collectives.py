@@ -43,6 +43,7 @@ class Traffic:
 
 
 traffic = Traffic()
+"""This process's payload counters: bytes each kind of collective moved (reset per step)."""
 
 
 class Collectives:

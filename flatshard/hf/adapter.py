@@ -22,6 +22,9 @@ from flatshard.hf.names import NameRule, TensorMapping, natural_key, plan_tensor
 
 
 class StateDictAdapter:
+    """How a model family's parameters map to a Hugging Face checkpoint's tensors and
+    config.json: the name rules, which models and configs it handles, and how it builds one."""
+
     rules: tuple[NameRule, ...] | None = None  # None: HF names are the parameter names
 
     def handles(self, model: nn.Module) -> bool:
@@ -96,6 +99,7 @@ class StateDictAdapter:
 
 
 GENERIC = StateDictAdapter()
+"""The adapter of a model whose Hugging Face names are its own parameter names."""
 _FAMILIES: list[StateDictAdapter] = []
 _FALLBACKS: list[StateDictAdapter] = []  # asked after every family, whatever the order
 
@@ -108,10 +112,12 @@ def register(adapter: StateDictAdapter, fallback: bool = False) -> StateDictAdap
 
 
 def adapter_for(model: nn.Module) -> StateDictAdapter:
+    """The registered adapter that handles `model` (`GENERIC` when none does)."""
     return next((a for a in _FAMILIES + _FALLBACKS if a.handles(model)), GENERIC)
 
 
 def adapter_for_config(hf_config: dict) -> StateDictAdapter:
+    """The registered adapter that handles a config.json (`GENERIC` when none does)."""
     return next((a for a in _FAMILIES + _FALLBACKS if a.handles_config(hf_config)), GENERIC)
 
 

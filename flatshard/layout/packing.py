@@ -14,6 +14,7 @@ from flatshard.layout.params import ParamInfo
 # A merge of two buckets that costs padding is still taken while the merged bucket stays
 # under this padding fraction: fewer buckets mean fewer, larger collectives.
 MERGE_TOLERANCE = 0.001
+"""The padding fraction a merge of two buckets may cost and still be taken."""
 
 
 def _round_up(a: int, multiple: int) -> int:

@@ -227,6 +227,7 @@ class ShardSpec:
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of `shape`, in elements."""
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)

@@ -11,6 +11,9 @@ import torch
 
 
 class KVCache:
+    """Keys and values of the tokens seen so far, per layer, for generation one token at a
+    time: `model(tokens, cache=KVCache())` feeds only the new tokens."""
+
     def __init__(self):
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}

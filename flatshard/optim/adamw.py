@@ -27,6 +27,11 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 class AdamW(FlatStepping, torch.optim.AdamW):
+    """`torch.optim.AdamW` over flatshard's flat shards: torch's constructor, param groups
+    and state (`step`, `exp_avg`, `exp_avg_sq` placed like their parameter), each step
+    torch's own op sequence over a few slices of each shard (`fused=True`: torch's fused
+    kernel over them); bitwise torch's results at any world size, stage, TP or EP."""
+
     @staticmethod
     def _flat_options(group: dict) -> bool:
         return not (

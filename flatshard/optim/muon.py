@@ -59,6 +59,10 @@ _MUON_OPTIONS = (
 
 
 class Muon(AdamW):
+    """torch's `Muon` on the hidden matrices (each orthogonalised whole by one owner rank,
+    chosen to share the Newton-Schulz work evenly) and the flat AdamW on the rest, in one
+    optimizer; build its groups with `muon_param_groups(model)`."""
+
     def __init__(
         self,
         params,

@@ -19,6 +19,10 @@ _MOMENTUM = ("momentum_buffer",)
 
 
 class SGD(FlatStepping, torch.optim.SGD):
+    """`torch.optim.SGD` over flatshard's flat shards: torch's constructor, param groups and
+    state (`momentum_buffer` placed like its parameter), each step torch's own op sequence
+    over a few slices of each shard instead of one parameter at a time; bitwise torch's."""
+
     @staticmethod
     def _flat_options(group: dict) -> bool:
         return not (

@@ -42,6 +42,7 @@ FAMILY = register(
         describe=lambda config: "Llama",
     )
 )
+"""The Llama family as the registry knows it: config, model, parallel plan, run header."""
 
 __all__ = [
     "FAMILY",

@@ -49,6 +49,7 @@ LLAMA_RULES: tuple[NameRule, ...] = (
     NameRule("model.norm.weight", "norm.weight"),
     NameRule("lm_head.weight", "lm_head.weight"),
 )
+"""Hugging Face tensor names of Llama, Qwen2 and Qwen3 against the reference Llama's."""
 
 
 class LlamaAdapter(StateDictAdapter):
@@ -94,3 +95,4 @@ class LlamaAdapter(StateDictAdapter):
 
 
 LLAMA = register(LlamaAdapter())
+"""The adapter of Llama, Qwen2 and Qwen3 checkpoints into flatshard's reference `Llama`."""

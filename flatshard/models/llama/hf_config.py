@@ -86,6 +86,7 @@ IGNORED_FIELDS = frozenset({
     # Qwen2/3: only meaningful when use_sliding_window is true (checked to be false)
     "sliding_window", "max_window_layers",
 })  # fmt: skip
+"""config.json fields that change neither the weights nor the forward math."""
 
 
 def is_metadata(field: str) -> bool:

@@ -27,6 +27,7 @@ from flatshard.models.llama.rope import apply_rope, rope_at
 # GPT-style init scale. nn.Embedding's default N(0, 1) would give huge logits once the
 # embedding is tied to lm_head, so every weight matrix uses the same small normal init.
 INIT_STD = 0.02
+"""The standard deviation of every weight matrix's normal init (GPT-style)."""
 
 
 @dataclass(kw_only=True)

@@ -56,6 +56,7 @@ LLAMA_BLOCK_PLAN = {
     "mlp.gate_up_proj": "fused",
     "mlp.down_proj": "rowwise",
 }
+"""Each block's TP style by module (colwise, rowwise, fused), read by `flatshard plan` too."""
 
 
 def style(kind: str) -> ParallelStyle:

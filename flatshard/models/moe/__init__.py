@@ -65,6 +65,7 @@ FAMILY = register(
         hf_export=False,
     )
 )
+"""The MoE family as the registry knows it: config, model, parallel plan, loss, run header."""
 
 __all__ = [
     "FAMILY",

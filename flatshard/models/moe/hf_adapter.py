@@ -52,6 +52,7 @@ MOE_RULES: tuple[NameRule, ...] = (
     NameRule("model.layers.{n}.mlp.gate.weight", "layers.{n}.mlp.gate.weight"),
     NameRule("model.layers.{n}.mlp.experts.{tensor}", "layers.{n}.mlp.experts.{tensor}"),
 )
+"""Hugging Face tensor names of Qwen3-MoE and Mixtral (in memory) against the reference MoE's."""
 _EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
 # fields a model may set differently from the checkpoint: they do not change the weights
 _UNCHECKED = {"max_seq_len", "expert_compute", "aux_loss_coef"}
@@ -181,3 +182,5 @@ def _is_whole(disk: TensorMapping, shape: tuple[int, ...]) -> bool:
 
 
 MOE = register(MoEAdapter())
+"""The adapter that builds flatshard's reference `MoE` from a Qwen3-MoE or Mixtral
+checkpoint (`hf.from_pretrained(path, adapter=MOE)`), so it takes expert parallelism."""

@@ -107,3 +107,5 @@ class TransformersAdapter(StateDictAdapter):
 
 
 TRANSFORMERS = register(TransformersAdapter(), fallback=True)
+"""The adapter of any `transformers` causal LM: `hf.from_pretrained(path, adapter=TRANSFORMERS)`
+builds the transformers model itself (asked after every flatshard family)."""
