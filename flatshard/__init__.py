@@ -17,6 +17,7 @@ from flatshard.api.parallel_plan import ParallelPlan, register_plan
 from flatshard.api.parallelize import parallelize
 from flatshard.api.sharding import fully_shard
 from flatshard.api.state_movement import offload_states, reload_states
+from flatshard.comm.sync_group import SyncGroup, weight_sync_group
 from flatshard.compat import DataParallelMeshDims
 from flatshard.dtensor.clip import clip_grad_norm_
 from flatshard.dtensor.sharded_param import row_range
@@ -30,9 +31,12 @@ from flatshard.errors import (
     StatesOffloadedError,
     TokenIdError,
     UnevenShardError,
+    WeightSyncError,
     WrappingError,
 )
 from flatshard.hf.stream import full_weights
+from flatshard.hf.sync_receive import ReceiveStats, receive_weights
+from flatshard.hf.sync_send import SyncStats, sync_weights
 from flatshard.mesh import Meshes, ParallelDims
 from flatshard.policy import CommPolicy, MixedPrecisionPolicy, OffloadPolicy
 from flatshard.registry import unit_of as state
@@ -63,8 +67,12 @@ __all__ = [
     "StatesOffloadedError",
     "ParallelDims",
     "ParallelPlan",
+    "ReceiveStats",
+    "SyncGroup",
+    "SyncStats",
     "TokenIdError",
     "UnevenShardError",
+    "WeightSyncError",
     "WrappingError",
     "checkpoint",
     "clip_grad_norm_",
@@ -78,10 +86,13 @@ __all__ = [
     "parallelize",
     "register_plan",
     "register_fsdp_forward_method",
+    "receive_weights",
     "reload_states",
     "row_range",
     "share_comm_ctx",
     "state",
+    "sync_weights",
     "units",
+    "weight_sync_group",
     "weights_changed",
 ]

@@ -51,3 +51,9 @@ class OffloadError(FlatShardError, OSError):
 class PeerFailedError(FlatShardError, RuntimeError):
     """Another rank failed while this one waited for it in a collective: the message names
     that rank and its exception (`flatshard/comm/peer_failure.py`)."""
+
+
+class WeightSyncError(FlatShardError, RuntimeError):
+    """Weights streamed to receivers (`flatshard.sync_weights`) cannot be sent or applied as
+    asked: a bad address or rank, names the receiving model lacks, or an update refused
+    because its senders disagree on its version (nothing of it is applied)."""

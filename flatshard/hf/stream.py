@@ -50,7 +50,7 @@ def full_weights(
     receiving = to_rank is None or world == 1 or dist.get_rank() == to_rank
     for unit in registry.units_below(model):
         unit.check_states_here()  # not while offload_states has them on the host
-    order, params = hf_order(model, adapter) if names == "hf" else _model_order(model)
+    order, params = hf_order(model, adapter) if names == "hf" else model_order(model)
     with torch.no_grad():
         for name, tensor in gathered(order, params, max_bytes):
             if receiving:
@@ -78,7 +78,9 @@ def hf_order(model: nn.Module, adapter: StateDictAdapter | None = None, mappings
     return [(m.hf_name, m.param_name, cut(m)) for m in mappings], params
 
 
-def _model_order(model: nn.Module):
+def model_order(model: nn.Module):
+    """(the state dict's entries as (key, the key of the tensor it shares, None), the
+    tensors by key: tied ones once)."""
     state = model.state_dict()
     first_key: dict[int, str] = {}  # tied parameters: gathered once
     for key, value in state.items():
