@@ -39,7 +39,8 @@ def _llama_dir(path, moe: bool = False) -> str:
     return str(path)
 
 
-def _trainer(path, port, options, steps_between, tp=1, ep=1, versions=None, flat=False):
+def _trainer(path, port, options, steps_between, tp=1, ep=1, versions=None, flat=False,
+             receivers=1):
     """Sync, train a step, sync again; the full weights rank 0 expected after each sync."""
     dims = flatshard.ParallelDims(dist.get_world_size(), tp=tp, ep=ep) if tp * ep > 1 else None
     if dims:
@@ -49,7 +50,7 @@ def _trainer(path, port, options, steps_between, tp=1, ep=1, versions=None, flat
     model.get_input_embeddings().weight.requires_grad_(False)  # frozen: never resent
     adamw = flatshard.optim.AdamW if flat else torch.optim.AdamW  # both bump what they write
     optimizer = adamw([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    group = flatshard.weight_sync_group(f"127.0.0.1:{port}", receivers=1)
+    group = flatshard.weight_sync_group(f"127.0.0.1:{port}", receivers=receivers)
     names = options.get("names", "hf")
     expected, stats = [], []
     for sync in range(1 + steps_between):
@@ -145,6 +146,41 @@ def test_expert_parallel_trainers_send_their_experts(tmp_path):
     expected, _, seen, _ = _sync(tmp_path, {"names": "model"}, moe=True, ep=2)
     for sync in range(2):
         _same(seen[sync], expected[sync])
+
+
+def test_tensor_parallel_receivers_each_take_their_slices(tmp_path):
+    """Two receivers, as the TP ranks of an engine: each asks for its half of the rows of
+    every matrix (the whole of every vector) and takes them as they arrive."""
+    path = _llama_dir(tmp_path / "model")
+    port = _free_port()
+    taken = [{}, {}]
+
+    def rows(index, name, shape):
+        half = shape[0] // 2
+        return ((index * half, 0), (half, shape[1])) if len(shape) == 2 else None
+
+    def receive(index):
+        group = flatshard.weight_sync_group(f"127.0.0.1:{port}", trainers=2, receiver=index,
+                                            receivers=2, backend="gloo")  # fmt: skip
+        for _ in range(2):
+            flatshard.receive_weights(
+                group, lambda name, value: taken[index].__setitem__(name, value.clone()),
+                slices=lambda name, shape: rows(index, name, shape), apply="as_received",
+            )  # fmt: skip
+
+    threads = [threading.Thread(target=receive, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    results = run_distributed(_trainer, 2, path, port, {"delta": True}, 1, receivers=2)
+    for thread in threads:
+        thread.join(timeout=60)
+    expected = results[0][0][-1]  # after the step and the delta sync
+    for index in range(2):
+        assert set(taken[index]) == set(expected)
+        for name, value in expected.items():
+            box = rows(index, name, tuple(value.shape))
+            want = value if box is None else value[index * box[1][0] : (index + 1) * box[1][0]]
+            assert torch.equal(taken[index][name], want), (index, name)
 
 
 def test_an_update_whose_senders_disagree_is_refused_untouched(tmp_path):

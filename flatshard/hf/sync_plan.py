@@ -1,0 +1,158 @@
+"""What one trainer rank sends in a weight sync: its blocks of the full tensors (the DCP
+chunks its checkpoint would write, so each block goes out once however a tensor is
+replicated over HSDP or TP), cut to the part each receiver asks for (a TP-sharded receiver
+asks for its slices), grouped into buckets of a byte budget that never mix two flat
+buffers, so a delta sync sends just the buffers written since the last one."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from flatshard.dtensor.row_shard import RowShard
+from flatshard.dtensor.sharded_param import param_spec
+from flatshard.errors import WeightSyncError
+from flatshard.hf.adapter import adapter_for
+from flatshard.hf.errors import HFCheckpointError
+from flatshard.hf.stream import model_order
+from flatshard.hf.sync_wire import Piece, piece_bytes
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape) in a full tensor
+
+
+@dataclass
+class Route:
+    """What goes to one receiver: parts (a piece of this rank, the block of it sent, where
+    that block lies in the piece) and the buckets of parts."""
+
+    parts: list[tuple[int, Piece, tuple[slice, ...]]]
+    buckets: list[list[int]]
+    sent_versions: list[tuple] | None = None
+
+
+@dataclass
+class SendPlan:
+    """One model's sync from this rank: its pieces, the tensors they are cut from as they
+    are now, what rank 0 tells the receivers, and a route per receiver."""
+
+    number: int  # the same on every trainer rank: plans are made in the same order
+    tensors: Callable[[], dict[str, torch.Tensor]]
+    pieces: list[Piece]
+    announcement: dict  # the tensors' shapes and dtypes, and the outputs cut from them
+    routes: dict[int, Route] = field(default_factory=dict)
+    syncs: int = 0
+
+
+def make_plan(model: nn.Module, names: str, rank: int, number: int) -> SendPlan:
+    """This rank's pieces of `model`'s tensors, named as `names` says."""
+    if names == "hf":
+        adapter = adapter_for(model)
+        mappings, unmapped = adapter.plan(model)
+        if unmapped:
+            raise HFCheckpointError(
+                f"no Hugging Face name for parameter(s) {unmapped}; add a NameRule for them"
+            )
+        current = functools.partial(adapter.tensors, model)
+        tensors = current()
+        infos = {name: param_spec(model, name, t).info for name, t in tensors.items()}
+        outputs = [(m.hf_name, m.param_name, (m, infos[m.param_name])) for m in mappings]
+    else:
+        order, tensors = model_order(model)
+        outputs = [(key, first, None) for key, first, _ in order]
+        current = lambda: model_order(model)[1]  # noqa: E731
+    pieces = [piece for name, t in tensors.items() for piece, *_ in pieces_of(name, t, rank)]
+    announcement = {
+        "tensors": {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()},
+        "outputs": outputs,
+    }
+    return SendPlan(number, current, pieces, announcement)
+
+
+def make_route(plan: SendPlan, request: dict[str, Box], written, wire, bucket_bytes) -> Route:
+    """The parts of this rank's pieces inside what a receiver asked for (the whole of a
+    tensor it names no box for), in buckets of `bucket_bytes` that keep to one flat buffer."""
+    parts, sources = [], []
+    for index, piece in enumerate(plan.pieces):
+        cut = _intersect(piece, request.get(piece.name))
+        if cut is not None:
+            parts.append((index, *cut))
+            sources.append(version_of(written[index])[0])
+    buckets, size, source = [], bucket_bytes, None
+    for part, (_, block, _) in enumerate(parts):
+        nbytes = piece_bytes(block, wire)
+        if size + nbytes > bucket_bytes or sources[part] != source:
+            buckets.append([])
+            size, source = 0, sources[part]
+        buckets[-1].append(part)
+        size += nbytes
+    return Route(parts, buckets)
+
+
+def _intersect(piece: Piece, box: Box | None):
+    """(the block of `piece` inside `box`, its slices within the piece), or None if none."""
+    if box is None:
+        return piece, tuple(slice(0, s) for s in piece.shape)
+    offsets, slices, shape = [], [], []
+    for start, size, want, length in zip(piece.offsets, piece.shape, *box):
+        low, high = max(start, want), min(start + size, want + length)
+        if high <= low:
+            return None
+        offsets.append(low)
+        shape.append(high - low)
+        slices.append(slice(low - start, high - start))
+    return Piece(piece.name, tuple(offsets), tuple(shape), piece.dtype), tuple(slices)
+
+
+def current_values(plan: SendPlan, rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each piece's value and the tensor whose version counter its writes bump, read from
+    the tensors as they are now (a module may swap its parameters' local tensors)."""
+    pieces, values, written = [], [], []
+    for name, tensor in plan.tensors().items():
+        for piece, value, bumped in pieces_of(name, tensor, rank):
+            pieces.append(piece)
+            values.append(value)
+            written.append(bumped)
+    if pieces != plan.pieces:
+        raise WeightSyncError(
+            "the model's layout changed since its first sync_weights (other parameters, "
+            "shapes or sharding): sync it over a new weight_sync_group"
+        )
+    return values, written
+
+
+def version_of(tensor: torch.Tensor) -> tuple[int, int]:
+    """What changes when a piece is written: its storage, and autograd's version counter."""
+    return tensor.untyped_storage().data_ptr(), tensor._version
+
+
+def pieces_of(name: str, tensor: torch.Tensor, rank: int):
+    """(Piece, its value, the tensor whose version an in-place write to it bumps) for each
+    block of `tensor` this rank sends (a flatshard piece: its flat buffer's, which every
+    write through the DTensor or a flat optimizer bumps)."""
+    if not isinstance(tensor, DTensor):
+        if rank == 0:  # a tensor flatshard does not shard: every rank has it whole
+            piece = Piece(name, (0,) * tensor.dim(), tuple(tensor.shape), tensor.dtype)
+            yield piece, tensor.detach(), tensor
+        return
+    local = tensor._local_tensor
+    if isinstance(local, RowShard):  # flatshard's: the chunks its checkpoint writes
+        for item in local.__create_write_items__(name, tensor):
+            chunk = item.tensor_data.chunk
+            piece = Piece(name, tuple(chunk.offsets), tuple(chunk.sizes), tensor.dtype)
+            value = local.__get_tensor_shard__(item.index)
+            yield piece, value, value if local.version_base is None else local.version_base
+        return
+    coordinate = tensor.device_mesh.get_coordinate()
+    if any(c != 0 for c, p in zip(coordinate, tensor.placements) if isinstance(p, Replicate)):
+        return  # another replica sends it
+    shape, offsets = compute_local_shape_and_global_offset(
+        tensor.shape, tensor.device_mesh, tensor.placements
+    )
+    piece = Piece(name, tuple(offsets), tuple(shape), tensor.dtype)
+    yield piece, tensor.to_local(), tensor.to_local()
