@@ -245,6 +245,19 @@ def test_state_movement_script():
     assert len(compared) == 4 and all(float(row[-1]) > 0 for row in compared), proc.stdout
 
 
+def test_weight_sync_script():
+    """The weight-sync benchmark runs its three ways and its two deltas end to end (tiny)."""
+    script = os.path.join(ROOT, "benchmarks", "weight_sync.py")
+    proc = _script(script, "--preset", "tiny", "--repeats", "1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [_cells(line) for line in proc.stdout.splitlines() if line.startswith("| ")]
+    timed = [row for row in rows if row[0].startswith(("sync_weights", "full_"))]
+    assert len(timed) == 4 and all(float(row[1]) > 0 for row in timed), proc.stdout
+    deltas = {row[0]: row for row in rows if row[0] in ("full fine-tuning", "LoRA r16")}
+    assert "100.0% of the model" in deltas["full fine-tuning"][1], proc.stdout
+    assert float(deltas["LoRA r16"][1].split("(")[1].split("%")[0]) < 100, proc.stdout
+
+
 def test_sample_speed_script():
     """The sampling benchmark runs both ways and they choose the same tokens."""
     script = os.path.join(ROOT, "benchmarks", "sample_speed.py")

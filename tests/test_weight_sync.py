@@ -40,14 +40,18 @@ def _llama_dir(path, moe: bool = False) -> str:
 
 
 def _trainer(path, port, options, steps_between, tp=1, ep=1, versions=None, flat=False,
-             receivers=1):
-    """Sync, train a step, sync again; the full weights rank 0 expected after each sync."""
+             receivers=1, reference=False):
+    """Sync, train a step, sync again; the full weights rank 0 expected after each sync.
+    The transformers model itself, or (reference) flatshard's Llama with its fused gate/up."""
+    adapter = None if reference else hf.TRANSFORMERS
     dims = flatshard.ParallelDims(dist.get_world_size(), tp=tp, ep=ep) if tp * ep > 1 else None
     if dims:
-        model = hf.from_pretrained(path, dims=dims, adapter=hf.TRANSFORMERS)
+        model = hf.from_pretrained(path, dims=dims, adapter=adapter)
     else:
-        model = hf.from_pretrained(path, shard=hf.shard_decoder_layers, adapter=hf.TRANSFORMERS)
-    model.get_input_embeddings().weight.requires_grad_(False)  # frozen: never resent
+        model = hf.from_pretrained(path, shard=hf.shard_decoder_layers, adapter=adapter)
+    for name, param in model.named_parameters():
+        if "embed_tokens" in name:
+            param.requires_grad_(False)  # frozen: never resent
     adamw = flatshard.optim.AdamW if flat else torch.optim.AdamW  # both bump what they write
     optimizer = adamw([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     group = flatshard.weight_sync_group(f"127.0.0.1:{port}", receivers=receivers)
@@ -56,7 +60,8 @@ def _trainer(path, port, options, steps_between, tp=1, ep=1, versions=None, flat
     for sync in range(1 + steps_between):
         if sync:
             tokens = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(sync))
-            logits = model(tokens[:, :-1]).logits
+            output = model(tokens[:, :-1])
+            logits = getattr(output, "logits", output)
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
             loss.backward()
             optimizer.step()
@@ -107,17 +112,26 @@ def _same(received: dict, expected: dict, cast=None):
 
 
 def test_full_then_delta_sync_is_bitwise_the_trainers_weights(tmp_path):
-    options = {"delta": True, "bucket_bytes": 4096}
-    expected, stats, seen, outcome = _sync(tmp_path, options, flat=True)
-    for sync in range(2):
+    options = {"delta": True, "bucket_bytes": 4096, "full_every": 2}
+    expected, stats, seen, outcome = _sync(tmp_path, options, steps_between=2, flat=True)
+    for sync in range(3):
         _same(seen[sync], expected[sync])
     assert not torch.equal(expected[0]["lm_head.weight"], expected[1]["lm_head.weight"])
-    first, second = zip(*stats)  # per rank
-    assert all(s.full and s.buckets_sent == s.buckets for s in first)
+    first, second, third = zip(*stats)  # per rank
+    assert all(s.full and s.buckets_sent == s.buckets for s in first + third)  # full_every 2
     # the frozen embedding's buckets were not written by the step: not sent again
     assert all(not s.full and 0 < s.buckets_sent < s.buckets for s in second)
     trained = sum(1 for name in expected[0] if name != "model.embed_tokens.weight")
     assert outcome[1].tensors_applied == trained and outcome[0].tensors_applied == trained + 1
+
+
+def test_the_reference_llamas_fused_weights_arrive_as_transformers_tensors(tmp_path):
+    """flatshard's Llama holds gate and up as one [gate; up] parameter: the receiver cuts
+    the Hugging Face tensors out of it."""
+    expected, _, seen, _ = _sync(tmp_path, {}, reference=True)
+    assert "model.layers.0.mlp.gate_proj.weight" in expected[0]
+    for sync in range(2):
+        _same(seen[sync], expected[sync])
 
 
 def test_a_bf16_wire_gives_the_bf16_rounding(tmp_path):
