@@ -36,7 +36,7 @@ from flatshard.errors import (
 )
 from flatshard.hf.stream import full_weights
 from flatshard.hf.sync_receive import ReceiveStats, receive_weights
-from flatshard.hf.sync_send import SyncStats, sync_weights
+from flatshard.hf.sync_send import SyncStats, end_weight_sync, sync_weights
 from flatshard.mesh import Meshes, ParallelDims
 from flatshard.policy import CommPolicy, MixedPrecisionPolicy, OffloadPolicy
 from flatshard.registry import unit_of as state
@@ -76,6 +76,7 @@ __all__ = [
     "WrappingError",
     "checkpoint",
     "clip_grad_norm_",
+    "end_weight_sync",
     "full_weights",
     "fully_shard",
     "hf",

@@ -22,8 +22,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
 DOC_FILES = [README, *sorted(glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True))]
 # what a block may need that CI does not run: GPUs, several nodes, minutes of benchmarks,
-# the set-up of a fresh machine (what scripts/test.sh itself does)
-NOT_RUN = re.compile(r"<!-- not run: (gpu|cluster|minutes|setup)\b[^>]*-->")
+# the set-up of a fresh machine (what scripts/test.sh itself does), commands that wait for
+# each other (paired: a test runs them together)
+NOT_RUN = re.compile(r"<!-- not run: (gpu|cluster|minutes|setup|paired)\b[^>]*-->")
 FRAGMENT = "<!-- fragment -->"
 INCLUDE = re.compile(r'^--8<-- "(examples/[\w.]+\.py)(:\d+)*"$')
 FENCE = re.compile(r"^(\s*)```(\w*)\s*$")

@@ -24,18 +24,23 @@ PAGES = [
     os.path.join(REPO_ROOT, "README.md"),
     *sorted(glob.glob(os.path.join(REPO_ROOT, "docs", "**", "*.md"), recursive=True)),
 ]
+PAIRED = "<!-- not run: paired"
 QUOTED = re.compile(r"`(flatshard (?:train|plan|sample|inspect|convert) [^`]*)`")
 
 
 def readme_commands() -> list[str]:
     """The README's and the docs' flatshard commands, in order: code-block lines
     (continuations joined, comments dropped) and commands quoted in the text."""
-    commands, in_block, output, pending = [], False, False, ""
+    commands, in_block, output, pending, previous = [], False, False, "", ""
     for line in "\n".join(open(page).read() for page in PAGES).splitlines():
         if line.strip().startswith("```"):
             in_block = not in_block
-            output = line.strip() == "```text"  # what a command prints, not a command
+            # what a command prints, or commands that wait for each other (another test
+            # runs them together): not commands to run one by one
+            output = line.strip() == "```text" or previous.startswith(PAIRED)
+            previous = ""
             continue
+        previous = line.strip()
         if in_block:
             if output:
                 continue

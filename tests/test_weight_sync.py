@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -135,8 +136,15 @@ def test_the_reference_llamas_fused_weights_arrive_as_transformers_tensors(tmp_p
 
 
 def test_a_bf16_wire_gives_the_bf16_rounding(tmp_path):
-    expected, _, seen, _ = _sync(tmp_path, {"wire": "bf16"}, steps_between=0)
+    from flatshard.planner.sync_cost import sync_figures
+
+    expected, stats, seen, _ = _sync(tmp_path, {"wire": "bf16"}, steps_between=0)
     _same(seen[0], expected[0], cast=torch.bfloat16)
+    # the bytes flatshard plan --sync-wire bf16 expects (each block aligned to 8 bytes)
+    planned = sync_figures(sum(v.numel() for v in expected[0].values()),
+                           SimpleNamespace(world_size=2, dp_shard=2, tp=1, sync_wire="bf16"))
+    sent = sum(s[0].bytes_sent for s in stats)
+    assert planned["bytes_per_receiver"] <= sent <= 1.01 * planned["bytes_per_receiver"]
 
 
 def test_an_fp8_wire_rounds_each_row_to_its_scale(tmp_path):

@@ -73,6 +73,7 @@ def check(config, world_size: int | None = None) -> None:
         )
     if world_size is not None:  # the run's whole config (a resume's merged with its own)
         _check_lora(config)
+        _check_sync(config)
         dims = parallel_dims(config, world_size)
         if train.hpz_group and (
             train.zero_stage != 3
@@ -109,6 +110,21 @@ def check(config, world_size: int | None = None) -> None:
         )
     if "{" in config.run.out_dir.replace("{time}", ""):
         raise ConfigError(f"run.out_dir {config.run.out_dir!r}: only {{time}} may be substituted")
+
+
+def _check_sync(config) -> None:
+    address = config.sync.address
+    if not address:
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"sync.address {address!r}: give it as host:port (--sync-to)")
+    if config.train.lora_rank:
+        raise ConfigError(
+            "sync.address with LoRA (train.lora_rank): weight sync sends the weights the "
+            "run holds, not the base with the adapters merged; sync without LoRA, or export "
+            "(flatshard convert checkpoint-to-hf) for now"
+        )
 
 
 def _check_lora(config) -> None:

@@ -1,4 +1,4 @@
-"""The `flatshard` command: train, sample, plan, inspect, convert.
+"""The `flatshard` command: train, sample, plan, inspect, convert, receive.
 
 User errors (a bad config value, a missing file, an unusable checkpoint) print one line
 `flatshard: error: ...` and exit with status 2; there is no traceback for them.
@@ -51,6 +51,8 @@ TRAIN_FLAGS = {
     "lora": ("train.lora_rank", "R", "LoRA adapters of rank R, the base frozen (with --hf)"),
     "seed": ("train.seed", "N", "seed of the weights and the data order"),
     "checkpoint_interval": ("checkpoint.interval", "N", "save every N steps (0: only at the end)"),
+    "sync_to": ("sync.address", "HOST:PORT", "push the weights to `flatshard receive` there"),
+    "sync_interval": ("sync.interval", "N", "steps between weight syncs (0: only at the end)"),
     "out": ("run.out_dir", "DIR", "run directory (default runs/{time})"),
     "nproc": ("run.nproc", "N", "local processes when not under torchrun"),
 }
@@ -146,6 +148,19 @@ def build_parser() -> argparse.ArgumentParser:
         "would, and estimate per-rank memory and per-step communication.",
     ))  # fmt: skip
 
+    receive = commands.add_parser(
+        "receive", help="hold a Hugging Face model and take a run's weights as it trains",
+        description="Join a run's weight-sync group (flatshard train --sync-to HOST:PORT) "
+        "with the model directory the run fine-tunes, apply every update it pushes, and "
+        "save the model when the run ends.",
+    )  # fmt: skip
+    receive.add_argument("--address", required=True, metavar="HOST:PORT")
+    receive.add_argument("--hf", required=True, metavar="DIR", help="the model the run trains")
+    receive.add_argument("--trainers", type=int, required=True, help="the run's process count")
+    receive.add_argument("--receivers", type=int, default=1)
+    receive.add_argument("--index", type=int, default=0, help="this receiver's index")
+    receive.add_argument("--out", default=None, metavar="DIR", help="save the model at the end")
+
     inspect = commands.add_parser("inspect", help="what a checkpoint holds")
     inspect.add_argument("path", metavar="CHECKPOINT", help="run, checkpoints or step-N directory")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
@@ -218,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             "chat": _chat,
             "plan": _plan,
             "inspect": _inspect,
+            "receive": _receive,
             "convert": _convert,
         }[args.command](args)
     except FlatShardError as error:
@@ -280,6 +296,12 @@ def _train(args) -> int:
     from flatshard.cli.train import train_worker
 
     return launch.run(train_worker, (config.flat(), run_dir, resume_step), world)
+
+
+def _receive(args) -> int:
+    from flatshard.cli.receive import receive
+
+    return receive(args)
 
 
 def _check_data(config) -> None:

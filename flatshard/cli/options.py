@@ -176,6 +176,19 @@ OPTIONS: tuple[Option, ...] = (
     Option("checkpoint.staging_mib", 256, "host memory for copies while writing a checkpoint "
            "(waves of half of it)", check=_positive),
     Option("checkpoint.at_end", True, "save when training ends"),
+    # sync: stream the weights to processes outside the run (an inference engine's)
+    Option("sync.address", "", "host:port of a weight-sync group (flatshard.sync_weights): "
+           "after every sync.interval steps and at the end, push the weights to its "
+           "receivers (`flatshard receive`); '': off"),
+    Option("sync.interval", 1, "steps between weight syncs (0: only at the end)",
+           check=_non_negative),
+    Option("sync.receivers", 1, "receivers that join the weight-sync group", check=_positive),
+    Option("sync.wire", "none", "weights on the wire: none (each tensor's own dtype), fp32, "
+           "bf16, fp16 or fp8 (e4m3, a scale per row)",
+           choices=("none", "fp32", "bf16", "fp16", "fp8")),
+    Option("sync.delta", True, "send only the buckets a step wrote (frozen weights once)"),
+    Option("sync.names", "hf", "hf: Hugging Face names and layout; model: the state dict's",
+           choices=("hf", "model")),
     # run
     Option("run.out_dir", "runs/{time}", "run directory ({time}: the start time)"),
     Option("run.nproc", 2, "local processes when not launched by torchrun", check=_positive),

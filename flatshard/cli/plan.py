@@ -86,6 +86,13 @@ def add_arguments(parser) -> None:
         help="how fast each rank writes its checkpoint file, for the save time (default 1)",
     )
     parser.add_argument(
+        "--sync-wire",
+        default=None,
+        choices=("none", "fp32", "bf16", "fp16", "fp8"),
+        help="the wire of a weight sync to inference (flatshard.sync_weights), for its "
+        "bytes (default: the run's sync.wire, or none: each tensor's own dtype)",
+    )
+    parser.add_argument(
         "--optimizer",
         default=None,
         choices=("adamw", "adamw-fused", "sgd", "muon", "torch-adamw"),
@@ -224,7 +231,7 @@ def _model_and_defaults(args):
         micro_batch=1, seq_len=4096, grad_accum=1, backend="nccl", hpz_group=0, tp=1, sp=False,
         ep=1, cp=1,
         offload=0.0, offload_disk=False, ac="none", optimizer="adamw", write_gbps=1.0,
-        quantize_weights="none", quantize_grads="none", muon_split_fused=False,
+        quantize_weights="none", quantize_grads="none", muon_split_fused=False, sync_wire="none",
     )  # fmt: skip
     if args.model is not None:
         lora = lora_spec(args.lora or 0, 0.0, 0.0, LORA_TARGETS)
@@ -252,6 +259,7 @@ def _model_and_defaults(args):
         quantize_weights=train.quantize_weights,
         quantize_grads=train.quantize_grads,
         muon_split_fused=train.muon_split_fused,
+        sync_wire=config.sync.wire,
         micro_batch=train.micro_batch,
         seq_len=config.data.seq_len,
         grad_accum=max(

@@ -136,6 +136,12 @@ def format_plan(result: Plan) -> str:
         f"files: {k['writers']:,} ranks write {each} each, about {k['save_seconds']:.1f} s at "
         f"{s.write_gbps:g} GB/s per rank (--write-gbps)",
     ]
+    w = result.weight_sync
+    lines.append(
+        f"  weight sync (--sync-wire {w['wire']}): {_gib(w['bytes_per_receiver']).strip()} to "
+        f"each receiver per full sync, {_gib(w['bytes_per_sender']).strip()} from each of "
+        f"{w['senders']:,} ranks (a delta sends only what a step wrote)"
+    )
     if result.muon is not None:
         lines += ["", *muon_lines(result.muon)]
     return "\n".join(lines)

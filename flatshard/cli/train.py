@@ -34,6 +34,7 @@ from flatshard.cli.run_data import open_run_data
 from flatshard.cli.run_header import run_header
 from flatshard.cli.schedule import learning_rate
 from flatshard.cli.stop import StopRequest
+from flatshard.cli.weight_push import WeightPush
 from flatshard.data.sequences import IGNORE, sequence_order
 from flatshard.models.registry import training_loss
 from flatshard.runtime.offload import offloaded_bytes
@@ -106,6 +107,7 @@ class Trainer:
             runs.write_config(run_dir, config)
             print(run_header(self), flush=True)
         self.progress = None
+        self.push = WeightPush(config) if config.sync.address else None
 
     # --- the loop ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -126,6 +128,8 @@ class Trainer:
         started = time.perf_counter()
         while self.step < config.train.steps:
             record = self._train_step(started)
+            if self.push is not None and self.push.due(self.step):
+                record.update(self.push.push(self.model, self.step))
             if self.evaluation is not None and self.evaluation.due(self.step, config.train):
                 record.update(self.evaluation.run(
                     self.model, config.train.micro_batch, self.dp_rank, self.dp_world,
@@ -207,6 +211,8 @@ class Trainer:
     # --- the end --------------------------------------------------------------------------------
     def _finish(self, reason: str) -> None:
         config = self.config
+        if self.push is not None:
+            self.push.finish(self.model, self.step)
         if reason != "done" or config.checkpoint.at_end:
             self.saves.save(self.step, self.position)
         latest = self.saves.latest()

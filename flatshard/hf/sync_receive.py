@@ -22,6 +22,7 @@ from flatshard.errors import WeightSyncError
 from flatshard.hf.stream import hf_tensor
 from flatshard.hf.sync_send import (
     ANNOUNCE_TAG,
+    CLOSED,
     HEADER_TAG,
     MANIFEST_TAG,
     OPENING_TAG,
@@ -75,7 +76,7 @@ def receive_weights(
     slices: Slices | None = None,
     apply: str = "end",
     expect_version: int | None = None,
-) -> ReceiveStats:
+) -> ReceiveStats | None:
     """Take one `sync_weights` update from every trainer rank of `group` and write it into
     `target`: a module whose parameters and buffers have the sent names (a `transformers`
     model for names="hf"; written in place, in their own dtype), or a callable taking
@@ -83,13 +84,16 @@ def receive_weights(
     tensor this receiver keeps (a TP-sharded engine's slice; None: all of it), asked for at
     a model's first sync. Tensors go out in the trainer's dtype (fp32 main weights), rounded
     as the wire rounded them. Raises `WeightSyncError`, applying nothing, when the senders
-    disagree on the version or it is not `expect_version`."""
+    disagree on the version or it is not `expect_version`. Returns None once the trainer
+    has ended the stream (`end_weight_sync`)."""
     if group.is_trainer:
         raise WeightSyncError("receive_weights runs on a receiver; trainers call sync_weights")
     if apply not in APPLY:
         raise WeightSyncError(f"receive_weights apply={apply!r}: use one of {APPLY}")
     start = time.perf_counter()
     layout = _opening(group, slices)
+    if layout is None:
+        return None  # the trainer ended the stream (end_weight_sync)
     write = _writer(target, layout)
     headers = []
     for sender, manifest in enumerate(layout.senders):
@@ -140,7 +144,7 @@ def receive_weights(
                         time.perf_counter() - start)  # fmt: skip
 
 
-def _opening(group: SyncGroup, slices: Slices | None) -> _Layout:
+def _opening(group: SyncGroup, slices: Slices | None) -> _Layout | None:
     """The plan this sync uses: known, or set up now (announced by trainer rank 0, this
     receiver's request to every trainer rank, and each one's manifest)."""
     openings = []
@@ -151,6 +155,8 @@ def _opening(group: SyncGroup, slices: Slices | None) -> _Layout:
     if len(set(openings)) != 1:
         raise WeightSyncError(f"the trainer's ranks sync different models ({openings})")
     number, new = openings[0]
+    if number == CLOSED:
+        return None
     if new:
         announcement = recv_object(group, 0, ANNOUNCE_TAG)
         boxes = _request(announcement, slices)

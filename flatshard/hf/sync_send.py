@@ -28,6 +28,7 @@ from flatshard.hf.sync_plan import SendPlan, current_values, make_plan, make_rou
 from flatshard.hf.sync_wire import pack, wire_dtype
 
 OPENING_TAG, ANNOUNCE_TAG, REQUEST_TAG, MANIFEST_TAG, HEADER_TAG = range(5)
+CLOSED = -1  # the plan number of an opening that ends the stream
 DEFAULT_BUCKET_BYTES = 64 << 20
 
 
@@ -111,6 +112,16 @@ def sync_weights(
             _finish(item)
     buckets = sum(len(route.buckets) for route in plan.routes.values())
     return SyncStats(version, full, sent, buckets, sent_bytes, time.perf_counter() - start)
+
+
+def end_weight_sync(group: SyncGroup) -> None:
+    """Tell the receivers no more updates come: their `receive_weights` returns None. Every
+    trainer rank calls it once, after its last `sync_weights`."""
+    if not group.is_trainer:
+        raise WeightSyncError("end_weight_sync runs on the trainer's ranks")
+    closing = torch.tensor([CLOSED, 0], dtype=torch.int64)
+    for receiver in group.receiver_ranks:
+        group.meta.send([closing], receiver, OPENING_TAG).wait()
 
 
 def _set_up(plan: SendPlan, group: SyncGroup, written, wire, bucket_bytes: int) -> None:

@@ -58,6 +58,7 @@ from flatshard.planner.parallel_cost import (
     tp_communication,
     tp_local,
 )
+from flatshard.planner.sync_cost import sync_figures
 from flatshard.planner.unit_figures import (
     UnitFigures,
     is_looked_up,
@@ -95,6 +96,7 @@ class Setup:
     muon_split_fused: bool = False  # muon: each fused component ([gate; up]) a matrix
     quantize_weights: str = "none"  # int8 / fp8: weights all-gathered in 8 bits (qwZ)
     quantize_grads: str = "none"  # int8 / fp8: gradients reduce-scattered in 8 bits (qgZ)
+    sync_wire: str = "none"  # weight sync's wire dtype (sync_cost.py)
 
     @property
     def optimizer_states(self) -> float:
@@ -177,6 +179,7 @@ class Plan:
     # the device's peak per rank under each activation mode (AC_MODES), to see what fits
     device_peak_by_ac: dict[str, int]
     checkpoint: dict[str, float]  # what a save writes (checkpoint_cost.py)
+    weight_sync: dict[str, float]  # what a full weight sync moves (sync_cost.py)
     muon: dict | None = None  # --optimizer muon: its matrices, work and bytes (muon_cost.py)
 
     def to_dict(self) -> dict:
@@ -213,8 +216,10 @@ def plan(spec: ModelSpec, setup: Setup) -> Plan:
     padding = sum(u.padding * u.count for u in units) / used if used else 0.0
     peaks = {mode: figures["device"] for mode, figures in by_ac.items()}
     saved = checkpoint_figures(num_params, setup)
+    synced = sync_figures(num_params, setup)
     return Plan(
-        spec.name, num_params, setup, units, memory, communication, padding, peaks, saved, muon
+        spec.name, num_params, setup, units, memory, communication, padding, peaks, saved,
+        synced, muon,
     )
 
 

@@ -1,0 +1,64 @@
+"""`flatshard train --sync-to HOST:PORT` with `flatshard receive` beside it, as separate
+commands: the receiver takes every step's weights while the run trains, and at the end it
+holds exactly what the run's own export holds."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_cli_helpers import check_ok, flatshard, metrics, one_line_error
+from tiny_tokenizer import make_llama_dir
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_receiver_holds_the_runs_weights_after_every_step(tmp_path):
+    model_dir = tmp_path / "model"
+    make_llama_dir(model_dir)
+    (tmp_path / "my.txt").write_text("Every rank holds whole rows of every parameter. " * 300)
+    address = f"127.0.0.1:{_free_port()}"
+    received = {}
+
+    def receive():
+        received["result"] = flatshard(
+            "receive", "--address", address, "--hf", model_dir, "--trainers", 2,
+            "--out", tmp_path / "received", timeout=300,
+        )  # fmt: skip
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    run = tmp_path / "run"
+    check_ok(flatshard(
+        "train", "--hf", model_dir, "--data", tmp_path / "my.txt", "--steps", 3, "--nproc", 2,
+        "--seq-len", 32, "--micro-batch", 2, "--global-batch", 4, "--sync-to", address,
+        "--out", run, "--set", "run.sample_tokens=0", "--set", "run.log_interval=1",
+        timeout=300,
+    ))  # fmt: skip
+    thread.join(timeout=120)
+    out = check_ok(received["result"]).stdout
+    assert out.count("tensors,") == 3 and "the run ended after 3 update(s)" in out, out
+    assert all(record["sync_bytes"] > 0 for record in metrics(run))
+    check_ok(flatshard("convert", "checkpoint-to-hf", run, tmp_path / "export"))
+    exported = load_file(tmp_path / "export" / "model.safetensors")
+    held = load_file(tmp_path / "received" / "model.safetensors")
+    original = load_file(model_dir / "model.safetensors")
+    assert set(held) == set(exported)
+    for name, value in exported.items():
+        assert torch.equal(held[name], value), name
+    assert not torch.equal(held["lm_head.weight"], original["lm_head.weight"])  # it trained
+
+
+def test_a_bad_sync_address_is_a_one_line_error(tmp_path):
+    result = flatshard("train", "--model", "tiny", "--steps", 1, "--sync-to", "nowhere",
+                       "--out", tmp_path / "run")  # fmt: skip
+    assert "sync.address 'nowhere': give it as host:port" in one_line_error(result)
