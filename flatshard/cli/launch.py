@@ -110,7 +110,16 @@ def init_distributed(device_choice: str = "auto", threads: int = 0) -> Ranks:
         # on CUDA, gloo beside NCCL: the pieces optimizer offload keeps on the host (their
         # gradient norms, their full tensors for a checkpoint) are reduced where they are
         backend = "cuda:nccl,cpu:gloo" if use_cuda else "gloo"
-        dist.init_process_group(backend, init_method="env://")
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and restart != "0":
+            # torchrun's store outlives an attempt: keys of the dead one (its ranks'
+            # addresses) would be read again (pytorch#135712); each attempt its own prefix
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  world, is_master=False)  # fmt: skip
+            store = dist.PrefixStore(f"flatshard/attempt-{restart}", store)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+        else:
+            dist.init_process_group(backend, init_method="env://")
     return Ranks(rank, world, local_rank, local_world, device)
 
 
@@ -123,10 +132,22 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def run(worker: Callable, args: tuple, nproc: int) -> int:
-    """Run `worker(*args)` on every rank; returns the exit code for the command."""
+def run(worker: Callable, args: tuple, nproc: int, max_restarts: int = 0,
+        failure: Callable[[], str] | None = None) -> int:  # fmt: skip
+    """Run `worker(*args)` on every rank; returns the exit code for the command. With
+    `max_restarts`, local ranks run under torch's elastic agent, which restarts them all
+    after a failure (`failure()` says why the last attempt failed)."""
     if under_launcher():
         return _call(worker, args, error_dir=None)
+    if max_restarts:
+        from flatshard.cli.elastic import run_elastic
+
+        return run_elastic(
+            # spawn: a fork of the agent, whose rendezvous store runs threads, can deadlock
+            worker, args, nproc, max_restarts, port=_free_port(), start_method="spawn",
+            call=_call, failure=failure or (lambda: "see the workers' output above"),
+            stopped=EXIT_STOPPED,
+        )  # fmt: skip
     if nproc == 1:
         _set_launcher_env(0, 1, _free_port())
         return _call(worker, args, error_dir=None)

@@ -14,7 +14,7 @@ import warnings
 
 from flatshard.checkpoint import commit
 from flatshard.cli import config as run_config
-from flatshard.cli import launch, runs
+from flatshard.cli import elastic, launch, runs
 from flatshard.cli.errors import ConfigError, RunError, warn
 from flatshard.errors import FlatShardError
 
@@ -55,6 +55,8 @@ TRAIN_FLAGS = {
     "sync_interval": ("sync.interval", "N", "steps between weight syncs (0: only at the end)"),
     "out": ("run.out_dir", "DIR", "run directory (default runs/{time})"),
     "nproc": ("run.nproc", "N", "local processes when not under torchrun"),
+    "max_restarts": ("run.max_restarts", "N", "restart from the newest checkpoint after a "
+                     "failure, up to N times"),
 }
 
 
@@ -282,20 +284,28 @@ def _train(args) -> int:
         config = config.replace(run__out_dir=run_dir)
     else:
         run_dir = config.run.out_dir
-        if runs.has_checkpoint(run_dir):
+        if runs.has_checkpoint(run_dir) and not elastic.attempt():  # (a restart's own run)
             raise RunError(
                 f"run.out_dir {run_dir!r} already holds a run; continue it with --resume or "
                 "choose another --out"
             )
     world = int(os.environ["WORLD_SIZE"]) if launch.under_launcher() else config.run.nproc
     run_config.check(config, world)
+    restarts = 0 if launch.under_launcher() else config.run.max_restarts
+    if restarts and resume_step is None:
+        run_dir = runs.new_run_dir(run_dir)  # every attempt trains in the same directory
+        os.makedirs(run_dir, exist_ok=True)
     if not launch.under_launcher():
         _check_data(config)  # before starting processes: a bad path fails fast, once
         if world > 1:
             print(f"flatshard train: starting {world} local processes", flush=True)
+    from flatshard.cli import attempts
     from flatshard.cli.train import train_worker
 
-    return launch.run(train_worker, (config.flat(), run_dir, resume_step), world)
+    return launch.run(
+        train_worker, (config.flat(), run_dir, resume_step), world, max_restarts=restarts,
+        failure=lambda: attempts.cause(run_dir, restarts),
+    )  # fmt: skip
 
 
 def _receive(args) -> int:

@@ -192,6 +192,11 @@ OPTIONS: tuple[Option, ...] = (
     # run
     Option("run.out_dir", "runs/{time}", "run directory ({time}: the start time)"),
     Option("run.nproc", 2, "local processes when not launched by torchrun", check=_positive),
+    Option("run.max_restarts", 0, "local runs: restart every process from the newest "
+           "checkpoint after one fails, up to N times (torch's elastic agent; under torchrun "
+           "use its --max-restarts)", check=_non_negative),
+    Option("run.restart_backoff", 1.0, "seconds before the first restart, doubling with each "
+           "(at most 60)", check=_non_negative),
     Option("run.device", "auto", "where to compute", choices=("auto", "cpu", "cuda")),
     Option("run.threads", 0, "CPU threads per process (0: cores / processes)",
            check=_non_negative),

@@ -34,6 +34,25 @@ def new_run_dir(template: str) -> str:
     return candidate
 
 
+def attempt_run_dir(template: str) -> str:
+    """A new run's directory, the same for every attempt of an elastic run: torchrun
+    --max-restarts starts the command again for each attempt, so the first picks it and
+    leaves a marker named by the run id for the others."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if "{time}" not in template or not run_id or run_id == "none":
+        return new_run_dir(template)
+    root = runs_root(template)
+    marker = os.path.join(root, f".elastic-{run_id}")
+    if os.path.exists(marker):
+        with open(marker) as handle:
+            return handle.read()
+    path = new_run_dir(template)
+    os.makedirs(root, exist_ok=True)
+    with open(marker, "w") as handle:
+        handle.write(path)
+    return path
+
+
 def runs_root(template: str) -> str:
     """Where runs made from an out_dir template live ('runs' for 'runs/{time}')."""
     if "{time}" not in template:

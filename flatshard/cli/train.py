@@ -11,6 +11,7 @@ continues with exactly the losses an uninterrupted run would have had.
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import torch
@@ -18,7 +19,8 @@ import torch.distributed as dist
 
 import flatshard
 from flatshard import comm
-from flatshard.cli import runs
+from flatshard.checkpoint import commit
+from flatshard.cli import attempts, elastic, runs
 from flatshard.cli.config import RunConfig
 from flatshard.cli.config_rules import check, parallel_dims
 from flatshard.cli.errors import TrainingStopped
@@ -28,7 +30,7 @@ from flatshard.cli.hf_records import checkpoint_records
 from flatshard.cli.launch import EXIT_STOPPED, Ranks, init_distributed
 from flatshard.cli.meters import MemoryMeter, share_step, warm_up_runtime
 from flatshard.cli.model import build_run_model, check_hf_vocab, llama_config
-from flatshard.cli.progress import Progress
+from flatshard.cli.progress import Progress, read_metrics
 from flatshard.cli.run_checkpoints import RunCheckpoints
 from flatshard.cli.run_data import open_run_data
 from flatshard.cli.run_header import run_header
@@ -46,10 +48,35 @@ def train_worker(values: dict, run_dir: str, resume_step: int | None) -> int:
     Returns the exit status: 0, or EXIT_STOPPED when a signal stopped the run."""
     stop = StopRequest().install()
     config = RunConfig(values)
+    restart = elastic.attempt()
+    if restart:  # the elastic agent restarted every rank after a failure: wait, then resume
+        time.sleep(min(60.0, config.run.restart_backoff * 2 ** (restart - 1)))
     ranks = init_distributed(config.run.device, config.run.threads)
     check(config, ranks.world_size)
     run_dir = _agree_run_dir(run_dir, ranks)
-    return Trainer(config, ranks, run_dir, resume_step, stop).run()
+    if restart:
+        resume_step = _restart_step(run_dir, restart, ranks)
+    attempts.begin(run_dir, restart, ranks.rank)
+    try:
+        code = Trainer(config, ranks, run_dir, resume_step, stop).run()
+    except BaseException as error:
+        attempts.end(run_dir, restart, ranks.rank, 1, f"{type(error).__name__}: {error}"[:600])
+        raise
+    attempts.end(run_dir, restart, ranks.rank, code)
+    return code
+
+
+def _restart_step(run_dir: str, restart: int, ranks: Ranks) -> int | None:
+    """The newest complete checkpoint's step (None: none yet, start over), after rank 0 has
+    said what failed and which logged steps are lost."""
+    latest = commit.resolve_latest(runs.checkpoint_root(run_dir))[0]
+    step = commit.step_of(latest) if latest is not None else None
+    if ranks.is_main:
+        records, _ = read_metrics(os.path.join(run_dir, runs.METRICS))
+        last = max((r["step"] for r in records if "step" in r), default=0)
+        print(attempts.note_restart(run_dir, restart, step, last), flush=True)
+    dist.barrier()  # the metrics are read before any rank's progress rewrites them
+    return step
 
 
 def on_main_first(ranks: Ranks, make):
@@ -61,7 +88,7 @@ def on_main_first(ranks: Ranks, make):
 
 
 def _agree_run_dir(template: str, ranks: Ranks) -> str:
-    chosen = [runs.new_run_dir(template) if ranks.is_main else None]
+    chosen = [runs.attempt_run_dir(template) if ranks.is_main else None]
     dist.broadcast_object_list(chosen, src=0)
     return chosen[0]
 

@@ -1,0 +1,62 @@
+"""Local runs that restart after a failure (`flatshard train --max-restarts N`), supervised
+by torch's elastic agent (the machinery behind `torchrun --max-restarts`), so a local run
+and a multi-node torchrun restart the same way: when a worker dies or fails, the agent
+stops the others and starts every rank again (`TORCHELASTIC_RESTART_COUNT` tells them which
+attempt they are); the trainer then resumes from the newest complete checkpoint. Once the
+restarts are spent the command fails with the last attempt's cause."""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from collections.abc import Callable
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from flatshard.cli.errors import warn
+
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+
+
+def attempt() -> int:
+    """Which attempt this worker belongs to (0: the first; set by the elastic agent)."""
+    return int(os.environ.get(RESTART_COUNT, "0"))
+
+
+def run_elastic(worker: Callable, args: tuple, nproc: int, max_restarts: int, *,
+                port: int, start_method: str, call: Callable, failure: Callable[[], str],
+                stopped: int) -> int:  # fmt: skip
+    """Run `worker(*args)` on `nproc` local ranks, restarting all of them up to
+    `max_restarts` times; returns the command's exit status."""
+    # each attempt's rank 0 serves a fresh store: workers sharing the agent's store across
+    # attempts read the dead attempt's addresses and fail to connect (pytorch#135712)
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=max_restarts,
+        monitor_interval=0.1, start_method=start_method,
+    )  # fmt: skip
+    try:
+        elastic_launch(config, _worker_main)(call, worker, args)
+    except ChildFailedError as error:
+        _, first = error.get_first_failure()
+        code = first.exitcode if first.exitcode >= 0 else 128 - first.exitcode
+        print(f"flatshard: error: the run failed and its restarts are spent (--max-restarts "
+              f"{max_restarts}): {failure()}", file=sys.stderr, flush=True)  # fmt: skip
+        return code or 1
+    except SignalException as error:
+        warn(f"stopped by {error.sigval.name}; the workers saved what they could")
+        return stopped
+    return 0
+
+
+def _worker_main(call: Callable, worker: Callable, args: tuple) -> None:
+    os.setpgrp()  # Ctrl-C reaches the agent only; it forwards the signal to every worker once
+    code = call(worker, args, error_dir=None)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code:
+        os._exit(code)  # the agent sees the failure (and restarts the ranks)

@@ -1,0 +1,107 @@
+"""`flatshard train --max-restarts N`: a rank killed outright (SIGKILL, as the kernel's OOM
+killer does) makes torch's elastic agent restart every rank, which resume from the newest
+checkpoint; the run ends with the losses and weights of a run that never failed, says what
+failed and which steps were lost, and once its restarts are spent fails naming the cause."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_cli_helpers import REPO_ROOT, check_ok, cli_env, flatshard, metrics
+
+pytestmark = pytest.mark.slow
+
+RUN = [
+    "train", "--model", "tiny", "--steps", "40", "--nproc", "2", "--checkpoint-interval", "4",
+    "--seq-len", "128", "--global-batch", "16", "--micro-batch", "8",
+    "--set", "run.sample_tokens=0", "--set", "run.restart_backoff=0",
+]  # fmt: skip
+
+
+def _start(out, restarts: int) -> subprocess.Popen:
+    command = [sys.executable, "-m", "flatshard", *RUN, "--max-restarts", str(restarts)]
+    return subprocess.Popen(command + ["--out", str(out)], cwd=REPO_ROOT, env=cli_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def _kill_rank(out, attempt: int, rank: int, after_steps: int) -> None:
+    """SIGKILL `rank` of `attempt` once the metrics hold `after_steps` records."""
+    record = out / "attempts" / str(attempt) / f"rank-{rank}.json"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        log = out / "metrics.jsonl"
+        lines = log.read_text().count("\n") if record.exists() and log.exists() else 0
+        if lines >= after_steps:
+            os.kill(json.loads(record.read_text())["pid"], signal.SIGKILL)
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"attempt {attempt} never reached step {after_steps}")
+
+
+def _weights(run, tmp_path, name):
+    check_ok(flatshard("convert", "checkpoint-to-hf", run, tmp_path / name))
+    return load_file(tmp_path / name / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    """The run that never failed."""
+    out = tmp_path_factory.mktemp("clean") / "run"
+    check_ok(flatshard(*RUN, "--out", out, timeout=300))
+    return out
+
+
+def test_a_killed_rank_restarts_the_run_which_ends_as_if_nothing_failed(tmp_path, clean):
+    run = tmp_path / "restarted"
+    proc = _start(run, restarts=2)
+    _kill_rank(run, attempt=0, rank=1, after_steps=6)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    (restart,) = [json.loads(line) for line in (run / "restarts.jsonl").read_text().splitlines()]
+    assert restart["cause"].startswith("rank 1 died without an error")
+    assert restart["resumed_from"] % 4 == 0 and restart["resumed_from"] >= 4
+    assert "restart 1: attempt 0 failed: rank 1 died without an error" in out
+    losses = [r["loss"] for r in metrics(run)]
+    assert [r["step"] for r in metrics(run)] == list(range(1, 41))  # lost steps trained again
+    assert losses == [r["loss"] for r in metrics(clean)]
+    ours, theirs = _weights(run, tmp_path, "a"), _weights(clean, tmp_path, "b")
+    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+
+
+def test_when_the_restarts_are_spent_the_run_fails_naming_the_cause(tmp_path):
+    run = tmp_path / "run"
+    proc = _start(run, restarts=1)
+    _kill_rank(run, attempt=0, rank=1, after_steps=2)
+    _kill_rank(run, attempt=1, rank=0, after_steps=2)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGKILL, out[-2000:] + err[-3000:]
+    assert ("flatshard: error: the run failed and its restarts are spent (--max-restarts 1): "
+            "rank 0 died without an error") in err  # fmt: skip
+
+
+def test_torchrun_max_restarts_restarts_the_run_in_its_own_directory(tmp_path, clean):
+    """Under torchrun each attempt starts the command again: the run keeps its directory
+    (picked by the first attempt) and resumes there."""
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+              "--nproc-per-node", "2", "--max-restarts", "1", "-m", "flatshard"]  # fmt: skip
+    under_torchrun = [a for i, a in enumerate(RUN) if "--nproc" not in RUN[i - 1 : i + 1]]
+    proc = subprocess.Popen(launch + under_torchrun, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "runs").glob("2*")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (run,) = (tmp_path / "runs").glob("2*")
+    _kill_rank(run, attempt=0, rank=1, after_steps=6)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    assert len(list((tmp_path / "runs").glob("2*"))) == 1
+    assert "rank 1 died" in (run / "restarts.jsonl").read_text()
+    assert [r["loss"] for r in metrics(run)] == [r["loss"] for r in metrics(clean)]
