@@ -32,6 +32,11 @@ def _start(out, restarts: int) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
 
 
+def _under_torchrun() -> list[str]:
+    """RUN without --nproc: torchrun says how many processes."""
+    return [arg for i, arg in enumerate(RUN) if "--nproc" not in RUN[max(0, i - 1) : i + 1]]
+
+
 def _kill_rank(out, attempt: int, rank: int, after_steps: int) -> None:
     """SIGKILL `rank` of `attempt` once the metrics hold `after_steps` records."""
     record = out / "attempts" / str(attempt) / f"rank-{rank}.json"
@@ -92,9 +97,8 @@ def test_torchrun_max_restarts_restarts_the_run_in_its_own_directory(tmp_path, c
     (picked by the first attempt) and resumes there."""
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
               "--nproc-per-node", "2", "--max-restarts", "1", "-m", "flatshard"]  # fmt: skip
-    under_torchrun = [a for i, a in enumerate(RUN) if "--nproc" not in RUN[i - 1 : i + 1]]
-    proc = subprocess.Popen(launch + under_torchrun, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(launch + _under_torchrun(), cwd=tmp_path, env=cli_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     deadline = time.monotonic() + 120
     while not list((tmp_path / "runs").glob("2*")) and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -105,3 +109,41 @@ def test_torchrun_max_restarts_restarts_the_run_in_its_own_directory(tmp_path, c
     assert len(list((tmp_path / "runs").glob("2*"))) == 1
     assert "rank 1 died" in (run / "restarts.jsonl").read_text()
     assert [r["loss"] for r in metrics(run)] == [r["loss"] for r in metrics(clean)]
+
+
+def _recipe() -> list[str]:
+    """The multi-node command of the GPU guide, as it is written there."""
+    guide = open(os.path.join(REPO_ROOT, "docs", "guides", "gpus.md")).read()
+    (line,) = [line for line in guide.splitlines() if line.startswith("torchrun --nnodes 2")]
+    return line.split()
+
+
+def test_the_multi_node_recipe_restarts_after_a_nodes_process_is_killed(tmp_path, clean):
+    """The guide's two-node command, as two agents on this machine (one process a node,
+    HSDP with a replica per node): one node's process killed, both restart and resume."""
+    port = str(_free_port())
+    run = tmp_path / "myrun"
+    places = {"HEAD:29500": f"127.0.0.1:{port}", "8": "1", "/shared/runs/myrun": str(run),
+              "torchrun": sys.executable}  # fmt: skip
+    command = [places.get(arg, arg) for arg in _recipe()]
+    command[1:1] = ["-m", "torch.distributed.run"]
+    command += _under_torchrun()[1:]  # after the recipe's own `train`: a small run
+    nodes = [subprocess.Popen(command, cwd=tmp_path, env=cli_env(), text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for _ in range(2)]  # fmt: skip
+    _kill_rank(run, attempt=0, rank=1, after_steps=6)
+    for node in nodes:
+        out, err = node.communicate(timeout=300)
+        assert node.returncode == 0, out[-2000:] + err[-3000:]
+    assert "rank 1 died" in (run / "restarts.jsonl").read_text()
+    losses = [r["loss"] for r in metrics(run)]
+    assert len(losses) == 40
+    assert losses == pytest.approx([r["loss"] for r in metrics(clean)], rel=1e-5)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
