@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -44,7 +45,7 @@ def _kill_rank(out, attempt: int, rank: int, after_steps: int) -> None:
     while time.monotonic() < deadline:
         log = out / "metrics.jsonl"
         lines = log.read_text().count("\n") if record.exists() and log.exists() else 0
-        if lines >= after_steps:
+        if record.exists() and lines >= after_steps:
             os.kill(json.loads(record.read_text())["pid"], signal.SIGKILL)
             return
         time.sleep(0.01)
@@ -147,3 +148,33 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_a_rank_that_never_comes_back_leaves_the_run_going_on_fewer(tmp_path):
+    """4 processes, rank 3 killed in every attempt: once the restarts are spent the run goes
+    on with 2 (3 cannot split the batch), resharding the checkpoint; its losses from there
+    are those of a run resumed at 2 processes from the same checkpoint."""
+    run = tmp_path / "run"
+    shrink = ["--nproc", "4", "--min-nproc", "2", "--global-batch", "8", "--micro-batch", "2",
+              "--set", "checkpoint.keep_last=0"]  # fmt: skip
+    command = [sys.executable, "-m", "flatshard", *RUN, *shrink, "--max-restarts", "1"]
+    proc = subprocess.Popen(command + ["--out", str(run)], cwd=REPO_ROOT, env=cli_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    _kill_rank(run, attempt=0, rank=3, after_steps=6)
+    _kill_rank(run, attempt=1, rank=3, after_steps=0)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    assert "4 processes failed 2 time(s)" in err and "going on with 2" in err
+    notes = [json.loads(line) for line in (run / "restarts.jsonl").read_text().splitlines()]
+    assert [n["processes"] for n in notes] == [4, 2] and "rank 3" in notes[-1]["cause"]
+    step = notes[-1]["resumed_from"]
+    # the same checkpoint resumed by hand at 2 processes
+    again = tmp_path / "again"
+    (again / "checkpoints").mkdir(parents=True)
+    shutil.copy(run / "config.toml", again)
+    name = f"step-{step:08d}"
+    shutil.copytree(run / "checkpoints" / name, again / "checkpoints" / name)
+    check_ok(flatshard("train", "--resume", again / "checkpoints" / name, "--nproc", 2,
+                       timeout=300))  # fmt: skip
+    after = [(r["step"], r["loss"]) for r in metrics(run) if r["step"] > step]
+    assert after and after == [(r["step"], r["loss"]) for r in metrics(again) if r["step"] > step]

@@ -66,7 +66,8 @@ def cause(run_dir: str, attempt: int) -> str:
     return "a rank exited with an error it did not record"
 
 
-def note_restart(run_dir: str, attempt: int, resumed_from: int | None, last_logged: int) -> str:
+def note_restart(run_dir: str, attempt: int, resumed_from: int | None, last_logged: int,
+                 world: int) -> str:  # fmt: skip
     """The line that says a restart happened, what failed and what was lost; also kept in
     restarts.jsonl."""
     why = cause(run_dir, attempt - 1)
@@ -74,8 +75,10 @@ def note_restart(run_dir: str, attempt: int, resumed_from: int | None, last_logg
     lost = max(0, last_logged - start)
     where = f"from step {start}" if resumed_from is not None else "from the start (no checkpoint)"
     lost_text = f"steps {start + 1}-{last_logged} lost" if lost else "no step lost"
-    line = f"restart {attempt}: attempt {attempt - 1} failed: {why}; resuming {where}, {lost_text}"
+    line = (f"restart {attempt}: attempt {attempt - 1} failed: {why}; resuming {where} on "
+            f"{world} process(es), {lost_text}")  # fmt: skip
     with open(os.path.join(run_dir, RESTARTS), "a") as handle:
         handle.write(json.dumps({"restart": attempt, "cause": why, "resumed_from": start,
-                                 "lost_steps": lost, "time": time.time()}) + "\n")  # fmt: skip
+                                 "lost_steps": lost, "processes": world,
+                                 "time": time.time()}) + "\n")  # fmt: skip
     return line

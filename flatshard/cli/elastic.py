@@ -19,38 +19,53 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from flatshard.cli.errors import warn
 
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+ATTEMPT_OFFSET = "FLATSHARD_ATTEMPT_OFFSET"  # attempts before this launch (a shrunk run's)
 
 
 def attempt() -> int:
-    """Which attempt this worker belongs to (0: the first; set by the elastic agent)."""
-    return int(os.environ.get(RESTART_COUNT, "0"))
+    """Which attempt this worker belongs to (0: the first): the elastic agent's restart
+    count, after the attempts at larger sizes of a run that shrank."""
+    return int(os.environ.get(ATTEMPT_OFFSET, "0")) + int(os.environ.get(RESTART_COUNT, "0"))
 
 
-def run_elastic(worker: Callable, args: tuple, nproc: int, max_restarts: int, *,
-                port: int, start_method: str, call: Callable, failure: Callable[[], str],
-                stopped: int) -> int:  # fmt: skip
-    """Run `worker(*args)` on `nproc` local ranks, restarting all of them up to
-    `max_restarts` times; returns the command's exit status."""
+def run_elastic(worker: Callable, args: tuple, sizes: list[int], max_restarts: int, *,
+                free_port: Callable[[], int], start_method: str, call: Callable,
+                failure: Callable[[int], str], stopped: int) -> int:  # fmt: skip
+    """Run `worker(*args)` on `sizes[0]` local ranks, restarting all of them up to
+    `max_restarts` times; when the restarts are spent, go on at the next of `sizes` (a rank
+    that cannot come back: the run continues on fewer, resharding its checkpoint), with as
+    many restarts again. Returns the command's exit status."""
     # each attempt's rank 0 serves a fresh store: workers sharing the agent's store across
     # attempts read the dead attempt's addresses and fail to connect (pytorch#135712)
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=max_restarts,
-        monitor_interval=0.1, start_method=start_method,
-    )  # fmt: skip
-    try:
-        elastic_launch(config, _worker_main)(call, worker, args)
-    except ChildFailedError as error:
-        _, first = error.get_first_failure()
-        code = first.exitcode if first.exitcode >= 0 else 128 - first.exitcode
-        print(f"flatshard: error: the run failed and its restarts are spent (--max-restarts "
-              f"{max_restarts}): {failure()}", file=sys.stderr, flush=True)  # fmt: skip
-        return code or 1
-    except SignalException as error:
-        warn(f"stopped by {error.sigval.name}; the workers saved what they could")
-        return stopped
-    return 0
+    offset = 0
+    for index, nproc in enumerate(sizes):
+        os.environ[ATTEMPT_OFFSET] = str(offset)  # the workers inherit it
+        config = LaunchConfig(
+            min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
+            rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
+            max_restarts=max_restarts, monitor_interval=0.1, start_method=start_method,
+        )  # fmt: skip
+        try:
+            elastic_launch(config, _worker_main)(call, worker, args)
+            return 0
+        except ChildFailedError as error:
+            offset += max_restarts + 1
+            why = failure(offset - 1)
+            if index + 1 < len(sizes):
+                warn(f"{nproc} processes failed {max_restarts + 1} time(s) (last: {why}); "
+                     f"going on with {sizes[index + 1]} (--min-nproc {sizes[-1]}): the "
+                     "checkpoint reshards, the global batch stays (more accumulation)")
+                continue  # fmt: skip
+            _, first = error.get_first_failure()
+            code = first.exitcode if first.exitcode >= 0 else 128 - first.exitcode
+            print(f"flatshard: error: the run failed and its restarts are spent "
+                  f"(--max-restarts {max_restarts}): {why}", file=sys.stderr, flush=True)
+            return code or 1  # fmt: skip
+        except SignalException as error:
+            warn(f"stopped by {error.sigval.name}; the workers saved what they could")
+            return stopped
+    return 1
 
 
 def _worker_main(call: Callable, worker: Callable, args: tuple) -> None:

@@ -133,10 +133,11 @@ def available_cores() -> int:
 
 
 def run(worker: Callable, args: tuple, nproc: int, max_restarts: int = 0,
-        failure: Callable[[], str] | None = None) -> int:  # fmt: skip
+        failure: Callable[[int], str] | None = None, sizes: list[int] | None = None) -> int:
     """Run `worker(*args)` on every rank; returns the exit code for the command. With
     `max_restarts`, local ranks run under torch's elastic agent, which restarts them all
-    after a failure (`failure()` says why the last attempt failed)."""
+    after a failure (`failure(attempt)` says why an attempt failed), going on with the next
+    of `sizes` processes once the restarts are spent."""
     if under_launcher():
         return _call(worker, args, error_dir=None)
     if max_restarts:
@@ -144,9 +145,9 @@ def run(worker: Callable, args: tuple, nproc: int, max_restarts: int = 0,
 
         return run_elastic(
             # spawn: a fork of the agent, whose rendezvous store runs threads, can deadlock
-            worker, args, nproc, max_restarts, port=_free_port(), start_method="spawn",
-            call=_call, failure=failure or (lambda: "see the workers' output above"),
-            stopped=EXIT_STOPPED,
+            worker, args, sizes or [nproc], max_restarts, free_port=_free_port,
+            start_method="spawn", call=_call, stopped=EXIT_STOPPED,
+            failure=failure or (lambda attempt: "see the workers' output above"),
         )  # fmt: skip
     if nproc == 1:
         _set_launcher_env(0, 1, _free_port())

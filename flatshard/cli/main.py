@@ -57,6 +57,8 @@ TRAIN_FLAGS = {
     "nproc": ("run.nproc", "N", "local processes when not under torchrun"),
     "max_restarts": ("run.max_restarts", "N", "restart from the newest checkpoint after a "
                      "failure, up to N times"),
+    "min_nproc": ("run.min_nproc", "M", "with --max-restarts: once the restarts are spent, "
+                  "go on with fewer processes, down to M"),
 }
 
 
@@ -304,8 +306,22 @@ def _train(args) -> int:
 
     return launch.run(
         train_worker, (config.flat(), run_dir, resume_step), world, max_restarts=restarts,
-        failure=lambda: attempts.cause(run_dir, restarts),
+        failure=lambda attempt: attempts.cause(run_dir, attempt),
+        sizes=_process_counts(config, world),
     )  # fmt: skip
+
+
+def _process_counts(config, world: int) -> list[int]:
+    """The process counts a restarted run may go on with, largest first: `world` down to
+    run.min_nproc, those the run's degrees and batch split over."""
+    sizes = [world]
+    for size in range(world - 1, (config.run.min_nproc or world) - 1, -1):
+        try:
+            run_config.check(config, size)
+        except ConfigError:
+            continue
+        sizes.append(size)
+    return sizes
 
 
 def _receive(args) -> int:

@@ -195,6 +195,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("run.max_restarts", 0, "local runs: restart every process from the newest "
            "checkpoint after one fails, up to N times (torch's elastic agent; under torchrun "
            "use its --max-restarts)", check=_non_negative),
+    Option("run.min_nproc", 0, "with run.max_restarts: once the restarts are spent, go on "
+           "with fewer processes (the checkpoint resharded, the global batch kept by more "
+           "accumulation), down to this many (0: never fewer)", check=_non_negative),
     Option("run.restart_backoff", 1.0, "seconds before the first restart, doubling with each "
            "(at most 60)", check=_non_negative),
     Option("run.device", "auto", "where to compute", choices=("auto", "cpu", "cuda")),

@@ -74,7 +74,7 @@ def _restart_step(run_dir: str, restart: int, ranks: Ranks) -> int | None:
     if ranks.is_main:
         records, _ = read_metrics(os.path.join(run_dir, runs.METRICS))
         last = max((r["step"] for r in records if "step" in r), default=0)
-        print(attempts.note_restart(run_dir, restart, step, last), flush=True)
+        print(attempts.note_restart(run_dir, restart, step, last, ranks.world_size), flush=True)
     dist.barrier()  # the metrics are read before any rank's progress rewrites them
     return step
 
