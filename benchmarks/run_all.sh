@@ -49,6 +49,9 @@ run --preset 35m --modes fsdp2,zero3,fsdp2-tp,tp3,fsdp2-sp,sp3,cp3 --interleave 
 # weight sync to a receiver process (issue 63) against the FSDP2 recipe, worlds 2 and 4
 "$python" benchmarks/weight_sync.py --preset 120m --world 2 --repeats 3 >> "$out"
 "$python" benchmarks/weight_sync.py --preset 120m --world 4 --repeats 3 >> "$out"
+# restarts after a SIGKILL, from disk and from host-memory snapshots (issue 60)
+"$python" benchmarks/recovery.py --size 35m >> "$out"
+"$python" benchmarks/recovery.py --size 120m >> "$out"
 "$python" benchmarks/sample_speed.py --repeats 3 >> "$out"  # flatshard sample: KV cache
 if grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo; then
   run --preset 35m --steps 12 --rounds 4 --interleave steps --param-dtype bf16

@@ -12,6 +12,8 @@ for _path in (os.path.dirname(_TESTS_DIR), _TESTS_DIR):
 
 from distributed import shutdown_pools  # noqa: E402  (needs the sys.path set up above)
 
+OPT_IN = {"exhaustive": "--exhaustive", "chaos": "--chaos"}  # marker: the option running it
+
 
 def pytest_addoption(parser):
     parser.addoption(
@@ -19,6 +21,11 @@ def pytest_addoption(parser):
         action="store_true",
         help="also run the tests marked exhaustive: the rest of the cross products that CI "
         "samples (tests/README.md)",
+    )
+    parser.addoption(
+        "--chaos",
+        action="store_true",
+        help="also run the tests marked chaos: long runs with random failures (minutes)",
     )
 
 
@@ -29,15 +36,17 @@ def pytest_configure(config):
         "exhaustive: the rest of a cross product whose CI cases sample every axis; run only "
         "with --exhaustive",
     )
+    config.addinivalue_line(
+        "markers", "chaos: a long run with random failures; run only with --chaos"
+    )
 
 
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("--exhaustive"):
-        return
-    left_out = [item for item in items if item.get_closest_marker("exhaustive")]
+    skipped = [marker for marker, option in OPT_IN.items() if not config.getoption(option)]
+    left_out = [item for item in items if any(item.get_closest_marker(m) for m in skipped)]
     if left_out:
         config.hook.pytest_deselected(items=left_out)
-        items[:] = [item for item in items if not item.get_closest_marker("exhaustive")]
+        items[:] = [item for item in items if item not in left_out]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -67,18 +67,19 @@ def cause(run_dir: str, attempt: int) -> str:
 
 
 def note_restart(run_dir: str, attempt: int, resumed_from: int | None, last_logged: int,
-                 world: int) -> str:  # fmt: skip
+                 world: int, source: str = "disk") -> str:  # fmt: skip
     """The line that says a restart happened, what failed and what was lost; also kept in
     restarts.jsonl."""
     why = cause(run_dir, attempt - 1)
     start = resumed_from or 0
     lost = max(0, last_logged - start)
-    where = f"from step {start}" if resumed_from is not None else "from the start (no checkpoint)"
+    where = (f"from step {start} ({source})" if resumed_from is not None
+             else "from the start (no checkpoint)")  # fmt: skip
     lost_text = f"steps {start + 1}-{last_logged} lost" if lost else "no step lost"
     line = (f"restart {attempt}: attempt {attempt - 1} failed: {why}; resuming {where} on "
             f"{world} process(es), {lost_text}")  # fmt: skip
     with open(os.path.join(run_dir, RESTARTS), "a") as handle:
         handle.write(json.dumps({"restart": attempt, "cause": why, "resumed_from": start,
-                                 "lost_steps": lost, "processes": world,
+                                 "lost_steps": lost, "processes": world, "source": source,
                                  "time": time.time()}) + "\n")  # fmt: skip
     return line

@@ -45,6 +45,7 @@ def run_elastic(worker: Callable, args: tuple, sizes: list[int], max_restarts: i
             min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
             rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
             max_restarts=max_restarts, monitor_interval=0.1, start_method=start_method,
+            shutdown_timeout=10,  # a rank stuck beside a dead peer is killed, not waited for
         )  # fmt: skip
         try:
             elastic_launch(config, _worker_main)(call, worker, args)
@@ -70,7 +71,7 @@ def run_elastic(worker: Callable, args: tuple, sizes: list[int], max_restarts: i
 
 def _worker_main(call: Callable, worker: Callable, args: tuple) -> None:
     os.setpgrp()  # Ctrl-C reaches the agent only; it forwards the signal to every worker once
-    code = call(worker, args, error_dir=None)
+    code = call(worker, args, error_dir=None, leave_on_error=True)
     sys.stdout.flush()
     sys.stderr.flush()
     if code:

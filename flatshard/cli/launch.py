@@ -168,14 +168,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _call(worker: Callable, args: tuple, error_dir: str | None) -> int:
+def _call(worker: Callable, args: tuple, error_dir: str | None, leave_on_error=False) -> int:
     """Run the worker; user errors become one line (on rank 0, or in `error_dir` for the
-    supervisor to print once), anything else a traceback."""
+    supervisor to print once), anything else a traceback. `leave_on_error`: after a failure
+    exit without taking the process group down (a peer's death can hang that; an elastic
+    agent restarts every rank anyway)."""
     rank = int(os.environ.get("RANK", 0))
+    failed = False
     try:
         code = worker(*args)
         return code if isinstance(code, int) else 0
     except FlatShardError as error:
+        failed = True
         message = str(error).strip()
         if error_dir is not None:
             with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as handle:
@@ -186,11 +190,12 @@ def _call(worker: Callable, args: tuple, error_dir: str | None) -> int:
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except BaseException as error:
+        failed = True
         peer_failure.record(error)  # a peer waiting for this rank then names it
         print(f"[rank {rank}] " + traceback.format_exc(), file=sys.stderr, flush=True)
         return 1
     finally:
-        if dist.is_initialized():
+        if dist.is_initialized() and not (failed and leave_on_error):
             dist.destroy_process_group()
 
 

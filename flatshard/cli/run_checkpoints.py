@@ -9,6 +9,8 @@ the Hugging Face config: `hf_records.py`).
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from dataclasses import dataclass
 
 from flatshard import checkpoint
@@ -31,12 +33,16 @@ class Resumed:
 class RunCheckpoints:
     def __init__(self, run_dir: str, config, model, optimizer, records: dict):
         self.root = runs.checkpoint_root(run_dir)
+        self.memory = runs.memory_root(run_dir)  # snapshots in host memory
         self.config, self.model, self.optimizer, self.records = config, model, optimizer, records
         self.trainable_only = bool(config.train.lora_rank)  # LoRA: the adapters
         self.last_saved: int | None = None
 
     def resume(self, step: int, ranks) -> Resumed:
-        result = runs.resume(self.root, self.model, self.optimizer, step, ranks,
+        """Load `step`: from disk, or from the host-memory snapshot where only it has it."""
+        on_disk = os.path.isdir(os.path.join(self.root, commit.step_dir_name(step)))
+        root = self.root if on_disk else self.memory
+        result = runs.resume(root, self.model, self.optimizer, step, ranks,
                              trainable_only=self.trainable_only)  # fmt: skip
         self.last_saved = result.step
         note = None
@@ -46,25 +52,46 @@ class RunCheckpoints:
             note = schedule_change(saved_train, self.config.train, result.step)
         return Resumed(result.step, result.path, result.extra["data_position"], note)
 
+    @staticmethod
+    def newest_of(run_dir: str) -> int | None:
+        """The newest complete step on disk or in host memory (a restart resumes there)."""
+        roots = (runs.checkpoint_root(run_dir), runs.memory_root(run_dir))
+        return max((s for s in map(runs.newest_step, roots) if s is not None), default=None)
+
+    def snapshot(self, step: int, position: int) -> None:
+        """Into host memory, in the background; only the newest is kept."""
+        if self.last_saved != step:
+            self._save(self.memory, step, position, async_save=True, keep_last=1)
+
+    def forget_snapshots(self, ranks) -> None:
+        """The run is over: give the host memory back."""
+        checkpoint.wait_for_pending_save()
+        if ranks.is_main:
+            shutil.rmtree(self.memory, ignore_errors=True)
+
     def save(self, step: int, position: int, async_save: bool = False) -> None:
         """Save at `step` (once: a second call at the same step does nothing)."""
         if self.last_saved == step:
             return
+        keep = self.config.checkpoint.keep_last or None
+        self._save(self.root, step, position, async_save=async_save, keep_last=keep)
+        self.last_saved = step
+
+    def _save(self, root: str, step: int, position: int, *, async_save: bool, keep_last):
         saving = self.config.checkpoint
         checkpoint.save(
-            self.root,
+            root,
             model=self.model,
             optimizer=self.optimizer,
             step=step,
             async_save=async_save,
-            keep_last=saving.keep_last or None,
+            keep_last=keep_last,
             staging_bytes=saving.staging_mib << 20,
             data_position=position,
             run_config=self.config.to_json(),
             trainable_only=self.trainable_only,
             **self.records,
         )
-        self.last_saved = step
 
     def latest(self) -> str | None:
         """The newest complete checkpoint, once any save in flight has finished."""

@@ -7,8 +7,10 @@ tensorboard/ when TensorBoard is installed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import tempfile
 import time
 
 import torch.distributed.checkpoint as dcp
@@ -62,6 +64,20 @@ def runs_root(template: str) -> str:
 
 def checkpoint_root(run_dir: str) -> str:
     return os.path.join(run_dir, CHECKPOINTS)
+
+
+def memory_root(run_dir: str) -> str:
+    """Where the run's snapshots in host memory live (checkpoint.memory_interval): a
+    RAM-backed directory that outlives the processes, one per run directory."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    key = hashlib.sha1(os.path.abspath(run_dir).encode()).hexdigest()[:16]
+    return os.path.join(base, f"flatshard-{key}")
+
+
+def newest_step(root: str) -> int | None:
+    """The step of the newest complete checkpoint under `root`, or None."""
+    latest = commit.resolve_latest(root)[0] if os.path.isdir(root) else None
+    return commit.step_of(latest) if latest is not None else None
 
 
 def has_checkpoint(run_dir: str) -> bool:

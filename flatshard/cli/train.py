@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 import flatshard
 from flatshard import comm
-from flatshard.checkpoint import commit
 from flatshard.cli import attempts, elastic, runs
 from flatshard.cli.config import RunConfig
 from flatshard.cli.config_rules import check, parallel_dims
@@ -69,12 +68,14 @@ def train_worker(values: dict, run_dir: str, resume_step: int | None) -> int:
 def _restart_step(run_dir: str, restart: int, ranks: Ranks) -> int | None:
     """The newest complete checkpoint's step (None: none yet, start over), after rank 0 has
     said what failed and which logged steps are lost."""
-    latest = commit.resolve_latest(runs.checkpoint_root(run_dir))[0]
-    step = commit.step_of(latest) if latest is not None else None
+    step = RunCheckpoints.newest_of(run_dir)
     if ranks.is_main:
         records, _ = read_metrics(os.path.join(run_dir, runs.METRICS))
         last = max((r["step"] for r in records if "step" in r), default=0)
-        print(attempts.note_restart(run_dir, restart, step, last, ranks.world_size), flush=True)
+        on_disk = step is not None and step == runs.newest_step(runs.checkpoint_root(run_dir))
+        source = "disk" if on_disk else "host memory"
+        print(attempts.note_restart(run_dir, restart, step, last, ranks.world_size, source),
+              flush=True)  # fmt: skip
     dist.barrier()  # the metrics are read before any rank's progress rewrites them
     return step
 
@@ -168,9 +169,12 @@ class Trainer:
                 return f"interrupted by {self.stop.signal_name or 'a signal on another rank'}"
             if self.step == run.stop_at_step:
                 return f"stopped at step {self.step} (run.stop_at_step)"
-            interval = config.checkpoint.interval
-            if interval and self.step % interval == 0 and self.step < config.train.steps:
-                self.saves.save(self.step, self.position, config.checkpoint.async_save)
+            saving = config.checkpoint
+            last = self.step == config.train.steps  # the final save comes at the end
+            if saving.interval and self.step % saving.interval == 0 and not last:
+                self.saves.save(self.step, self.position, saving.async_save)
+            if saving.memory_interval and self.step % saving.memory_interval == 0 and not last:
+                self.saves.snapshot(self.step, self.position)
         return "done"
 
     def _train_step(self, started: float) -> dict:
@@ -240,6 +244,8 @@ class Trainer:
         config = self.config
         if self.push is not None:
             self.push.finish(self.model, self.step)
+        if config.checkpoint.memory_interval:
+            self.saves.forget_snapshots(self.ranks)
         if reason != "done" or config.checkpoint.at_end:
             self.saves.save(self.step, self.position)
         latest = self.saves.latest()
