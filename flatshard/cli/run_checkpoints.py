@@ -52,12 +52,6 @@ class RunCheckpoints:
             note = schedule_change(saved_train, self.config.train, result.step)
         return Resumed(result.step, result.path, result.extra["data_position"], note)
 
-    @staticmethod
-    def newest_of(run_dir: str) -> int | None:
-        """The newest complete step on disk or in host memory (a restart resumes there)."""
-        roots = (runs.checkpoint_root(run_dir), runs.memory_root(run_dir))
-        return max((s for s in map(runs.newest_step, roots) if s is not None), default=None)
-
     def snapshot(self, step: int, position: int) -> None:
         """Into host memory, in the background; only the newest is kept."""
         if self.last_saved != step:

@@ -67,13 +67,20 @@ def train_worker(values: dict, run_dir: str, resume_step: int | None) -> int:
 
 def _restart_step(run_dir: str, restart: int, ranks: Ranks) -> int | None:
     """The newest complete checkpoint's step (None: none yet, start over), after rank 0 has
-    said what failed and which logged steps are lost."""
-    step = RunCheckpoints.newest_of(run_dir)
+    said what failed and which logged steps are lost. A snapshot in host memory counts only
+    where every rank sees it whole (one node's RAM; on several nodes the disk's)."""
+    disk = runs.newest_step(runs.checkpoint_root(run_dir))
+    seen = runs.newest_step(runs.memory_root(run_dir))
+    seen = -1 if seen is None else seen
+    bounds = torch.tensor([seen, -seen], dtype=torch.int64)
+    dist.all_reduce(bounds, op=dist.ReduceOp.MIN)  # the lowest and the highest seen
+    lowest, highest = bounds[0].item(), -bounds[1].item()
+    memory = lowest if lowest == highest and lowest >= 0 else None
+    step = max((s for s in (disk, memory) if s is not None), default=None)
     if ranks.is_main:
         records, _ = read_metrics(os.path.join(run_dir, runs.METRICS))
         last = max((r["step"] for r in records if "step" in r), default=0)
-        on_disk = step is not None and step == runs.newest_step(runs.checkpoint_root(run_dir))
-        source = "disk" if on_disk else "host memory"
+        source = "disk" if step is not None and step == disk else "host memory"
         print(attempts.note_restart(run_dir, restart, step, last, ranks.world_size, source),
               flush=True)  # fmt: skip
     dist.barrier()  # the metrics are read before any rank's progress rewrites them
