@@ -1,6 +1,7 @@
 """What surviving a failure costs `flatshard train`, in one run per setting.
 
-    python benchmarks/recovery.py [--size 35m|120m|tiny] [--nproc 2] [--steps 16] [--out FILE]
+    python benchmarks/recovery.py [--size 35m|120m|tiny] [--nproc 2] [--steps 16] [--hosts 1]
+                                  [--out FILE]
 
 Snapshot overhead: the median step time with a host-memory snapshot after every step
 (`checkpoint.memory_interval=1`, written in the background) against none. Recovery: a
@@ -10,6 +11,11 @@ noticing, every process started again, the model built and loaded, one step trai
 next to the same with disk checkpoints only (every 4 steps); the steps lost are trained
 again after it. On this 2-core machine a process start (Python, torch, flatshard) is most
 of it.
+
+`--hosts 2`: the processes run as two torchrun agents standing for two hosts, each with
+its own host memory (FLATSHARD_HOST_MEMORY), so a snapshot also sends each rank's files to
+the other host (the ring); the recovery from memory then loses rank 1's host with its
+memory, and its part of the snapshot comes from the other host's copy.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
@@ -47,20 +54,49 @@ def _command(args, out: str, *extra: str) -> list[str]:
             "run.sample_tokens=0", "--set", "run.restart_backoff=0", *extra]  # fmt: skip
 
 
+def _start(args, command: list[str], out: str) -> list[subprocess.Popen]:
+    """The run: one process tree, or one torchrun agent per host (each its own memory)."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    if args.hosts == 1:
+        return [subprocess.Popen(command, env=env, **quiet)]
+    restarts = command.index("--max-restarts") if "--max-restarts" in command else None
+    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(args.hosts),
+             "--nproc-per-node", str(args.nproc // args.hosts), "--rdzv-backend", "c10d",
+             "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "recovery",
+             "--max-restarts", command[restarts + 1] if restarts else "0"]  # fmt: skip
+    train = [a for i, a in enumerate(command[3:], 3)
+             if restarts is None or i not in (restarts, restarts + 1)]  # fmt: skip
+    train = [a for i, a in enumerate(train) if "--nproc" not in train[max(0, i - 1) : i + 1]]
+    return [
+        subprocess.Popen(
+            agent + ["-m", "flatshard", *train],
+            env={**env, "FLATSHARD_HOST_MEMORY": os.path.join(out + "-hosts", str(h))},
+            **quiet,
+        )  # fmt: skip
+        for h in range(args.hosts)
+    ]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _metrics(out: str) -> list[dict]:
     with open(os.path.join(out, "metrics.jsonl")) as handle:
         return [json.loads(line) for line in handle if line.strip()]
 
 
-def _run(command: list[str]) -> None:
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    subprocess.run(command, check=True, env=env, capture_output=True, text=True)
-
-
 def step_time(args, base: str, snapshots: bool) -> float:
     out = os.path.join(base, f"steps-{int(snapshots)}")
     extra = ["--set", "checkpoint.memory_interval=1"] if snapshots else []
-    _run(_command(args, out, "--checkpoint-interval", "0", *extra))
+    for proc in _start(args, _command(args, out, "--checkpoint-interval", "0", *extra), out):
+        if proc.wait() != 0:
+            raise SystemExit(f"the run in {out} failed")
     return statistics.median(r["step_s"] for r in _metrics(out)[2:])  # warm steps
 
 
@@ -69,15 +105,19 @@ def recovery_time(args, base: str, memory: bool) -> tuple[float, int]:
     out = os.path.join(base, f"recover-{int(memory)}")
     extra = ["--set", "checkpoint.memory_interval=1"] if memory else []
     command = _command(args, out, "--max-restarts", "1", "--checkpoint-interval", "4", *extra)
-    proc = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": ROOT},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    procs = _start(args, command, out)
     log = os.path.join(out, "metrics.jsonl")
     record = os.path.join(out, "attempts", "0", "rank-1.json")
     while not (os.path.exists(record) and os.path.exists(log) and len(_metrics(out)) >= 6):
         time.sleep(0.01)
     with open(record) as handle:
-        os.kill(json.load(handle)["pid"], signal.SIGKILL)
+        pid = json.load(handle)["pid"]
+    with open(f"/proc/{pid}/environ", "rb") as handle:
+        environ = dict(v.split("=", 1) for v in handle.read().decode().split("\0") if "=" in v)
+    os.kill(pid, signal.SIGKILL)
     killed = time.time()
+    if memory and args.hosts > 1:  # rank 1's host is lost, its memory with it
+        shutil.rmtree(environ["FLATSHARD_HOST_MEMORY"], ignore_errors=True)
     notes = os.path.join(out, "restarts.jsonl")
     while not os.path.exists(notes):
         time.sleep(0.005)
@@ -91,8 +131,9 @@ def recovery_time(args, base: str, memory: bool) -> tuple[float, int]:
             break
         time.sleep(0.005)
     recovered = time.time()
-    proc.wait(timeout=600)
-    return recovered - killed, note["lost_steps"]
+    for proc in procs:
+        proc.wait(timeout=600)
+    return recovered - killed, note["lost_steps"], note["source"]
 
 
 def main() -> None:
@@ -100,18 +141,22 @@ def main() -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="35m")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--hosts", type=int, default=1, help="torchrun agents standing for hosts")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     base = tempfile.mkdtemp(prefix="flatshard-recovery-")
     plain, snapshot = step_time(args, base, False), step_time(args, base, True)
-    from_disk, lost_disk = recovery_time(args, base, memory=False)
-    from_memory, lost_memory = recovery_time(args, base, memory=True)
+    from_disk, lost_disk, _ = recovery_time(args, base, memory=False)
+    from_memory, lost_memory, source = recovery_time(args, base, memory=True)
+    hosts = f", {args.hosts} hosts" if args.hosts > 1 else ""
+    lost_host = ", rank 1's host lost with its memory" if args.hosts > 1 else ""
     text = "\n".join([
-        f"### recovery, {args.size}, {args.nproc} processes "
+        f"### recovery, {args.size}, {args.nproc} processes{hosts} "
         f"({datetime.now(timezone.utc):%Y-%m-%d})",
         "",
         f"`python benchmarks/recovery.py --size {args.size} --nproc {args.nproc} --steps "
-        f"{args.steps}`; {platform.processor() or platform.machine()}, {os.cpu_count()} "
+        f"{args.steps}{f' --hosts {args.hosts}' if hosts else ''}`; "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} "
         f"cores, torch {torch.__version__}",
         "",
         "| what | figure |",
@@ -121,8 +166,8 @@ def main() -> None:
         f"({snapshot / plain - 1:+.1%}) |",
         f"| recovery, disk checkpoint every 4 steps | {from_disk:.1f} s, {lost_disk} step(s) "
         "lost |",
-        f"| recovery, host-memory snapshot every step | {from_memory:.1f} s, {lost_memory} "
-        "step(s) lost |",
+        f"| recovery, host-memory snapshot every step{lost_host} | {from_memory:.1f} s, "
+        f"{lost_memory} step(s) lost (from {source}) |",
     ]) + "\n"  # fmt: skip
     print(text)
     if args.out:

@@ -31,10 +31,10 @@ class _Launched:
     """A command running with its output in files: a pipe read only at the end fills up
     with the restarts' tracebacks and blocks the writer (the elastic agent)."""
 
-    def __init__(self, command: list[str], cwd, logs):
+    def __init__(self, command: list[str], cwd, logs, **env):
         logs.mkdir(parents=True, exist_ok=True)
         self.out, self.err = open(logs / "out.txt", "w+"), open(logs / "err.txt", "w+")
-        self.proc = subprocess.Popen(command, cwd=cwd, env=cli_env(), text=True,
+        self.proc = subprocess.Popen(command, cwd=cwd, env=cli_env(**env), text=True,
                                      stdout=self.out, stderr=self.err)  # fmt: skip
 
     def poll(self):
@@ -61,15 +61,21 @@ def _under_torchrun() -> list[str]:
     return [arg for i, arg in enumerate(RUN) if "--nproc" not in RUN[max(0, i - 1) : i + 1]]
 
 
-def _kill_rank(out, attempt: int, rank: int, after_steps: int) -> None:
-    """SIGKILL `rank` of `attempt` once the metrics hold `after_steps` records."""
+def _kill_rank(out, attempt: int, rank: int, after_steps: int, host_lost=False) -> None:
+    """SIGKILL `rank` of `attempt` once the metrics hold `after_steps` records; `host_lost`:
+    its host's memory goes too (the directory its FLATSHARD_HOST_MEMORY names)."""
     record = out / "attempts" / str(attempt) / f"rank-{rank}.json"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         log = out / "metrics.jsonl"
         lines = log.read_text().count("\n") if record.exists() and log.exists() else 0
         if record.exists() and lines >= after_steps:
-            os.kill(json.loads(record.read_text())["pid"], signal.SIGKILL)
+            pid = json.loads(record.read_text())["pid"]
+            environ = open(f"/proc/{pid}/environ", "rb").read().decode().split("\0")
+            os.kill(pid, signal.SIGKILL)
+            if host_lost:
+                (memory,) = [v[22:] for v in environ if v.startswith("FLATSHARD_HOST_MEMORY=")]
+                shutil.rmtree(memory)
             return
         time.sleep(0.01)
     raise AssertionError(f"attempt {attempt} never reached step {after_steps}")
@@ -141,9 +147,11 @@ def _recipe() -> list[str]:
     return line.split()
 
 
-def test_the_multi_node_recipe_restarts_after_a_nodes_process_is_killed(tmp_path, clean):
+def test_the_multi_node_recipe_restarts_after_a_node_is_lost(tmp_path, clean):
     """The guide's two-node command, as two agents on this machine (one process a node,
-    HSDP with a replica per node): one node's process killed, both restart and resume."""
+    HSDP with a replica per node, each node's host memory a directory of its own, snapshots
+    every step): one node's process killed and its host memory lost, both restart and resume
+    from the snapshot, whose lost part comes from the other node's copy."""
     port = str(_free_port())
     run = tmp_path / "myrun"
     places = {"HEAD:29500": f"127.0.0.1:{port}", "8": "1", "/shared/runs/myrun": str(run),
@@ -151,12 +159,17 @@ def test_the_multi_node_recipe_restarts_after_a_nodes_process_is_killed(tmp_path
     command = [places.get(arg, arg) for arg in _recipe()]
     command[1:1] = ["-m", "torch.distributed.run"]
     command += _under_torchrun()[1:]  # after the recipe's own `train`: a small run
-    nodes = [_Launched(command, tmp_path, tmp_path / f"node{i}") for i in range(2)]
-    _kill_rank(run, attempt=0, rank=1, after_steps=6)
+    command += ["--checkpoint-interval", "20", "--set", "checkpoint.memory_interval=1"]
+    memory = [str(tmp_path / f"memory{i}") for i in range(2)]
+    nodes = [_Launched(command, tmp_path, tmp_path / f"node{i}", FLATSHARD_HOST_MEMORY=memory[i])
+             for i in range(2)]  # fmt: skip
+    _kill_rank(run, attempt=0, rank=1, after_steps=8, host_lost=True)
     for node in nodes:
         out, err = node.communicate(timeout=300)
         assert node.returncode == 0, out[-2000:] + err[-3000:]
-    assert "rank 1 died" in (run / "restarts.jsonl").read_text()
+    (note,) = [json.loads(line) for line in (run / "restarts.jsonl").read_text().splitlines()]
+    assert "rank 1 died" in note["cause"] and note["source"] == "host memory", note
+    assert note["resumed_from"] >= 6 and note["lost_steps"] <= 2, note
     losses = [r["loss"] for r in metrics(run)]
     assert len(losses) == 40
     assert losses == pytest.approx([r["loss"] for r in metrics(clean)], rel=1e-5)

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from flatshard.api.fsdp_module import weights_changed
-from flatshard.checkpoint import commit, manifest
+from flatshard.checkpoint import commit, host_memory, manifest
 from flatshard.checkpoint.save import wait_for_pending_save
 from flatshard.checkpoint.state import (
     app_state,
@@ -54,6 +54,7 @@ def load(
     strict: bool = True,
     verify: bool = True,
     trainable_only: bool = False,
+    host_local: bool = False,
     **extra,
 ) -> LoadResult:
     """Load `step` (default: `latest`) from `directory` into `model`/`optimizer` (call on every
@@ -63,13 +64,18 @@ def load(
         all; with strict=False they are skipped and listed in the result.
     verify: check every file's size and CRC-32 first (each rank checks a share of them).
     trainable_only: load only the trainable parameters (a checkpoint saved with it).
+    host_local: a checkpoint saved with `host_local=True` (`step` given): each rank first
+        gets the files it reads from the hosts that hold them.
     """
     wait_for_pending_save()
     group = checkpoint_group()
     rank, world = rank_and_world(group)
-    path = _resolve(directory, step)
+    if host_local:
+        path = host_memory.bring_shared(directory, step, group, rank)
+    else:
+        path = _resolve(directory, step)
     saved = manifest.read(path)
-    if verify:
+    if verify and not host_local:  # a host-local one: each rank checks what it reads
         manifest.check_intact(path, saved, group)
     differences = manifest.config_differences(
         saved.get("model_config"), manifest.model_config(model)
@@ -80,6 +86,11 @@ def load(
         )
 
     state = app_state(model, optimizer, extra, trainable_only)
+    if host_local:
+        read = host_memory.files_read(path, state, rank)
+        host_memory.bring_read(path, read, group, rank)
+        if verify:
+            manifest.check_intact(path, saved, group, names=read)
     reader = dcp.FileSystemReader(path)
     skipped = _mismatches(state, reader.read_metadata(), strict, path)
     # each rank plans its own reads from the metadata: no plan crosses the network

@@ -94,12 +94,14 @@ def verify_files(directory: str, manifest: dict, names: list[str]) -> list[str]:
     return problems
 
 
-def check_intact(directory: str, manifest: dict, group=None) -> None:
+def check_intact(directory: str, manifest: dict, group=None, names=None) -> None:
     """Check every file the manifest lists (size, CRC-32) before anything else of the
     checkpoint is read; the ranks of `group` (None: this process alone) each check a share
-    and all raise the same CheckpointError, naming each missing, truncated or corrupted file."""
+    (or `names`, each rank its own) and all raise the same CheckpointError, naming each
+    missing, truncated or corrupted file."""
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group else (0, 1)
-    problems = verify_files(directory, manifest, sorted(manifest["files"])[rank::world])
+    mine = sorted(manifest["files"])[rank::world] if names is None else names
+    problems = verify_files(directory, manifest, mine)
     try:
         agreement.agree("; ".join(problems) or None, group, CheckpointError)
     except CheckpointError as error:

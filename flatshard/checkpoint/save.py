@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from flatshard import comm
-from flatshard.checkpoint import commit, manifest, writing
+from flatshard.checkpoint import commit, host_memory, manifest, writing
 from flatshard.checkpoint.rank_file import DEFAULT_STAGING_BYTES
 from flatshard.checkpoint.state import (
     app_state,
@@ -82,6 +82,7 @@ def save(
     keep_last: int | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     trainable_only: bool = False,
+    host_local: bool = False,
     **extra,
 ) -> SaveHandle:
     """Save a checkpoint of `step` under `directory` (call on every rank).
@@ -97,6 +98,9 @@ def save(
     keep_last: after committing, delete all but the newest `keep_last` checkpoints.
     trainable_only: leave the frozen parameters out (a LoRA run saves its adapters; its
         base comes from the pretrained files); load with the same.
+    host_local: `directory` is each host's own (host memory such as /dev/shm, a local disk):
+        each host keeps its ranks' files and a copy of the previous host's (a ring, see
+        `host_memory.py`); load with the same.
 
     A failed write (a full disk: "no space left on device while saving step N") raises one
     `CheckpointError` on every rank, removes the partial directory and leaves `latest` and
@@ -114,7 +118,9 @@ def save(
     )
     partial = commit.partial_dir(directory, step)
     failure = None
-    if rank == 0:
+    hosts = host_memory.hosts_of(directory, group) if host_local else None
+    makes_directory = hosts.leads(rank) if hosts else rank == 0  # on its host
+    if makes_directory:
         try:
             if os.path.exists(partial):
                 shutil.rmtree(partial)  # left by an interrupted save of this step
@@ -170,12 +176,14 @@ def save(
                     failure = (failed[0], failure and failure[1])
                 else:
                     try:
-                        _write_manifest_and_commit(
-                            directory, step, world, everyone, config, keep_last
+                        _write_manifest_and_commit(  # host-local: pruned once spread
+                            directory, step, world, everyone, config, hosts is None and keep_last
                         )
                     except Exception as error:
                         failure = (_describe_failure(error, rank, directory), error)
             _agree_on_failure(failure, group, directory, step)  # also the barrier
+            if hosts is not None:
+                host_memory.spread(directory, step, group, hosts, rank, keep_last)
             result["path"] = os.path.join(directory, commit.step_dir_name(step))
         except BaseException as error:  # surfaced by SaveHandle.wait()
             result["error"] = error

@@ -14,7 +14,7 @@ import shutil
 from dataclasses import dataclass
 
 from flatshard import checkpoint
-from flatshard.checkpoint import commit
+from flatshard.checkpoint import commit, host_memory
 from flatshard.cli import runs
 from flatshard.cli.schedule import schedule_change
 
@@ -43,7 +43,8 @@ class RunCheckpoints:
         on_disk = os.path.isdir(os.path.join(self.root, commit.step_dir_name(step)))
         root = self.root if on_disk else self.memory
         result = runs.resume(root, self.model, self.optimizer, step, ranks,
-                             trainable_only=self.trainable_only)  # fmt: skip
+                             trainable_only=self.trainable_only,
+                             host_local=not on_disk)  # fmt: skip
         self.last_saved = result.step
         note = None
         if ranks.is_main:
@@ -53,15 +54,20 @@ class RunCheckpoints:
         return Resumed(result.step, result.path, result.extra["data_position"], note)
 
     def snapshot(self, step: int, position: int) -> None:
-        """Into host memory, in the background; only the newest is kept."""
+        """Into host memory, in the background: each host's ranks' files, and a copy of the
+        previous host's; only the newest is kept."""
         if self.last_saved != step:
-            self._save(self.memory, step, position, async_save=True, keep_last=1)
+            self._save(self.memory, step, position, async_save=True, keep_last=1,
+                       host_local=True)  # fmt: skip
 
-    def forget_snapshots(self, ranks) -> None:
-        """The run is over: give the host memory back."""
+    def drop_newer_snapshots(self, step: int | None) -> None:
+        """A run going on from `step` (None: from the start) snapshots the later steps anew."""
+        host_memory.drop_after(self.memory, step)
+
+    def forget_snapshots(self) -> None:
+        """The run is over: give the host memory back (every host its own)."""
         checkpoint.wait_for_pending_save()
-        if ranks.is_main:
-            shutil.rmtree(self.memory, ignore_errors=True)
+        shutil.rmtree(self.memory, ignore_errors=True)
 
     def save(self, step: int, position: int, async_save: bool = False) -> None:
         """Save at `step` (once: a second call at the same step does nothing)."""
@@ -71,7 +77,7 @@ class RunCheckpoints:
         self._save(self.root, step, position, async_save=async_save, keep_last=keep)
         self.last_saved = step
 
-    def _save(self, root: str, step: int, position: int, *, async_save: bool, keep_last):
+    def _save(self, root, step, position, *, async_save, keep_last, host_local=False):
         saving = self.config.checkpoint
         checkpoint.save(
             root,
@@ -84,6 +90,7 @@ class RunCheckpoints:
             data_position=position,
             run_config=self.config.to_json(),
             trainable_only=self.trainable_only,
+            host_local=host_local,
             **self.records,
         )
 

@@ -68,8 +68,11 @@ def checkpoint_root(run_dir: str) -> str:
 
 def memory_root(run_dir: str) -> str:
     """Where the run's snapshots in host memory live (checkpoint.memory_interval): a
-    RAM-backed directory that outlives the processes, one per run directory."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    RAM-backed directory that outlives the processes, one per run directory and host
+    (FLATSHARD_HOST_MEMORY names another base: two agents on one machine standing for two
+    hosts each get their own)."""
+    default = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    base = os.environ.get("FLATSHARD_HOST_MEMORY", default)
     key = hashlib.sha1(os.path.abspath(run_dir).encode()).hexdigest()[:16]
     return os.path.join(base, f"flatshard-{key}")
 
@@ -178,10 +181,12 @@ def _describe_saved(path: str) -> str:
     return f": {size:,.1f} MiB saved by {saved.get('world_size', '?')} process(es),"
 
 
-def resume(root: str, model, optimizer, step: int, ranks, trainable_only: bool = False):
+def resume(root: str, model, optimizer, step: int, ranks, trainable_only: bool = False,
+           host_local: bool = False):  # fmt: skip
     """Load a run's checkpoint `step` into the model and optimizer (the load's result);
     the main rank first removes what an interrupted save left (no save runs yet).
-    trainable_only: a LoRA run's checkpoint (its adapters)."""
+    trainable_only: a LoRA run's checkpoint (its adapters). host_local: a snapshot in the
+    hosts' memory."""
     path = os.path.join(root, commit.step_dir_name(step))
     if ranks.is_main:
         for name in commit.remove_partials(root):
@@ -190,7 +195,8 @@ def resume(root: str, model, optimizer, step: int, ranks, trainable_only: bool =
         print(f"loading {path}{described} into {ranks.world_size} process(es)...", flush=True)
     started = time.perf_counter()
     result = checkpoint.load(root, model=model, optimizer=optimizer, step=step,
-                             data_position=None, trainable_only=trainable_only)  # fmt: skip
+                             data_position=None, trainable_only=trainable_only,
+                             host_local=host_local)  # fmt: skip
     if ranks.is_main:
         print(f"loaded step {step} in {time.perf_counter() - started:.1f} s", flush=True)
     return result

@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 import flatshard
 from flatshard import comm
+from flatshard.checkpoint import host_memory
+from flatshard.checkpoint.state import checkpoint_group
 from flatshard.cli import attempts, elastic, runs
 from flatshard.cli.config import RunConfig
 from flatshard.cli.config_rules import check, parallel_dims
@@ -67,15 +69,11 @@ def train_worker(values: dict, run_dir: str, resume_step: int | None) -> int:
 
 def _restart_step(run_dir: str, restart: int, ranks: Ranks) -> int | None:
     """The newest complete checkpoint's step (None: none yet, start over), after rank 0 has
-    said what failed and which logged steps are lost. A snapshot in host memory counts only
-    where every rank sees it whole (one node's RAM; on several nodes the disk's)."""
+    said what failed and which logged steps are lost: the disk's, or a newer snapshot in host
+    memory where the hosts still up hold every file of it between them (see
+    `checkpoint/host_memory.py`: a lost host's part is on its ring neighbour)."""
     disk = runs.newest_step(runs.checkpoint_root(run_dir))
-    seen = runs.newest_step(runs.memory_root(run_dir))
-    seen = -1 if seen is None else seen
-    bounds = torch.tensor([seen, -seen], dtype=torch.int64)
-    dist.all_reduce(bounds, op=dist.ReduceOp.MIN)  # the lowest and the highest seen
-    lowest, highest = bounds[0].item(), -bounds[1].item()
-    memory = lowest if lowest == highest and lowest >= 0 else None
+    memory = host_memory.recoverable_step(runs.memory_root(run_dir), checkpoint_group())
     step = max((s for s in (disk, memory) if s is not None), default=None)
     if ranks.is_main:
         records, _ = read_metrics(os.path.join(run_dir, runs.METRICS))
@@ -134,6 +132,8 @@ class Trainer:
         # what checkpoints keep besides the weights, for sampling and a complete export
         records = checkpoint_records(self.data, config.model.hf)
         self.saves = RunCheckpoints(run_dir, config, self.model, self.optimizer, records)
+        if config.checkpoint.memory_interval:
+            self.saves.drop_newer_snapshots(resume_step)
         self.step, self.position, self.resumed = 0, 0, None
         if resume_step is not None:
             self.resumed = self.saves.resume(resume_step, ranks)
@@ -252,7 +252,7 @@ class Trainer:
         if self.push is not None:
             self.push.finish(self.model, self.step)
         if config.checkpoint.memory_interval:
-            self.saves.forget_snapshots(self.ranks)
+            self.saves.forget_snapshots()
         if reason != "done" or config.checkpoint.at_end:
             self.saves.save(self.step, self.position)
         latest = self.saves.latest()
