@@ -181,3 +181,25 @@ def test_components_along_dim_one_cut_by_rows():
     up = spec.component("up")
     assert up.local.offset == (0, 2, 0) and up.local.shape == (1, 2, 3)
     assert up.stored.offset == (1, 0, 0) and up.stored_shape == (2, 2, 3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 5), st.integers(0, 6),
+                          st.integers(0, 5)), min_size=1, max_size=3))  # fmt: skip
+def test_box_intersection_is_the_overlap_of_their_cells(dims):
+    """`Box.intersection` holds exactly the cells both boxes hold, and `within` finds them
+    in each box's own indices (what weight sync's router and receiver cut with)."""
+    from flatshard.layout import Box
+
+    a = Box(tuple(d[0] for d in dims), tuple(d[1] for d in dims))
+    b = Box(tuple(d[2] for d in dims), tuple(d[3] for d in dims))
+    full = tuple(max(o + n for o, n in zip(d[::2], d[1::2])) for d in dims)
+    index = torch.arange(int(torch.tensor(full).prod())).reshape(full)
+    cells_a, cells_b = (set(index[box.slices].flatten().tolist()) for box in (a, b))
+    both = a.intersection(b)
+    if both is None:
+        assert not cells_a & cells_b
+        return
+    assert set(index[both.slices].flatten().tolist()) == cells_a & cells_b
+    assert torch.equal(index[a.slices][both.within(a)], index[both.slices])
+    assert torch.equal(index[b.slices][both.within(b)], index[both.slices])

@@ -177,8 +177,9 @@ OPTIONS: tuple[Option, ...] = (
            "(waves of half of it)", check=_positive),
     Option("checkpoint.at_end", True, "save when training ends"),
     Option("checkpoint.memory_interval", 0, "every N steps also snapshot the run into host "
-           "memory (/dev/shm, in the background): a restart after a failure resumes from the "
-           "newest of it and the disk checkpoints (0: off)", check=_non_negative),
+           "memory (/dev/shm, in the background; on several nodes each also keeps a copy of "
+           "the previous node's): a restart after a failure resumes from the newest of it "
+           "and the disk checkpoints (0: off)", check=_non_negative),
     # sync: stream the weights to processes outside the run (an inference engine's)
     Option("sync.address", "", "host:port of a weight-sync group (flatshard.sync_weights): "
            "after every sync.interval steps and at the end, push the weights to its "

@@ -22,8 +22,9 @@ from flatshard.hf.adapter import adapter_for
 from flatshard.hf.errors import HFCheckpointError
 from flatshard.hf.stream import model_order
 from flatshard.hf.sync_wire import Piece, piece_bytes
+from flatshard.layout.spec import Box
 
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape) in a full tensor
+Wanted = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape) a receiver keeps
 
 
 @dataclass
@@ -74,7 +75,7 @@ def make_plan(model: nn.Module, names: str, rank: int, number: int) -> SendPlan:
     return SendPlan(number, current, pieces, announcement)
 
 
-def make_route(plan: SendPlan, request: dict[str, Box], written, wire, bucket_bytes) -> Route:
+def make_route(plan: SendPlan, request: dict[str, Wanted], written, wire, bucket_bytes) -> Route:
     """The parts of this rank's pieces inside what a receiver asked for (the whole of a
     tensor it names no box for), in buckets of `bucket_bytes` that keep to one flat buffer."""
     parts, sources = [], []
@@ -94,19 +95,13 @@ def make_route(plan: SendPlan, request: dict[str, Box], written, wire, bucket_by
     return Route(parts, buckets)
 
 
-def _intersect(piece: Piece, box: Box | None):
-    """(the block of `piece` inside `box`, its slices within the piece), or None if none."""
-    if box is None:
-        return piece, tuple(slice(0, s) for s in piece.shape)
-    offsets, slices, shape = [], [], []
-    for start, size, want, length in zip(piece.offsets, piece.shape, *box):
-        low, high = max(start, want), min(start + size, want + length)
-        if high <= low:
-            return None
-        offsets.append(low)
-        shape.append(high - low)
-        slices.append(slice(low - start, high - start))
-    return Piece(piece.name, tuple(offsets), tuple(shape), piece.dtype), tuple(slices)
+def _intersect(piece: Piece, wanted: Wanted | None):
+    """(the block of `piece` inside `wanted`, its slices within the piece), or None if none."""
+    held = Box(piece.offsets, piece.shape)
+    block = held if wanted is None else held.intersection(Box(*wanted))
+    if block is None:
+        return None
+    return Piece(piece.name, block.offset, block.shape, piece.dtype), block.within(held)
 
 
 def current_values(plan: SendPlan, rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -29,6 +29,7 @@ from flatshard.hf.sync_send import (
     REQUEST_TAG,
 )
 from flatshard.hf.sync_wire import piece_bytes, unpack
+from flatshard.layout.spec import Box
 
 APPLY = ("end", "as_received")
 Slices = Callable[[str, tuple[int, ...]], "tuple[tuple[int, ...], tuple[int, ...]] | None"]
@@ -59,14 +60,12 @@ class _Layout:
             self.outputs_of.setdefault(tensor_name, []).append((out_name, None if whole else cut))
         self.boxes, self.kept = {}, {}
         for name, (shape, dtype) in announcement["tensors"].items():
-            offsets, kept_shape = boxes.get(name, ((0,) * len(shape), shape))
-            self.boxes[name] = offsets
-            self.kept[name] = torch.zeros(kept_shape, dtype=dtype, device=device)
+            self.boxes[name] = Box(*boxes.get(name, ((0,) * len(shape), shape)))
+            self.kept[name] = torch.zeros(self.boxes[name].shape, dtype=dtype, device=device)
 
     def place(self, piece) -> tuple[slice, ...]:
         """Where a received block lies in the tensor kept for it."""
-        box = self.boxes[piece.name]
-        return tuple(slice(o - b, o - b + s) for o, b, s in zip(piece.offsets, box, piece.shape))
+        return Box(piece.offsets, piece.shape).within(self.boxes[piece.name])
 
 
 def receive_weights(

@@ -30,6 +30,23 @@ class Box:
     def empty(self) -> bool:
         return any(n == 0 for n in self.shape)
 
+    def intersection(self, other: Box) -> Box | None:
+        """The block both hold (None: they do not meet)."""
+        low = tuple(max(a, b) for a, b in zip(self.offset, other.offset))
+        high = tuple(
+            min(a + n, b + m)
+            for a, n, b, m in zip(self.offset, self.shape, other.offset, other.shape)
+        )
+        if any(h <= lo for lo, h in zip(low, high)):
+            return None
+        return Box(low, tuple(h - lo for lo, h in zip(low, high)))
+
+    def within(self, outer: Box) -> tuple[slice, ...]:
+        """Where this block lies in `outer`'s own indices (`outer` holds it)."""
+        return tuple(
+            slice(o - p, o - p + n) for o, p, n in zip(self.offset, outer.offset, self.shape)
+        )
+
 
 @dataclass(frozen=True)
 class ComponentPiece:
