@@ -15,6 +15,7 @@ from flatshard.api.fsdp_module import (
 from flatshard.api.materialize import materialize
 from flatshard.api.parallel_plan import ParallelPlan, register_plan
 from flatshard.api.parallelize import parallelize
+from flatshard.api.pipeline import PipelineStage, stage_modules
 from flatshard.api.sharding import fully_shard
 from flatshard.api.state_movement import offload_states, reload_states
 from flatshard.comm.sync_group import SyncGroup, weight_sync_group
@@ -67,6 +68,7 @@ __all__ = [
     "StatesOffloadedError",
     "ParallelDims",
     "ParallelPlan",
+    "PipelineStage",
     "ReceiveStats",
     "SyncGroup",
     "SyncStats",
@@ -91,6 +93,7 @@ __all__ = [
     "reload_states",
     "row_range",
     "share_comm_ctx",
+    "stage_modules",
     "state",
     "sync_weights",
     "units",

@@ -55,7 +55,9 @@ class BucketGradients:
         micro-batch's added, or a copy of it (the unsharded buffer itself when the dtypes
         agree)."""
         flat = self.unsharded
-        if self.unsynced is not None:
+        if self.unsynced is not None and flat is None:  # no backward since they were held
+            flat, self.unsynced = self.unsynced, None
+        elif self.unsynced is not None:
             flat, self.unsynced = self.unsynced.add_(flat), None
         elif flat.dtype != self.reduce_dtype:
             flat = pool.empty(flat.numel(), self.reduce_dtype, flat.device).copy_(flat)

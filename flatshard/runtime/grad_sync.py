@@ -58,6 +58,11 @@ class GradientSync:
         self.all_reduce_hook = None  # FSDP2's set_all_reduce_hook: sees each reduced shard
         self._holds_unsynced = False
 
+    @property
+    def holds_unsynced(self) -> bool:
+        """Gradients of backwards without sync wait to be reduced."""
+        return self._holds_unsynced
+
     def _trainable_in(self, bucket: FlatBucket):
         return [p for p in self.unit.trainable if self.unit.buckets[p.bucket] is bucket]
 

@@ -194,6 +194,22 @@ def end_backward(context: RootContext) -> None:
     context.end_backward()
 
 
+def sync_held_gradients(context: RootContext) -> None:
+    """Reduce what backwards without gradient sync held, and reshard: a pipeline schedule
+    runs every micro-batch's backward so and then this once, where FSDP2 calls each
+    group's post_backward."""
+    for unit in context.units:
+        if unit.grads.holds_unsynced:
+            unit.grads.reduce()
+    context.reduces.finish()
+    wait_for_host_gradients(context.units)
+    for unit in context.units:
+        unit.wait_unshard()
+        unit.register("sharded")
+        if unit.resharding.after_backward:
+            unit.reshard()
+
+
 def reset_iteration(root) -> None:
     """FSDP2's `reset_iter_state`: after a forward or backward that raised, wait for the
     collectives in flight (their results dropped), drop the iteration's gradients and

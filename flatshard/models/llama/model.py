@@ -275,6 +275,14 @@ class TransformerBlock(nn.Module):
         return h + self.mlp(self.mlp_norm(h))
 
 
+def indexed_layers(layers: nn.Module):
+    """(index in the whole model, block): a pipeline stage keeps its blocks in a ModuleDict
+    under their indices, so their names (and checkpoints) stay those of the whole model."""
+    if isinstance(layers, nn.ModuleDict):
+        return [(int(key), layer) for key, layer in layers.items()]
+    return list(enumerate(layers))
+
+
 def attention_extras(cache, layer: int, mask) -> tuple[tuple, dict]:
     """What a block and its attention take after (x, cos, sin), as (args, kwargs): the cache
     only when generating, a mask (by keyword) only for packed documents, so a TP style on
@@ -336,10 +344,12 @@ class Llama(nn.Module):
         they restart, a new document begins that attends only to itself (packed data)."""
         cos, sin = rope_at(self.config, tokens, cache, position_ids)
         mask = attention_mask(self, position_ids)
-        h = self.embed_tokens(tokens)
-        for index, layer in enumerate(self.layers):
+        # a pipeline stage (flatshard.parallel.pipeline) holds some of the parts: a later
+        # stage takes the previous one's hidden states, an earlier one returns its own
+        h = tokens if self.embed_tokens is None else self.embed_tokens(tokens)
+        for index, layer in indexed_layers(self.layers):
             args, kwargs = attention_extras(cache, index, mask)
             h = layer(h, cos, sin, *args, **kwargs)
         if cache is not None:
             cache.length += tokens.shape[1]
-        return self.lm_head(self.norm(h))
+        return h if self.lm_head is None else self.lm_head(self.norm(h))
