@@ -15,7 +15,7 @@ from flatshard.api.fsdp_module import (
 from flatshard.api.materialize import materialize
 from flatshard.api.parallel_plan import ParallelPlan, register_plan
 from flatshard.api.parallelize import parallelize
-from flatshard.api.pipeline import PipelineStage, stage_modules
+from flatshard.api.pipeline import Pipeline, PipelineStage, pipeline, stage_modules
 from flatshard.api.sharding import fully_shard
 from flatshard.api.state_movement import offload_states, reload_states
 from flatshard.comm.sync_group import SyncGroup, weight_sync_group
@@ -68,6 +68,7 @@ __all__ = [
     "StatesOffloadedError",
     "ParallelDims",
     "ParallelPlan",
+    "Pipeline",
     "PipelineStage",
     "ReceiveStats",
     "SyncGroup",
@@ -87,6 +88,7 @@ __all__ = [
     "offload_states",
     "optim",
     "parallelize",
+    "pipeline",
     "register_plan",
     "register_fsdp_forward_method",
     "receive_weights",

@@ -35,7 +35,9 @@ class ParallelDims:
     """Degrees of parallelism over `world_size` ranks. -1 for `dp_shard` (the default) or
     `dp_replicate`: whatever the other dense degrees leave.
 
-    Ranks are laid out `(dp_replicate, dp_shard, cp, tp)`, TP innermost. Context parallelism
+    Ranks are laid out `(pp, dp_replicate, dp_shard, cp, tp)`, TP innermost. Pipeline
+    parallelism splits the model into stages over `pp` ranks (outermost: each stage's ranks
+    are a whole data/tensor-parallel run of their own). Context parallelism
     splits each sequence over `cp` ranks (they share a batch); the parameters are sharded
     over `dp_shard x cp`, as torchtitan shards them. Expert parallelism
     borrows `ep` of the data-parallel ranks (ranks holding different tokens, replicas
@@ -51,11 +53,15 @@ class ParallelDims:
     ep: int = 1
     sequence_parallel: bool = False
     cp: int = 1
+    pp: int = 1
     _built: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "tp", "ep", "cp"):
+        for name in ("world_size", "tp", "ep", "cp", "pp"):
             _check_degree(name, getattr(self, name))
+        if self.world_size % self.pp:
+            raise MeshError(f"pp ({self.pp}) must divide world_size ({self.world_size})")
+        stage = self.world_size // self.pp  # the ranks of one pipeline stage
         left = [n for n in ("dp_replicate", "dp_shard") if getattr(self, n) == -1]
         if len(left) == 2:
             raise MeshError("give dp_replicate or dp_shard (at most one may be -1)")
@@ -65,21 +71,26 @@ class ParallelDims:
             for name in given:
                 _check_degree(name, getattr(self, name))
             others = math.prod(getattr(self, n) for n in given)
-            if self.world_size % others:
+            if stage % others:
                 named = " x ".join(given)
                 values = " x ".join(str(getattr(self, n)) for n in given)
-                raise MeshError(f"{named} ({values}) must divide world_size ({self.world_size})")
-            object.__setattr__(self, left[0], self.world_size // others)
+                ranks = f"world_size / pp ({stage})" if self.pp > 1 else f"world_size ({stage})"
+                raise MeshError(f"{named} ({values}) must divide {ranks}")
+            object.__setattr__(self, left[0], stage // others)
         _check_degree("dp_replicate", self.dp_replicate)
         _check_degree("dp_shard", self.dp_shard)
-        dense = self.dp_replicate * self.dp_shard * self.cp * self.tp
+        dense = self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
         if dense != self.world_size:
             with_cp = (" x cp", f" x {self.cp}") if self.cp > 1 else ("", "")
+            with_pp = ("pp x ", f"{self.pp} x ") if self.pp > 1 else ("", "")
             raise MeshError(
-                f"dp_replicate x dp_shard{with_cp[0]} x tp = {self.dp_replicate} x "
-                f"{self.dp_shard}{with_cp[1]} x {self.tp} = {dense} ranks, but world_size is "
-                f"{self.world_size}"
+                f"{with_pp[0]}dp_replicate x dp_shard{with_cp[0]} x tp = {with_pp[1]}"
+                f"{self.dp_replicate} x {self.dp_shard}{with_cp[1]} x {self.tp} = {dense} "
+                f"ranks, but world_size is {self.world_size}"
             )
+        if self.pp > 1 and self.ep > 1:
+            raise MeshError("pipeline parallelism (pp > 1) with expert parallelism (ep > 1) "
+                            "is not supported yet: use one of them")  # fmt: skip
         if self.cp > 1 and self.ep > 1:
             raise MeshError("context parallelism (cp > 1) with expert parallelism (ep > 1) is "
                             "not supported yet: use one of them")  # fmt: skip
@@ -140,8 +151,9 @@ class ParallelDims:
 class Meshes:
     """The named meshes of a `ParallelDims`: `world` over (dp_replicate, dp_shard, tp) (a
     dim of degree 1 included; with context parallelism (dp_replicate, dp_shard, cp, tp) and
-    `dp_shard_cp` flattened), `experts` over (efsdp, ep) when ep > 1, and `dp`, every
-    data-parallel rank as one dim (data loading, loss averaging)."""
+    `dp_shard_cp` flattened; with pipeline parallelism a `pp` dim first), `experts` over
+    (efsdp, ep) when ep > 1, and `dp`, every data-parallel rank of the stage as one dim
+    (data loading, loss averaging)."""
 
     dims: ParallelDims
     world: DeviceMesh
@@ -150,10 +162,11 @@ class Meshes:
 
     @staticmethod
     def _build(dims: ParallelDims, device_type: str) -> Meshes:
-        # a cp dim only where there is context parallelism: each dim costs process groups
+        # cp and pp dims only where used: each dim costs process groups
         cp = ((dims.cp,), ("cp",)) if dims.cp > 1 else ((), ())
-        shape = (dims.dp_replicate, dims.dp_shard, *cp[0], dims.tp)
-        names = ("dp_replicate", "dp_shard", *cp[1], "tp")
+        pp = ((dims.pp,), ("pp",)) if dims.pp > 1 else ((), ())
+        shape = (*pp[0], dims.dp_replicate, dims.dp_shard, *cp[0], dims.tp)
+        names = (*pp[1], "dp_replicate", "dp_shard", *cp[1], "tp")
         world = init_device_mesh(device_type, shape, mesh_dim_names=names)
         if dims.cp > 1:  # the parameters' shard dim: dp_shard x cp as one
             world["dp_shard", "cp"]._flatten("dp_shard_cp")
@@ -186,6 +199,17 @@ class Meshes:
     def cp(self) -> DeviceMesh | None:
         """The context-parallel mesh (None without context parallelism)."""
         return self.world["cp"] if self.dims.cp > 1 else None
+
+    @property
+    def pp(self) -> DeviceMesh | None:
+        """The pipeline-parallel mesh: this rank and the ranks holding the other stages
+        (None without pipeline parallelism)."""
+        return self.world["pp"] if self.dims.pp > 1 else None
+
+    @property
+    def pp_rank(self) -> int:
+        """Which stage of the pipeline this rank runs (0 without pipeline parallelism)."""
+        return self.pp.get_local_rank() if self.pp is not None else 0
 
     @property
     def tp(self) -> DeviceMesh | None:

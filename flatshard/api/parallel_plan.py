@@ -57,6 +57,8 @@ class ParallelPlan:
             found = model.get_submodule(self.blocks)
         except AttributeError:
             found = None
+        if isinstance(found, nn.ModuleDict):  # a pipeline stage's blocks, by their indices
+            return list(found.values())
         if not isinstance(found, (nn.ModuleList, nn.Sequential)):
             raise MeshError(
                 f"{type(model).__name__} has no ModuleList {self.blocks!r} of blocks: pass "

@@ -18,6 +18,7 @@ from flatshard.api.activation_checkpointing import check_mode, checkpoint_block
 from flatshard.api.compile import compile_backend, compile_block
 from flatshard.api.parallel_plan import ParallelPlan, plan_for
 from flatshard.api.sharding import fully_shard
+from flatshard.errors import MeshError
 from flatshard.mesh import Meshes, ParallelDims
 
 
@@ -46,6 +47,11 @@ def parallelize(
     check_mode(activation_checkpointing)
     backend = compile_backend(compile)
     meshes = dims if isinstance(dims, Meshes) else dims.build()
+    if meshes.pp is not None and not getattr(model, "pipeline_stage", False):
+        raise MeshError(
+            f"pp={meshes.pp.size()} splits the model into pipeline stages: build them with "
+            "flatshard.pipeline(model, dims, loss_fn=..., microbatches=...)"
+        )
     plan = plan if plan is not None else plan_for(model)
     blocks = plan.blocks_of(model)
     shard = dict(

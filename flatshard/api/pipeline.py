@@ -1,32 +1,53 @@
 """Pipeline parallelism over flatshard-sharded stages, run by torch's own schedules
-(`torch.distributed.pipelining`: GPipe, 1F1B, interleaved, zero bubble).
+(`torch.distributed.pipelining`).
+
+`pipeline(model, dims, ...)` splits a decoder into stages over the `pp` mesh dim (one stage
+per rank, or several interleaved), gives each stage `parallelize`'s TP/CP/FSDP on the
+stage's own data- and tensor-parallel meshes, and drives them with a torch schedule. This
+rank's stages live in one module under the whole model's names (`Pipeline.model`: its
+optimizer's parameters, its checkpoints), so a checkpoint does not depend on `pp`.
 
 A schedule runs every micro-batch's backward without gradient sync (FSDP2's setters, which
-flatshard's modules have) and, after the last, asks the stage to reduce: torch's
-`PipelineStage` then reaches into FSDP2's private state, which a flatshard module does not
-have. `PipelineStage` here is torch's with that one step done flatshard's way: the held
-gradients reduce-scattered once per step, whatever the number of micro-batches.
+flatshard's modules have) and then asks each stage to reduce: torch's `PipelineStage`
+reaches into FSDP2's private state there, which a flatshard module does not have.
+`PipelineStage` here is torch's with that one step done flatshard's way: the held gradients
+reduce-scattered once per step, whatever the number of micro-batches.
 """
 
 from __future__ import annotations
 
 import copy
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import pipelining
+from torch.distributed.pipelining import schedules
 
 from flatshard import registry
-from flatshard.errors import WrappingError
+from flatshard.api.parallelize import parallelize
+from flatshard.errors import MeshError, WrappingError
+from flatshard.mesh import Meshes, ParallelDims
 from flatshard.runtime import hooks
 
 _PARTS = ("embed_tokens", "layers", "norm", "lm_head")  # the reference families' names
 
+SCHEDULES = {
+    "gpipe": schedules.ScheduleGPipe,
+    "1f1b": schedules.Schedule1F1B,
+    "interleaved-1f1b": schedules.ScheduleInterleaved1F1B,
+    "looped-bfs": schedules.ScheduleLoopedBFS,
+}
+"""The schedules `pipeline` runs, by name (torch's classes): the first two one stage per
+rank, the others several. torch's zero-bubble schedules split each backward into the
+inputs' and the weights' gradients, which flatshard's units do not take apart yet."""
+
 
 class PipelineStage(pipelining.PipelineStage):
     """torch's `PipelineStage` for a stage module that flatshard shards (`fully_shard` on
-    its blocks and itself); any of torch's schedules takes it. Gradients are reduced once
-    per step, after the last micro-batch's backward; the schedule then divides them by the
-    number of micro-batches (its `scale_grads`)."""
+    its blocks and itself); torch's schedules take it. Gradients are reduced once per step,
+    after the last micro-batch's backward; the schedule then divides them by the number of
+    micro-batches (its `scale_grads`)."""
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         unit = registry.unit_of(self.submod)
@@ -41,44 +62,175 @@ class PipelineStage(pipelining.PipelineStage):
             self.scale_grads(grad_scale_factor)
 
 
+class Pipeline:
+    """This rank's part of a pipelined model: `model` holds its stages' parameters under
+    the whole model's names (build the optimizer on `model.parameters()`, save and load
+    `model`), `stages` are torch `PipelineStage`s, `schedule` the torch schedule running
+    them. `step(inputs, target)` runs one step's forwards and backwards."""
+
+    def __init__(self, model, modules, stages, schedule, meshes: Meshes, microbatches: int):
+        self.model, self.modules, self.stages = model, modules, stages
+        self.schedule, self.meshes, self.microbatches = schedule, meshes, microbatches
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this rank runs the first stage (it takes the inputs)."""
+        return any(stage.is_first for stage in self.stages)
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank runs the last stage (it takes the targets, computes the loss)."""
+        return any(stage.is_last for stage in self.stages)
+
+    def step(self, inputs=None, target=None) -> torch.Tensor:
+        """Forward and backward over this data-parallel rank's batch, split into the
+        micro-batches along dim 0 (every rank of the stage's pipeline calls it; `inputs`
+        are used on the first stage, `target` on the last). Gradients end on the
+        parameters, reduced over the data-parallel ranks and averaged over the micro-
+        batches, as one process would have them for the mean loss. Returns that loss (the
+        micro-batches' mean), on every rank of the pipeline."""
+        batch = (inputs if self.is_first else target) if self.is_first or self.is_last else None
+        if batch is not None and batch.shape[0] % self.microbatches:
+            raise ValueError(
+                f"the batch of {batch.shape[0]} rows does not split into {self.microbatches} "
+                "equal micro-batches: make the batch a multiple of them"
+            )
+        losses: list[torch.Tensor] = []
+        args = [inputs] if self.is_first else []
+        kwargs = {"target": target, "losses": losses} if self.is_last else {}
+        self.schedule.step(*args, **kwargs)
+        loss = torch.stack(losses).mean().detach() if self.is_last else torch.zeros(())
+        loss = loss.to(torch.float32)
+        dist.all_reduce(loss, group=self.meshes.pp.get_group())  # the last stage's, to all
+        return loss
+
+
+def pipeline(
+    model: nn.Module,
+    dims: ParallelDims | Meshes,
+    *,
+    loss_fn,
+    microbatches: int,
+    schedule: str = "1f1b",
+    stages_per_rank: int | None = None,
+    **parallelize_options,
+) -> Pipeline:
+    """Split `model` into pipeline stages over `dims.pp` and return this rank's `Pipeline`.
+
+    loss_fn: `loss_fn(output, target)` of one micro-batch (its mean: the schedule averages
+        the micro-batches' gradients).
+    microbatches: how many micro-batches each step's batch is cut into (at least the
+        number of stages keeps every stage busy).
+    schedule: a name of `SCHEDULES`.
+    stages_per_rank: stages each rank runs (default 1; 2 for the interleaved schedules),
+        stage i on pipeline rank i % pp.
+    parallelize_options: `parallelize`'s (mp_policy, zero_stage, activation_checkpointing,
+        ...), for every stage.
+
+    The model is split by `stage_modules` (blocks spread as evenly as they go)."""
+    meshes = dims if isinstance(dims, Meshes) else dims.build()
+    if meshes.pp is None:
+        raise MeshError("pipeline needs pp > 1 in ParallelDims; without it use parallelize")
+    if schedule not in SCHEDULES:
+        raise MeshError(f"unknown schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
+    kind = SCHEDULES[schedule]
+    multi = issubclass(kind, schedules.PipelineScheduleMulti)
+    per_rank = stages_per_rank or (2 if multi else 1)
+    if not multi and per_rank != 1:
+        raise MeshError(f"schedule {schedule!r} runs one stage per rank; pick an interleaved "
+                        "one (interleaved-1f1b, looped-bfs) for more")  # fmt: skip
+    pp, rank = meshes.pp.size(), meshes.pp_rank
+    num_stages = pp * per_rank
+    mine = list(range(rank, num_stages, pp))
+    part = _stages_part(model, num_stages, mine)
+    ranges = assign_blocks(len(_blocks(model)), num_stages)
+    views = [part] if len(mine) == 1 else [
+        _view(part, ranges[i], i == 0, i == num_stages - 1) for i in mine
+    ]  # fmt: skip
+    device = torch.device(meshes.world.device_type)
+    stages = []
+    for index, view in zip(mine, views):
+        parallelize(view, meshes, **parallelize_options)
+        stages.append(PipelineStage(view, index, num_stages, device, group=meshes.pp.get_group()))
+    runner = kind(stages if multi else stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+    return Pipeline(part, views, stages, runner, meshes, microbatches)
+
+
 def stage_modules(model: nn.Module, num_stages: int, stage: int) -> nn.Module:
     """Stage `stage` of `num_stages` of a decoder (`embed_tokens`, `layers`, `norm`,
     `lm_head`, as flatshard's reference models have them): a copy holding its share of the
     blocks in a ModuleDict under their indices (names stay the whole model's, so checkpoints
     do not depend on the split), the embedding on the first stage, norm and head on the
     last. Blocks are split as evenly as they go, the earlier stages taking the extra ones."""
+    return _stages_part(model, num_stages, [stage])
+
+
+def _stages_part(model: nn.Module, num_stages: int, mine: list[int]) -> nn.Module:
+    """A copy of `model` with the blocks (and ends) of the stages `mine`."""
     missing = [name for name in _PARTS if not hasattr(model, name)]
     if missing:
         raise WrappingError(
             f"{type(model).__name__} has no {', '.join(missing)}: split it into stages "
             "yourself (a module per stage) and wrap each in flatshard.PipelineStage"
         )
-    layers = list(model.layers.items() if isinstance(model.layers, nn.ModuleDict)
-                  else enumerate(model.layers))  # fmt: skip
-    if not 1 <= num_stages <= len(layers) or not 0 <= stage < num_stages:
+    layers = _blocks(model)
+    if not 1 <= num_stages <= len(layers) or not all(0 <= s < num_stages for s in mine):
         raise WrappingError(
-            f"cannot make stage {stage} of {num_stages} from {len(layers)} blocks: the "
-            "stages must number between 1 and the blocks, and the stage be one of them"
+            f"cannot make stages {mine} of {num_stages} from {len(layers)} blocks: the "
+            "stages must number between 1 and the blocks, and each be one of them"
         )
     if getattr(getattr(model, "config", None), "tie_embeddings", False) and num_stages > 1:
         raise WrappingError(
             "the embedding and the output head share one weight, but pipeline stages put "
             "them on the first and the last stage: untie them (tie_embeddings=False)"
         )
-    per, extra = divmod(len(layers), num_stages)
-    start = stage * per + min(stage, extra)
-    mine = layers[start : start + per + (stage < extra)]
+    ranges = assign_blocks(len(layers), num_stages)
+    part = _skeleton(model)
+    part.layers = nn.ModuleDict(
+        {str(layers[p][0]): copy.deepcopy(layers[p][1]) for s in mine for p in ranges[s]}
+    )
+    if 0 in mine:
+        part.embed_tokens = copy.deepcopy(model.embed_tokens)
+    if num_stages - 1 in mine:
+        part.norm, part.lm_head = copy.deepcopy(model.norm), copy.deepcopy(model.lm_head)
+    return part
+
+
+def assign_blocks(blocks: int, num_stages: int) -> list[range]:
+    """Each stage's blocks (by position): as even as they go, the earlier stages taking
+    the extra ones."""
+    per, extra = divmod(blocks, num_stages)
+    starts = [s * per + min(s, extra) for s in range(num_stages + 1)]
+    return [range(starts[s], starts[s + 1]) for s in range(num_stages)]
+
+
+def _view(part: nn.Module, blocks: range, first: bool, last: bool) -> nn.Module:
+    """One stage of a rank's part: a module of its own holding the part's very blocks (and
+    ends), so sharding the stage shards the part."""
+    view = _skeleton(part)
+    view.layers = nn.ModuleDict({k: b for k, b in part.layers.items() if int(k) in blocks})
+    if first:
+        view.embed_tokens = part.embed_tokens
+    if last:
+        view.norm, view.lm_head = part.norm, part.lm_head
+    return view
+
+
+def _blocks(model: nn.Module) -> list[tuple[int, nn.Module]]:
+    if isinstance(model.layers, nn.ModuleDict):
+        return [(int(k), b) for k, b in model.layers.items()]
+    return list(enumerate(model.layers))
+
+
+def _skeleton(model: nn.Module) -> nn.Module:
+    """A copy of `model` without its blocks and ends (each stage adds its own)."""
     kept = {name: getattr(model, name) for name in _PARTS}
-    try:  # copy the model without the blocks and parts other stages hold
+    try:
         for name in _PARTS:
             setattr(model, name, None)
-        part = copy.deepcopy(model)
+        skeleton = copy.deepcopy(model)
     finally:
         for name, module in kept.items():
             setattr(model, name, module)
-    part.layers = nn.ModuleDict({str(i): copy.deepcopy(block) for i, block in mine})
-    if stage == 0:
-        part.embed_tokens = copy.deepcopy(model.embed_tokens)
-    if stage == num_stages - 1:
-        part.norm, part.lm_head = copy.deepcopy(model.norm), copy.deepcopy(model.lm_head)
-    return part
+    skeleton.pipeline_stage = True  # parallelize takes it under pp > 1
+    return skeleton

@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from flatshard.errors import MeshError
+from flatshard.models.llama.model import indexed_layers
 from flatshard.parallel.context_parallel import apply_context_parallel
 from flatshard.parallel.tensor_parallel import (
     FusedColwiseParallel,
@@ -91,7 +92,7 @@ def parallelize_llama(model, tp_mesh, sequence_parallel: bool = False) -> None:
             ),
             "mlp.down_proj": RowwiseParallel(output_layouts=SEQUENCE),
         })  # fmt: skip
-    for block in model.layers:
+    for _, block in indexed_layers(model.layers):
         parallelize_module(block, tp_mesh, plan)
 
 
@@ -143,4 +144,5 @@ def tp_local_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...
 def split_context(model, cp_mesh) -> None:
     """Context parallelism for the reference Llama (and MoE): every block's attention
     gathers the keys and values of the sequence's other parts."""
-    apply_context_parallel(model, [block.attn for block in model.layers], cp_mesh)
+    blocks = [block for _, block in indexed_layers(model.layers)]
+    apply_context_parallel(model, [block.attn for block in blocks], cp_mesh)

@@ -26,6 +26,7 @@ from flatshard.models.llama.model import (
     RMSNorm,
     attention_extras,
     attention_mask,
+    indexed_layers,
 )
 from flatshard.models.llama.rope import rope_at
 from flatshard.models.moe.config import MoEConfig
@@ -160,14 +161,14 @@ class MoE(nn.Module):
         """`cache`, `position_ids`: as Llama's (flatshard.models.KVCache; packed documents)."""
         cos, sin = rope_at(self.config, tokens, cache, position_ids)
         mask = attention_mask(self, position_ids)
-        h = self.embed_tokens(tokens)
+        h = tokens if self.embed_tokens is None else self.embed_tokens(tokens)  # see Llama
         stats = []
-        for index, layer in enumerate(self.layers):
+        for index, layer in indexed_layers(self.layers):
             args, kwargs = attention_extras(cache, index, mask)
             h = layer(h, cos, sin, *args, **kwargs)
             if isinstance(layer.mlp, MoELayer):
                 stats.append(layer.mlp.pop_router_stats())
         if cache is not None:
             cache.length += tokens.shape[1]
-        logits = self.lm_head(self.norm(h))
+        logits = h if self.lm_head is None else self.lm_head(self.norm(h))
         return (logits, tuple(stats)) if return_router_stats else logits

@@ -11,6 +11,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from flatshard.models.llama.model import indexed_layers
 from flatshard.models.llama.parallel import (
     ATTENTION_BY_SEQUENCE,
     LLAMA_BLOCK_PLAN,
@@ -35,7 +36,7 @@ def parallelize_moe(model, tp_mesh, sequence_parallel: bool = False) -> None:
     attention = {k: v for k, v in LLAMA_BLOCK_PLAN.items() if k.startswith("attn.")}
     if model.config.qk_norm:
         attention.update({"attn.q_norm": "head_norm", "attn.k_norm": "head_norm"})
-    for block in model.layers:
+    for _, block in indexed_layers(model.layers):
         kinds = dict(attention)
         dense = not hasattr(block.mlp, "experts")  # a dense layer (DeepSeek's first ones)
         if dense:
@@ -68,7 +69,8 @@ def _mlp_by_sequence(dense: bool) -> dict:
 
 def split_experts(model, ep_mesh) -> list:
     """Every MoE layer's grouped experts over the EP mesh; their modules."""
-    experts = [block.mlp.experts for block in model.layers if hasattr(block.mlp, "experts")]
+    blocks = [block for _, block in indexed_layers(model.layers)]
+    experts = [block.mlp.experts for block in blocks if hasattr(block.mlp, "experts")]
     for module in experts:
         parallelize_module(module, ep_mesh, ExpertParallel())
     return experts
