@@ -16,6 +16,7 @@ from reference import adamw, batches, build_model, config
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 import flatshard
+from flatshard import checkpoint
 from flatshard.errors import WrappingError
 
 pytestmark = pytest.mark.slow
@@ -102,3 +103,77 @@ def test_stage_modules_split_the_blocks_and_keep_their_names():
         flatshard.stage_modules(build_model(config(tie_embeddings=True)), 2, 0)
     with pytest.raises(WrappingError, match="between 1 and the blocks"):
         flatshard.stage_modules(model, 6, 0)
+
+
+def _train_and_save(path: str, pp: int, first: int, last: int):
+    """Steps [first, last) at `pp` (after loading `first` from `path` when first > 0), then
+    save `last`; returns (the whole batch's losses, the full weights)."""
+    world = dist.get_world_size()
+    cfg = config(n_layers=4)
+    dims = flatshard.ParallelDims(world, pp=pp)
+    if pp > 1:
+        pipe = flatshard.pipeline(build_model(cfg, seed=7), dims, loss_fn=_loss,
+                                  microbatches=4, schedule="1f1b")  # fmt: skip
+        model = pipe.model
+    else:
+        model = flatshard.parallelize(build_model(cfg, seed=7), dims)
+    optimizer = adamw(model.parameters())
+    if first:
+        checkpoint.load(path, model=model, optimizer=optimizer, step=first)
+    meshes = dims.build()
+    losses = []
+    for tokens in batches(cfg, last, batch=BATCH)[first:last]:
+        mine = tokens.chunk(meshes.dp.size())[meshes.dp_rank]
+        if pp > 1:
+            loss = pipe.step(mine[:, :-1], mine[:, 1:])
+        else:
+            loss = _loss(model(mine[:, :-1]), mine[:, 1:])
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        total = loss.detach().double().reshape(1)
+        dist.all_reduce(total, group=meshes.dp.get_group())
+        losses.append((total / meshes.dp.size()).item())
+    checkpoint.save(path, model=model, optimizer=optimizer, step=last)
+    return losses, get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+@pytest.mark.parametrize("save_pp,load_pp", [(2, 1), (2, 4), (1, 2)])
+def test_a_checkpoint_does_not_depend_on_pp(tmp_path, save_pp, load_pp):
+    """3 steps at one pp, saved; 2 more at another from the checkpoint: the losses and
+    weights of 5 steps straight at world 4 without a pipeline."""
+    straight, weights = run_distributed(_train_and_save, 4, str(tmp_path / "straight"), 1, 0, 5)[0]
+    first = run_distributed(_train_and_save, 4, str(tmp_path / "run"), save_pp, 0, 3)[0][0]
+    results = run_distributed(_train_and_save, 4, str(tmp_path / "run"), load_pp, 3, 5)
+    assert first + results[0][0] == pytest.approx(straight, rel=1e-5)
+    merged = {k: v for _, ours in results for k, v in ours.items()}
+    assert merged.keys() == weights.keys()
+    for key, value in weights.items():
+        assert (merged[key] - value).norm() <= 1e-5 * value.norm(), key
+
+
+def _pipeline_errors():
+    dims = flatshard.ParallelDims(2, pp=2)
+    found = []
+    for make in (
+        lambda: flatshard.parallelize(build_model(config()), dims),
+        lambda: flatshard.pipeline(build_model(config()), dims, loss_fn=_loss,
+                                   microbatches=2, schedule="zigzag"),  # fmt: skip
+        lambda: flatshard.pipeline(build_model(config()), dims, loss_fn=_loss,
+                                   microbatches=2, schedule="gpipe").step(  # fmt: skip
+            torch.zeros(3, 8, dtype=torch.long), torch.zeros(3, 8, dtype=torch.long)
+        ),
+    ):
+        try:
+            make()
+            found.append("no error")
+        except (flatshard.MeshError, ValueError) as error:
+            found.append(str(error))
+    return found
+
+
+def test_what_a_pipeline_cannot_take_is_said_plainly():
+    no_stages, schedule, batch = run_distributed(_pipeline_errors, 2)[0]
+    assert "pp=2 splits the model into pipeline stages" in no_stages
+    assert "unknown schedule 'zigzag'" in schedule and "interleaved-1f1b" in schedule
+    assert "3 rows does not split into 2 equal micro-batches" in batch

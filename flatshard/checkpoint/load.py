@@ -8,6 +8,7 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -92,7 +93,9 @@ def load(
         if verify:
             manifest.check_intact(path, saved, group, names=read)
     reader = dcp.FileSystemReader(path)
-    skipped = _mismatches(state, reader.read_metadata(), strict, path)
+    # a pipeline stage holds some of the model: what the others hold is not unexpected
+    others = _held_by_any_rank(state, group) if getattr(model, "pipeline_stage", False) else set()
+    skipped = _mismatches(state, reader.read_metadata(), strict, path, others)
     # each rank plans its own reads from the metadata: no plan crosses the network
     with warnings.catch_warnings():  # no_dist's "assuming ... a single process": not so
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
@@ -142,14 +145,27 @@ def _resolve(directory: str, step: int | None) -> str:
     return path
 
 
-def _mismatches(state: dict, metadata, strict: bool, path: str) -> list[str]:
-    """Compare what we load with what the checkpoint holds; drop or raise on mismatches."""
+def _held_by_any_rank(state: dict, group) -> set[str]:
+    """Every rank's state keys (one all-gather)."""
+    mine = set(flatten_state_dict(state)[0])
+    if group is None:
+        return mine
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    return set().union(*everyone)
+
+
+def _mismatches(state: dict, metadata, strict: bool, path: str, others=frozenset()) -> list[str]:
+    """Compare what we load with what the checkpoint holds; drop or raise on mismatches.
+    `others`: keys other ranks load (a pipeline's other stages)."""
     flat, _ = flatten_state_dict(state)
     stored = metadata.state_dict_metadata
     sections = tuple(f"{key}." for key in state if key != "extra")
     sections += tuple(f"extra.{name}" for name in state.get("extra", {}))
     missing = [key for key in flat if key not in stored]
-    unexpected = [key for key in stored if key.startswith(sections) and key not in flat]
+    unexpected = [
+        key for key in stored if key.startswith(sections) and key not in flat and key not in others
+    ]
     wrong = []
     for key, value in flat.items():
         info = stored.get(key)

@@ -65,6 +65,8 @@ def app_state(model, optimizer, extra: dict, trainable_only: bool = False) -> di
         model_state, optim_state = get_state_dict(model, optimizer, options=options)
         # plain-tensor optimizer states as DTensor views: DCP then sees their global shape
         plain_state.as_dtensors(model, optim_state)
+        if getattr(model, "pipeline_stage", False):
+            _all_stages_groups(optim_state)
         state = {"model": model_state, "optim": optim_state}
     else:
         state = {"model": get_model_state_dict(model, options=options)}
@@ -72,6 +74,19 @@ def app_state(model, optimizer, extra: dict, trainable_only: bool = False) -> di
         # DCP only expands Stateful objects at the top level: expand ours here
         state["extra"] = {name: _expand(value) for name, value in extra.items()}
     return state
+
+
+def _all_stages_groups(optim_state: dict) -> None:
+    """A pipeline stage's optimizer groups name its own parameters, but DCP keeps one
+    rank's copy of each group (keyed by its index): each group names every stage's (one
+    all-gather), so a load at another split finds all of them."""
+    groups = optim_state.get("param_groups", [])
+    group = checkpoint_group()
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, [g["params"] for g in groups], group=group)
+    for index, param_group in enumerate(groups):
+        names = [n for ranks_groups in everyone for n in ranks_groups[index]]
+        param_group["params"] = list(dict.fromkeys(names))
 
 
 def _is_stateful(value) -> bool:
