@@ -177,3 +177,26 @@ def test_what_a_pipeline_cannot_take_is_said_plainly():
     assert "pp=2 splits the model into pipeline stages" in no_stages
     assert "unknown schedule 'zigzag'" in schedule and "interleaved-1f1b" in schedule
     assert "3 rows does not split into 2 equal micro-batches" in batch
+
+
+def _materialized_stage(pp: int):
+    cfg = config(n_layers=4)
+    with torch.device("meta"):
+        whole = build_model(cfg)
+    dims = flatshard.ParallelDims(dist.get_world_size(), pp=pp)
+    pipe = flatshard.pipeline(whole, dims, loss_fn=_loss, microbatches=2, schedule="gpipe")
+    torch.manual_seed(0)
+    flatshard.materialize(pipe.model, "cpu", replay=whole)
+    return get_model_state_dict(pipe.model, options=StateDictOptions(full_state_dict=True))
+
+
+def test_a_stage_built_on_meta_holds_the_whole_models_weights():
+    """`materialize(stage, replay=whole)`: the blocks other stages hold draw their random
+    numbers on throwaway copies, so each stage's weights are the eager model's."""
+    eager = build_model(config(n_layers=4), seed=0).state_dict()
+    for pp, world in ((2, 2), (4, 4)):
+        stages = run_distributed(_materialized_stage, world, pp)
+        assert sorted(k for s in stages for k in s) == sorted(eager)
+        for weights in stages:
+            for key, value in weights.items():
+                assert torch.equal(value, eager[key]), key

@@ -8,6 +8,8 @@ world size, while peak memory stays at the sharded model plus one module's param
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn as nn
 
@@ -19,19 +21,25 @@ from flatshard.runtime.managed_param import home_of
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device | str | None = None) -> nn.Module:
+def materialize(
+    model: nn.Module, device: torch.device | str | None = None, replay: nn.Module | None = None
+) -> nn.Module:
     """Give every meta parameter and buffer real values by replaying `reset_parameters()`
     over `model.modules()` (the order eager construction runs them).
 
     Tied parameters are initialised by their first module; a later module that shares one
     runs its `reset_parameters()` on a throwaway copy, as eager construction did before
     tying. Call it on every rank with the same RNG seed.
+
+    replay: the whole model (on the meta device) that `model`, a pipeline stage, was split
+    from: its modules are replayed in its order, those the stage lacks on throwaway copies,
+    so every stage holds the whole model's weights.
     """
     device = torch.device(device) if device is not None else _units_device(model)
     for unit in registry.units_below(model):
         shard_placement.allocate(unit, device)  # shards still on meta (fully_shard of a meta model)
     done: dict[int, nn.Parameter] = {}  # id(original) -> what now holds its values
-    for module in model.modules():
+    for module in _in_order(model, replay, device):
         pending = _swap_in_full_tensors(module, device, done)
         meta_buffers = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
         for name in meta_buffers:
@@ -48,6 +56,33 @@ def materialize(model: nn.Module, device: torch.device | str | None = None) -> n
         for name, (original, full, first) in pending.items():
             done.setdefault(id(original), _keep(module, name, original, full, first, done))
     return model
+
+
+def _in_order(model: nn.Module, replay: nn.Module | None, device):
+    """`model`'s modules in eager construction order; with `replay`, its modules by name,
+    each one `model` lacks as a throwaway copy that draws the same random numbers."""
+    if replay is None:
+        yield from model.modules()
+        return
+    held = dict(model.named_modules())
+    for name, module in replay.named_modules():
+        if name in held:
+            yield held[name]
+        elif any(p is not None for p in module._parameters.values()):
+            _draw_like(module, device)
+
+
+def _draw_like(module: nn.Module, device) -> None:
+    """Run `module`'s own initialisation on a real copy of its parameters, thrown away."""
+    reset = getattr(module, "reset_parameters", None)
+    if reset is None:
+        return
+    twin = copy.copy(module)  # its own parameters, the rest shared: reset writes only those
+    twin._parameters = {
+        name: None if p is None else nn.Parameter(torch.empty_like(p, device=device))
+        for name, p in module._parameters.items()
+    }
+    twin.reset_parameters()
 
 
 def _units_device(model: nn.Module) -> torch.device:

@@ -87,8 +87,9 @@ class Pipeline:
         micro-batches along dim 0 (every rank of the stage's pipeline calls it; `inputs`
         are used on the first stage, `target` on the last). Gradients end on the
         parameters, reduced over the data-parallel ranks and averaged over the micro-
-        batches, as one process would have them for the mean loss. Returns that loss (the
-        micro-batches' mean), on every rank of the pipeline."""
+        batches (summed with scale_grads=False), as one process would have them. Returns
+        the loss they are of (the micro-batches' losses' mean, or sum), on every rank of
+        the pipeline."""
         batch = (inputs if self.is_first else target) if self.is_first or self.is_last else None
         if batch is not None and batch.shape[0] % self.microbatches:
             raise ValueError(
@@ -99,7 +100,11 @@ class Pipeline:
         args = [inputs] if self.is_first else []
         kwargs = {"target": target, "losses": losses} if self.is_last else {}
         self.schedule.step(*args, **kwargs)
-        loss = torch.stack(losses).mean().detach() if self.is_last else torch.zeros(())
+        summed = not self.schedule.scale_grads
+        loss = torch.zeros(())
+        if self.is_last:
+            loss = torch.stack(losses).detach()
+            loss = loss.sum() if summed else loss.mean()
         loss = loss.to(torch.float32)
         dist.all_reduce(loss, group=self.meshes.pp.get_group())  # the last stage's, to all
         return loss
@@ -113,12 +118,13 @@ def pipeline(
     microbatches: int,
     schedule: str = "1f1b",
     stages_per_rank: int | None = None,
+    scale_grads: bool = True,
     **parallelize_options,
 ) -> Pipeline:
     """Split `model` into pipeline stages over `dims.pp` and return this rank's `Pipeline`.
 
     loss_fn: `loss_fn(output, target)` of one micro-batch (its mean: the schedule averages
-        the micro-batches' gradients).
+        the micro-batches' gradients; with scale_grads=False their sum).
     microbatches: how many micro-batches each step's batch is cut into (at least the
         number of stages keeps every stage busy).
     schedule: a name of `SCHEDULES`.
@@ -152,7 +158,8 @@ def pipeline(
     for index, view in zip(mine, views):
         parallelize(view, meshes, **parallelize_options)
         stages.append(PipelineStage(view, index, num_stages, device, group=meshes.pp.get_group()))
-    runner = kind(stages if multi else stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+    runner = kind(stages if multi else stages[0], n_microbatches=microbatches, loss_fn=loss_fn,
+                  scale_grads=scale_grads)  # fmt: skip
     return Pipeline(part, views, stages, runner, meshes, microbatches)
 
 

@@ -10,6 +10,7 @@ are combined as plain tensors, and each group is scaled by the same coefficient.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from flatshard.dtensor.sharded_param import dtensor_viewing
@@ -28,10 +29,11 @@ def _mesh_key(tensor) -> tuple:
 @torch.no_grad()
 def clip_grad_norm_(
     parameters, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-    foreach: bool | None = None,
+    foreach: bool | None = None, pp_group=None,
 ) -> torch.Tensor:  # fmt: skip
     """As `torch.nn.utils.clip_grad_norm_`, for parameters on any number of meshes; returns
-    the total norm as a plain tensor."""
+    the total norm as a plain tensor. `pp_group`: a pipeline's group over its stages (each
+    rank passing its stages' parameters): the norm is the whole model's."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     grads = [p.grad for p in parameters if p.grad is not None]
@@ -42,10 +44,12 @@ def clip_grad_norm_(
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm(group, norm_type, error_if_nonfinite, foreach)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    if not norms:
+    if not norms and pp_group is None:
         return torch.tensor(0.0)
-    device = norms[0].device
+    device = norms[0].device if norms else torch.device("cpu")
     total = torch.nn.utils.get_total_norm([n.to(device) for n in norms], norm_type)
+    if pp_group is not None:  # the other stages' parts of the norm
+        total = _over_stages(total, norm_type, pp_group)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for group in groups.values():
         scale = coefficient.to(group[0].device)
@@ -55,3 +59,13 @@ def clip_grad_norm_(
             scale = dtensor_viewing(scale, mesh, [Replicate()] * mesh.ndim, (), ())
         torch._foreach_mul_(group, scale)
     return total
+
+
+def _over_stages(norm: torch.Tensor, norm_type: float, group) -> torch.Tensor:
+    """The norm over every stage's gradients from each stage's norm."""
+    if norm_type == float("inf"):
+        dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
+        return norm
+    powered = norm.double() ** norm_type
+    dist.all_reduce(powered, group=group)
+    return (powered ** (1.0 / norm_type)).to(norm.dtype)
