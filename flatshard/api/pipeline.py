@@ -66,11 +66,12 @@ class Pipeline:
     """This rank's part of a pipelined model: `model` holds its stages' parameters under
     the whole model's names (build the optimizer on `model.parameters()`, save and load
     `model`), `stages` are torch `PipelineStage`s, `schedule` the torch schedule running
-    them. `step(inputs, target)` runs one step's forwards and backwards."""
+    them with `loss_fn`. `step(inputs, target)` runs one step's forwards and backwards."""
 
-    def __init__(self, model, modules, stages, schedule, meshes: Meshes, microbatches: int):
+    def __init__(self, model, modules, stages, schedule, meshes: Meshes, microbatches, loss_fn):
         self.model, self.modules, self.stages = model, modules, stages
         self.schedule, self.meshes, self.microbatches = schedule, meshes, microbatches
+        self.loss_fn = loss_fn
 
     @property
     def is_first(self) -> bool:
@@ -160,7 +161,7 @@ def pipeline(
         stages.append(PipelineStage(view, index, num_stages, device, group=meshes.pp.get_group()))
     runner = kind(stages if multi else stages[0], n_microbatches=microbatches, loss_fn=loss_fn,
                   scale_grads=scale_grads)  # fmt: skip
-    return Pipeline(part, views, stages, runner, meshes, microbatches)
+    return Pipeline(part, views, stages, runner, meshes, microbatches, loss_fn)
 
 
 def stage_modules(model: nn.Module, num_stages: int, stage: int) -> nn.Module:

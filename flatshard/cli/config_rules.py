@@ -14,7 +14,7 @@ def parallel_dims(config, world_size: int) -> ParallelDims:
     try:
         return ParallelDims(
             world_size, dp_replicate=train.dp_replicate, tp=train.tp, ep=train.ep,
-            sequence_parallel=train.sp, cp=train.cp,
+            sequence_parallel=train.sp, cp=train.cp, pp=train.pp,
         )  # fmt: skip
     except MeshError as error:  # it names the degree: say which key holds it, and the fix
         named = str(error).replace("sequence_parallel", "sp (sequence parallelism)", 1)
@@ -27,7 +27,7 @@ def _process_fix(train) -> str:
         try:
             ParallelDims(
                 world, dp_replicate=train.dp_replicate, tp=train.tp, ep=train.ep,
-                sequence_parallel=train.sp, cp=train.cp,
+                sequence_parallel=train.sp, cp=train.cp, pp=train.pp,
             )  # fmt: skip
         except MeshError:
             continue
@@ -71,10 +71,13 @@ def check(config, world_size: int | None = None) -> None:
             f"train.cp ({train.cp}) splits each sequence into {2 * train.cp} equal chunks: "
             f"data.seq_len ({config.data.seq_len}) must be a multiple of {2 * train.cp}"
         )
+    _check_pipeline(config)
     if world_size is not None:  # the run's whole config (a resume's merged with its own)
         _check_lora(config)
         _check_sync(config)
         dims = parallel_dims(config, world_size)
+        config = with_microbatches(config, world_size)
+        train = config.train
         if train.hpz_group and (
             train.zero_stage != 3
             or dims.dp_shard % train.hpz_group
@@ -110,6 +113,42 @@ def check(config, world_size: int | None = None) -> None:
         )
     if "{" in config.run.out_dir.replace("{time}", ""):
         raise ConfigError(f"run.out_dir {config.run.out_dir!r}: only {{time}} may be substituted")
+
+
+def with_microbatches(config, world_size: int):
+    """train.microbatches M: train.micro_batch becomes what M leaves of each data-parallel
+    rank's share of the global batch."""
+    train = config.train
+    if not train.microbatches:
+        return config
+    dp = parallel_dims(config, world_size).dp
+    share = dp * train.microbatches
+    if train.global_batch % share:
+        raise ConfigError(
+            f"train.microbatches ({train.microbatches}) must divide each data-parallel rank's "
+            f"share of train.global_batch ({train.global_batch} / {dp} ranks): pass "
+            f"--global-batch {dp * train.microbatches * max(1, train.global_batch // share)}"
+        )
+    return config.replace(train__micro_batch=train.global_batch // (dp * train.microbatches))
+
+
+def _check_pipeline(config) -> None:
+    train = config.train
+    if train.pp == 1:
+        return
+    not_yet = [
+        (config.model.hf, "a Hugging Face model (model.hf)"),
+        (config.model.preset.startswith("moe") or config.model.n_experts > 0,
+         "a mixture-of-experts model (its balancing loss)"),
+        (train.cp > 1, "context parallelism (train.cp)"),
+        (config.data.pack, "packed conversations (data.pack)"),
+        (config.data.eval, "evaluation (data.eval)"),
+        (config.sync.address, "weight sync (sync.address)"),
+    ]  # fmt: skip
+    for used, what in not_yet:
+        if used:
+            raise ConfigError(f"train.pp ({train.pp}) with {what} is not supported yet: use "
+                              "one of the two")  # fmt: skip
 
 
 def _check_sync(config) -> None:

@@ -17,7 +17,8 @@ from flatshard import hf
 from flatshard.cli import runs
 from flatshard.cli.config import RunConfig
 from flatshard.cli.errors import ConfigError, RunError, warn
-from flatshard.errors import MeshError
+from flatshard.cli.pipeline_step import StepLoss
+from flatshard.errors import MeshError, WrappingError
 from flatshard.mesh import ParallelDims
 from flatshard.models import Llama, LlamaConfig, MoE, MoEConfig, family_of_config
 from flatshard.models.llama import check_tp
@@ -126,6 +127,10 @@ def build_run_model(
                          nf4_bases=train.qlora, **sharding)  # fmt: skip
         if lora is not None:
             init_adapters(model, train.seed)  # a resume's checkpoint overwrites them
+    elif dims.pp > 1:  # the stages this rank runs: their weights as the whole model's
+        accumulation = train.global_batch // (train.micro_batch * dims.dp)
+        return build_pipeline(model_config, seed=train.seed, schedule=train.pp_schedule,
+                              microbatches=accumulation, **sharding)  # fmt: skip
     else:
         model = build_sharded(model_config, seed=train.seed, **sharding)
     chosen = {k: getattr(train, k) for k in ("quantize_weights", "quantize_grads")}
@@ -209,6 +214,27 @@ def build_sharded(
     torch.manual_seed(seed)
     flatshard.materialize(model, device)
     return model
+
+
+def build_pipeline(cfg: LlamaConfig, *, zero_stage: int, precision: str, seed: int, device,
+                   dims: ParallelDims, schedule: str, microbatches: int, hpz_group: int = 0,
+                   offload=None, activations=None) -> flatshard.Pipeline:  # fmt: skip
+    """The stages of the reference model this rank runs (`flatshard.pipeline` over
+    `dims.pp`), each parallelized as `build_sharded`'s model, with the whole model's weights
+    for `seed`; its loss is `StepLoss` (summed over each step's micro-batches)."""
+    with torch.device("meta"):
+        whole = reference_model(cfg)
+    stage = _stage(zero_stage, hpz_group, offload, activations)
+    try:
+        pipe = flatshard.pipeline(whole, dims.build(device.type), loss_fn=StepLoss(),
+                                  microbatches=microbatches, schedule=schedule,
+                                  scale_grads=False, mp_policy=mixed_precision(precision),
+                                  **stage)  # fmt: skip
+    except (MeshError, WrappingError, ValueError) as error:  # torch's: too few micro-batches
+        raise ConfigError(f"train.pp={dims.pp}, train.pp_schedule={schedule}: {error}") from None
+    torch.manual_seed(seed)
+    flatshard.materialize(pipe.model, device, replay=whole)
+    return pipe
 
 
 def _stage(zero_stage: int, hpz_group: int, offload, activations: dict | None) -> dict:

@@ -130,6 +130,16 @@ OPTIONS: tuple[Option, ...] = (
     Option("train.cp", 1, "context parallelism: ranks each sequence is split over (in "
            "load-balanced chunks; the parameters sharded over dp_shard x cp; processes are "
            "dp_replicate x dp_shard x cp x tp)", check=_positive),
+    Option("train.pp", 1, "pipeline parallelism: stages the model's blocks are split into, "
+           "a rank each (outermost; processes are pp x dp_replicate x dp_shard x tp); each "
+           "step's micro-batches (global_batch / (micro_batch x data-parallel ranks)) flow "
+           "through them", check=_positive),
+    Option("train.pp_schedule", "1f1b", "pipeline schedule: gpipe, 1f1b, interleaved-1f1b "
+           "or looped-bfs (the last two: two stages per rank)",
+           choices=("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs")),
+    Option("train.microbatches", 0, "micro-batches per step per data-parallel rank (sets "
+           "train.micro_batch to what it leaves; 0: global_batch / micro_batch / dp)",
+           check=_non_negative),
     Option("train.ep", 1, "expert parallelism: ranks each MoE layer's experts are split "
            "over (borrowed from the data-parallel ranks; experts sharded over the rest)",
            check=_positive),

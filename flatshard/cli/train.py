@@ -23,7 +23,7 @@ from flatshard.checkpoint import host_memory
 from flatshard.checkpoint.state import checkpoint_group
 from flatshard.cli import attempts, elastic, runs
 from flatshard.cli.config import RunConfig
-from flatshard.cli.config_rules import check, parallel_dims
+from flatshard.cli.config_rules import check, parallel_dims, with_microbatches
 from flatshard.cli.errors import TrainingStopped
 from flatshard.cli.evaluation import Evaluation
 from flatshard.cli.generate import sample_at_end
@@ -31,6 +31,7 @@ from flatshard.cli.hf_records import checkpoint_records
 from flatshard.cli.launch import EXIT_STOPPED, Ranks, init_distributed
 from flatshard.cli.meters import MemoryMeter, share_step, warm_up_runtime
 from flatshard.cli.model import build_run_model, check_hf_vocab, llama_config
+from flatshard.cli.pipeline_step import pipeline_gradients
 from flatshard.cli.progress import Progress, read_metrics
 from flatshard.cli.run_checkpoints import RunCheckpoints
 from flatshard.cli.run_data import open_run_data
@@ -54,6 +55,7 @@ def train_worker(values: dict, run_dir: str, resume_step: int | None) -> int:
         time.sleep(min(60.0, config.run.restart_backoff * 2 ** (restart - 1)))
     ranks = init_distributed(config.run.device, config.run.threads)
     check(config, ranks.world_size)
+    config = with_microbatches(config, ranks.world_size)
     run_dir = _agree_run_dir(run_dir, ranks)
     if restart:
         resume_step = _restart_step(run_dir, restart, ranks)
@@ -125,9 +127,12 @@ class Trainer:
         self.memory = MemoryMeter(ranks.device)  # from here on: what `flatshard plan` counts
         comm.traffic.take()  # count from here
         # on resume the checkpoint fills the model: no need to read the HF files
-        self.model = build_run_model(
+        built = build_run_model(
             config, self.model_config, self.dims, ranks.device, resume_step is None
         )
+        # pipeline stages (train.pp): this rank's, under the whole model's names
+        self.pipe = built if isinstance(built, flatshard.Pipeline) else None
+        self.model = built.model if self.pipe is not None else built
         self.optimizer = make_optimizer(train, self.model)
         # what checkpoints keep besides the weights, for sampling and a complete export
         records = checkpoint_records(self.data, config.model.hf)
@@ -194,11 +199,18 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         step_started = time.perf_counter()
-        loss_sum, labelled = accumulate_gradients(
-            self.model, self.order, self.position, train, self.dp_rank, self.dp_world,
-            ranks.device, self.dims.cp,
-        )  # fmt: skip
-        grad_norm = _clip(self.model, train.grad_clip)
+        if self.pipe is not None:
+            loss_sum, labelled = pipeline_gradients(
+                self.pipe, self.order, self.position, train, self.dp_rank, self.dp_world,
+                ranks.device,
+            )  # fmt: skip
+        else:
+            loss_sum, labelled = accumulate_gradients(
+                self.model, self.order, self.position, train, self.dp_rank, self.dp_world,
+                ranks.device, self.dims.cp,
+            )  # fmt: skip
+        stages = None if self.pipe is None else self.pipe.meshes.pp.get_group()
+        grad_norm = _clip(self.model, train.grad_clip, stages)
         shared = share_step(loss_sum, self.stop, self.memory.peak(), self.ranks.world_size)
         shared["grad_norm"] = grad_norm
         loss, stop = shared["loss"], shared["stop"]
@@ -269,7 +281,10 @@ class Trainer:
                 f"{config.train.steps}; raise it to go on (--steps {2 * self.step})"
             )
         say(f"finished {self.step} steps; {saved}", flush=True)
-        if config.run.sample_tokens:
+        if config.run.sample_tokens and self.pipe is not None:
+            say("no sample: generation runs on a whole model, not pipeline stages (export the "
+                "checkpoint and `flatshard sample` it)", flush=True)
+        elif config.run.sample_tokens:
             max_seq_len = self.model_config.max_seq_len if self.model_config else None
             chat = self.data.starts is not None  # conversations: answer a user's turn
             sample_at_end(self.model, self.data.model_tokenizer, config, max_seq_len, self.ranks,
@@ -342,7 +357,9 @@ def _decay_groups(params, train) -> list[dict]:
     ]
 
 
-def _clip(model, max_norm: float) -> float:
-    """The global gradient norm (before clipping); clips when max_norm > 0."""
+def _clip(model, max_norm: float, stages=None) -> float:
+    """The global gradient norm (before clipping); clips when max_norm > 0. `stages`: the
+    pipeline's group (the norm over every stage)."""
     # flatshard's: expert-parallel experts and dense parameters live on different meshes
-    return float(flatshard.clip_grad_norm_(model.parameters(), max_norm or float("inf")))
+    return float(flatshard.clip_grad_norm_(model.parameters(), max_norm or float("inf"),
+                                           pp_group=stages))  # fmt: skip

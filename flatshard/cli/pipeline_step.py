@@ -1,0 +1,45 @@
+"""A training step through pipeline stages (`train.pp > 1`): this data-parallel rank's
+micro-batches go through `flatshard.pipeline`'s schedule as one batch, each micro-batch's
+loss the summed cross-entropy of its targets over the step's divisor, so the gradients are
+those `accumulate_gradients` gives without a pipeline."""
+
+from __future__ import annotations
+
+import torch
+
+from flatshard.data.sequences import IGNORE
+from flatshard.models.registry import token_loss
+
+
+class StepLoss:
+    """The schedule's loss of one micro-batch: its summed cross-entropy over `divisor`
+    (set per step: every labelled target of the step weighs alike)."""
+
+    def __init__(self):
+        self.divisor = 1.0
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return token_loss(logits, targets, self.divisor)
+
+
+def pipeline_gradients(pipe, order, position: int, train, dp_rank: int, dp_world: int,
+                       device) -> tuple[torch.Tensor, int | None]:  # fmt: skip
+    """As `accumulate_gradients`, through the pipeline: (this rank's summed loss, how many
+    targets carry loss: None when all do)."""
+    accumulation = train.global_batch // (train.micro_batch * dp_world)
+    step_labels = order.labels(position, train.global_batch)
+    labelled = None if step_labels is None else int((step_labels != IGNORE).sum())
+    firsts = [
+        position + micro * train.micro_batch * dp_world + dp_rank * train.micro_batch
+        for micro in range(accumulation)
+    ]
+    batch = torch.cat([order.batch(first, train.micro_batch) for first in firsts]).to(device)
+    if labelled is None:
+        targets = batch[:, 1:]
+        pipe.loss_fn.divisor = float(targets.numel())  # the mean over this rank's targets
+    else:
+        rows = [step_labels[f - position : f - position + train.micro_batch] for f in firsts]
+        targets = torch.cat(rows).to(device)
+        pipe.loss_fn.divisor = max(labelled, 1) / dp_world
+    loss = pipe.step(batch[:, :-1], targets)
+    return loss.double(), labelled
