@@ -4,12 +4,13 @@ pipeline, checkpoint at one pp and resume at another, and export the same model.
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_cli_helpers import check_ok, flatshard, metrics, one_line_error
+from test_cli_helpers import check_ok, cli_env, flatshard, metrics, one_line_error
 
 pytestmark = pytest.mark.slow
 
@@ -69,3 +70,44 @@ def test_microbatches_and_what_a_pipeline_cannot_take(tmp_path):
     assert "train.pp (2) with a mixture-of-experts model" in one_line_error(refused)
     refused = flatshard(*RUN, "--steps", "2", "--nproc", "2", "--pp", "2", "--microbatches", "3")
     assert "train.microbatches (3) must divide" in one_line_error(refused)
+
+
+def _sizes(*more: str) -> list[str]:
+    pairs = ["model.preset=tiny", "model.n_layers=4", "run.nproc=4", "train.pp=2", *more]
+    return [arg for pair in pairs for arg in ("--set", pair)]
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_pipelined_bytes_per_step_equal_the_plan(tmp_path, zero):
+    """Each stage gathers and reduces as `flatshard plan --pp` says (rank 0's stage, whose
+    bytes the run's metrics hold), from the second step on (the first learns the order)."""
+    sizes = _sizes("data.seq_len=32", "train.micro_batch=2", "train.global_batch=16",
+                   f"train.zero_stage={zero}", "train.pp_schedule=gpipe")  # fmt: skip
+    run = tmp_path / "run"
+    check_ok(flatshard("train", *sizes, "--steps", 2, "--out", run, "--set",
+                       "run.sample_tokens=0", timeout=300))  # fmt: skip
+    plan = json.loads(check_ok(flatshard("plan", *sizes, "--json")).stdout)
+    first = plan["pipeline"]["stages"][0]["communication"]
+    assert plan["setup"]["grad_accum"] == 4 == plan["pipeline"]["microbatches"]
+    record = metrics(run)[-1]
+    assert record["all_gather_bytes"] == first["all_gather"]
+    assert record["reduce_scatter_bytes"] == first["reduce_scatter"]
+
+
+def test_a_gpipe_runs_peak_is_the_plans(tmp_path):
+    """With activations dominant (4 micro-batches of 2048 tokens), the heaviest stage's
+    measured peak is within 10% of the plan's (GPipe holds every micro-batch's activations
+    on every stage; the last stage, with the head, is the heaviest)."""
+    sizes = _sizes("data.seq_len=512", "train.micro_batch=4", "train.global_batch=32",
+                   "train.zero_stage=3", "train.pp_schedule=gpipe")  # fmt: skip
+    run = tmp_path / "run"
+    check_ok(flatshard("train", *sizes, "--steps", 2, "--out", run, "--set",
+                       "run.sample_tokens=0", "--set", "checkpoint.interval=0", "--set",
+                       "checkpoint.at_end=false", env=cli_env(MALLOC_MMAP_THRESHOLD_="65536"),
+                       timeout=300))  # fmt: skip
+    plan = json.loads(check_ok(flatshard("plan", *sizes, "--json")).stdout)
+    stages = plan["pipeline"]["stages"]
+    assert [s["in_flight"] for s in stages] == [4, 4]
+    predicted = max(s["memory"]["total"] for s in stages)
+    measured = metrics(run)[-1]["peak_mem_bytes"]
+    assert abs(measured - predicted) <= 0.10 * predicted, (measured, predicted)

@@ -54,6 +54,14 @@ def add_arguments(parser) -> None:
         help="context-parallel ranks each sequence is split over (within --dp-shard)",
     )  # fmt: skip
     parser.add_argument(
+        "--pp", type=int, default=None, metavar="N",
+        help="pipeline stages, a rank each (outermost): each rank's memory and bytes, the bubble",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pp-schedule", default=None, metavar="NAME",
+        help="gpipe, 1f1b (default), interleaved-1f1b or looped-bfs",
+    )  # fmt: skip
+    parser.add_argument(
         "--sp", action="store_true", default=None,
         help="with --tp N: sequence parallelism (norms and residual split by sequence)",
     )  # fmt: skip
@@ -188,24 +196,28 @@ def plan_command(args) -> int:
     spec, defaults = _model_and_defaults(args)
     chosen = {name: getattr(args, name) for name in defaults if getattr(args, name) is not None}
     values = {**defaults, **chosen}
-    if "dp_shard" not in chosen and values["world_size"] % max(1, values["tp"]):
+    stages = values["pp"]
+    if "dp_shard" not in chosen and values["world_size"] % max(1, values["tp"] * stages):
         given = "" if "world_size" in chosen else " (the default)"
+        degrees, product = f"--tp {values['tp']}", values["tp"]
+        if stages > 1:
+            degrees, product = f"--tp {values['tp']} x --pp {stages}", values["tp"] * stages
         raise ConfigError(
-            f"--tp {values['tp']} does not divide --world-size {values['world_size']}{given}: "
-            f"pick --world-size a multiple of {values['tp']}, or another --tp"
+            f"{degrees} does not divide --world-size {values['world_size']}{given}: "
+            f"pick --world-size a multiple of {product}, or other degrees"
         )
-    if "dp_shard" not in chosen and {"world_size", "tp"} & set(chosen):
+    if "dp_shard" not in chosen and {"world_size", "tp", "pp"} & set(chosen):
         # a training config's dp_shard was for its own world and tp: keep its replicas
         replicas = 1
         if defaults["dp_shard"]:
             replicas = defaults["world_size"] // (defaults["dp_shard"] * defaults["tp"])
-        values["dp_shard"] = values["world_size"] // max(1, replicas * values["tp"])
+        values["dp_shard"] = values["world_size"] // max(1, replicas * values["tp"] * stages)
     if values["dp_shard"] is None:  # an explicit 0 is an error (Setup), not "all ranks"
-        values["dp_shard"] = values["world_size"] // max(1, values["tp"])
+        values["dp_shard"] = values["world_size"] // max(1, values["tp"] * stages)
     try:
         result = plan(spec, Setup(**values))
     except MeshError as error:  # name the flags that set the degrees
-        names = ("world_size", "dp_shard", "tp", "ep")
+        names = ("world_size", "dp_shard", "tp", "ep", "pp")
         flags = ", ".join(f"--{n.replace('_', '-')} {values[n]}" for n in names if n in chosen)
         raise ConfigError(f"{flags or 'the run config'}: {error}") from None
     text = format_plan(result) + what_fits(result, args.device_memory)
@@ -232,6 +244,7 @@ def _model_and_defaults(args):
         ep=1, cp=1,
         offload=0.0, offload_disk=False, ac="none", optimizer="adamw", write_gbps=1.0,
         quantize_weights="none", quantize_grads="none", muon_split_fused=False, sync_wire="none",
+        pp=1, pp_schedule="1f1b",
     )  # fmt: skip
     if args.model is not None:
         lora = lora_spec(args.lora or 0, 0.0, 0.0, LORA_TARGETS)
@@ -242,9 +255,12 @@ def _model_and_defaults(args):
     defaults.update(
         world_size=world,
         dp_shard=ParallelDims(
-            world, dp_replicate=train.dp_replicate, tp=train.tp, ep=train.ep, cp=train.cp
+            world, dp_replicate=train.dp_replicate, tp=train.tp, ep=train.ep, cp=train.cp,
+            pp=train.pp,
         ).dp_shard
         * train.cp,  # the ranks a unit is sharded over: dp_shard x cp
+        pp=train.pp,
+        pp_schedule=train.pp_schedule,
         tp=train.tp,
         sp=train.sp,
         cp=train.cp,
@@ -263,7 +279,8 @@ def _model_and_defaults(args):
         micro_batch=train.micro_batch,
         seq_len=config.data.seq_len,
         grad_accum=max(
-            1, train.global_batch // (train.micro_batch * world // (train.tp * train.cp))
+            1,
+            train.global_batch // (train.micro_batch * world // (train.tp * train.cp * train.pp)),
         ),
         backend="nccl" if _uses_cuda(config.run.device) else "gloo",
     )

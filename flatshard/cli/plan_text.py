@@ -144,4 +144,25 @@ def format_plan(result: Plan) -> str:
     )
     if result.muon is not None:
         lines += ["", *muon_lines(result.muon)]
+    if result.pipeline is not None:
+        lines += ["", *_pipeline_lines(result.pipeline, s.pp)]
     return "\n".join(lines)
+
+
+def _pipeline_lines(pipeline: dict, pp: int) -> list[str]:
+    """Each pipeline rank's blocks, in-flight micro-batches, peak and bytes (the memory and
+    bytes above are the heaviest rank's)."""
+    lines = [
+        f"  pipeline: {pp} stages ({pipeline['schedule']}), {pipeline['microbatches']} "
+        f"micro-batches a step, bubble {100 * pipeline['bubble_fraction']:.1f}% of the step "
+        "(the figures above: the heaviest rank's)",
+        "    rank  blocks  in flight      peak  data-parallel bytes  sent to other stages",
+    ]
+    for stage in pipeline["stages"]:
+        c = stage["communication"]
+        lines.append(
+            f"    {stage['rank']:>4}  {stage['blocks']:>6}  {stage['in_flight']:>9g} "
+            f"{_gib(stage['memory']['total'])}  {_gib(c['total']):>19}  "
+            f"{_gib(c['pipeline_send']):>20}"
+        )
+    return lines

@@ -41,7 +41,7 @@ def step_communication(units: tuple[UnitFigures, ...], setup) -> dict[str, int]:
     quantized = setup.quantize_weights != "none"
     all_gather = sum(
         (u.quantized + u.nf4 if quantized else u.gathered_bytes(pb))
-        * all_gathers_per_step(setup.zero_stage, kept, accumulation)
+        * all_gathers_per_step(setup.zero_stage, kept, accumulation, setup.pp > 1)
         for u, kept in zip(order, stays)
     )
     # hpZ: the backward gathers of the units that resharded after forward, inside groups
@@ -54,7 +54,7 @@ def step_communication(units: tuple[UnitFigures, ...], setup) -> dict[str, int]:
     else:
         in_groups = pb * accumulation * sum(u.padded for u in regathered)
     in_groups = in_groups if hpz else 0
-    reductions = reduce_scatters_per_step(setup.zero_stage, accumulation)
+    reductions = reduce_scatters_per_step(setup.zero_stage, accumulation, setup.pp > 1)
     per_unit = [
         u.quantized_grads if setup.quantize_grads != "none" else u.padded_trainable * rb
         for u in gathered_units

@@ -58,6 +58,7 @@ from flatshard.planner.parallel_cost import (
     tp_communication,
     tp_local,
 )
+from flatshard.planner.pipeline_cost import bubble_fraction, check_pipeline_setup, rank_parts
 from flatshard.planner.sync_cost import sync_figures
 from flatshard.planner.unit_figures import (
     UnitFigures,
@@ -97,6 +98,8 @@ class Setup:
     quantize_weights: str = "none"  # int8 / fp8: weights all-gathered in 8 bits (qwZ)
     quantize_grads: str = "none"  # int8 / fp8: gradients reduce-scattered in 8 bits (qgZ)
     sync_wire: str = "none"  # weight sync's wire dtype (sync_cost.py)
+    pp: int = 1  # pipeline stages, a rank each (outermost; pipeline_cost.py)
+    pp_schedule: str = "1f1b"  # gpipe, 1f1b, interleaved-1f1b or looped-bfs
 
     @property
     def optimizer_states(self) -> float:
@@ -113,7 +116,8 @@ class Setup:
 
     def __post_init__(self):
         for name in (
-            "world_size", "dp_shard", "micro_batch", "seq_len", "grad_accum", "tp", "ep", "cp"
+            "world_size", "dp_shard", "micro_batch", "seq_len", "grad_accum", "tp", "ep", "cp",
+            "pp",
         ):  # fmt: skip
             if getattr(self, name) < 1:
                 flag = f"--{name.replace('_', '-')}"
@@ -145,6 +149,8 @@ class Setup:
                 f"--cp {self.cp} splits each sequence into {2 * self.cp} equal chunks: "
                 f"--seq-len {self.seq_len} must be a multiple of {2 * self.cp}"
             )
+        if self.pp > 1:
+            check_pipeline_setup(self)
         self.dims  # noqa: B018  (validates the degrees: a MeshError names what is wrong)
         if self.hpz_group and (
             self.zero_stage != 3 or self.dp_shard % self.hpz_group or self.tp > 1
@@ -159,7 +165,7 @@ class Setup:
         """The degrees, validated as `fully_shard`'s mesh validates them."""
         return ParallelDims(
             self.world_size, dp_replicate=-1, dp_shard=self.dp_shard // self.cp, tp=self.tp,
-            ep=self.ep, cp=self.cp,
+            ep=self.ep, cp=self.cp, pp=self.pp,
         )  # fmt: skip
 
     @property
@@ -181,6 +187,7 @@ class Plan:
     checkpoint: dict[str, float]  # what a save writes (checkpoint_cost.py)
     weight_sync: dict[str, float]  # what a full weight sync moves (sync_cost.py)
     muon: dict | None = None  # --optimizer muon: its matrices, work and bytes (muon_cost.py)
+    pipeline: dict | None = None  # --pp: each stage's memory and bytes (pipeline_cost.py)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -197,6 +204,8 @@ def plan(spec: ModelSpec, setup: Setup) -> Plan:
         spec = tp_local(spec, setup.tp, setup.sp)
     if setup.ep > 1:
         spec = ep_local(spec, setup.ep, setup.dims.efsdp)
+    if setup.pp > 1:
+        return _pipeline_plan(spec, setup, hidden, vocab, muon)
     separate = needs_bucket_per_param(setup.offload)
     units = tuple(
         unit_figures(unit, unit.shard_ranks or setup.dp_shard, separate, setup.hpz_group)
@@ -223,14 +232,66 @@ def plan(spec: ModelSpec, setup: Setup) -> Plan:
     )
 
 
-def _memory(spec: ModelSpec, units: tuple[UnitFigures, ...], setup: Setup) -> dict[str, int]:
+def _pipeline_plan(spec: ModelSpec, setup: Setup, hidden: int, vocab: int, muon) -> Plan:
+    """Each pipeline rank as a flatshard run of its stages' units (their activations for
+    the micro-batches in flight); the plan's memory and bytes are the heaviest rank's."""
+    pb = DTYPE_BYTES[setup.param_dtype]
+    separate = needs_bucket_per_param(setup.offload)
+    ranks = []
+    for part in rank_parts(spec, setup, hidden, pb):
+        figures = lambda s: tuple(unit_figures(u, setup.dp_shard, separate) for u in s.units)  # noqa: E731
+        units = figures(part.whole)
+        share = offloaded_share(part.whole.units, setup.dp_shard, setup.offload)
+        by_ac = {
+            mode: split_memory(
+                _memory(part.whole, units, replace(setup, ac=mode), part.in_flight),
+                share, setup.offload_disk,
+            )
+            for mode in AC_MODES
+        }  # fmt: skip
+        moved = [step_communication(figures(stage), setup) for stage in part.stages]
+        communication = {key: sum(m[key] for m in moved) for key in moved[0]}
+        communication.update(tp_communication(part.whole, setup, hidden, vocab))
+        communication.update(ep_communication(part.whole, setup, hidden))
+        communication.update(cp_communication(part.whole, setup))
+        communication["pipeline_send"] = part.sent
+        blocks = part.whole.n_layers
+        ranks.append(dict(rank=part.rank, blocks=blocks, in_flight=part.in_flight, units=units,
+                          memory=by_ac[setup.ac], peaks={m: f["device"] for m, f in by_ac.items()},
+                          communication=communication))  # fmt: skip
+    heaviest = max(ranks, key=lambda r: r["memory"]["total"])
+    busiest = max(ranks, key=lambda r: r["communication"]["total"])
+    every_unit = [u for r in ranks for u in r["units"]]
+    used = sum(u.numel * u.count for u in every_unit)
+    padding = sum(u.padding * u.count for u in every_unit) / used if used else 0.0
+    pipeline = {
+        "schedule": setup.pp_schedule,
+        "microbatches": setup.grad_accum,
+        "bubble_fraction": bubble_fraction(setup),
+        "stages": [
+            {k: r[k] for k in ("rank", "blocks", "in_flight", "memory", "communication")}
+            for r in ranks
+        ],
+    }
+    return Plan(
+        spec.name, spec.num_params, setup, heaviest["units"], heaviest["memory"],
+        busiest["communication"], padding, heaviest["peaks"],
+        checkpoint_figures(spec.num_params, setup), sync_figures(spec.num_params, setup), muon,
+        pipeline,
+    )  # fmt: skip
+
+
+def _memory(
+    spec: ModelSpec, units: tuple[UnitFigures, ...], setup: Setup, in_flight: float = 1.0
+) -> dict[str, int]:
+    """`in_flight`: micro-batches whose activations a pipeline stage holds at once."""
     pb, rb = DTYPE_BYTES[setup.param_dtype], DTYPE_BYTES[setup.reduce_dtype]
     total = lambda f: sum(f(u) * u.count for u in units)
     params = total(lambda u: u.shard) * FP32 + total(lambda u: u.nf4) // setup.dp_shard
     grads = total(lambda u: u.shard_trainable) * FP32
     optimizer = round(setup.optimizer_states * total(lambda u: u.shard_trainable)) * FP32
     per_token = spec.activations(pb).on_rank(setup.tp, setup.sp).per_token(setup.ac)
-    activations = setup.micro_batch * setup.seq_len // setup.cp * per_token
+    activations = round(in_flight * (setup.micro_batch * setup.seq_len // setup.cp * per_token))
     activations += context_parallel_keys(spec, setup)
     looked_up = [u for u in units if is_looked_up(u, setup)]
     # the output gradients a lookup gathers (and their fp32 copy), alive while its backward

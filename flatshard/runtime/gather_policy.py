@@ -24,8 +24,13 @@ def stays_gathered(position: int, root_parts: Sequence[bool], units_in_model: in
     return root_parts[position] or all(root_parts[position + 1 :])
 
 
-def all_gathers_per_step(stage: int, stays: bool, microbatches: int) -> int:
-    """How often a unit is all-gathered in one optimizer step."""
+def all_gathers_per_step(stage: int, stays: bool, microbatches: int, pipelined=False) -> int:
+    """How often a unit is all-gathered in one optimizer step. `pipelined`: a pipeline
+    stage's (api/pipeline.py: its schedule keeps each unit gathered after its first
+    backward, until the step's gradients are reduced)."""
+    if pipelined:
+        # ZeRO-3: each micro-batch's forward, then its first backward; ZeRO-1/2: once
+        return microbatches + 1 if stage == 3 and not stays else 1
     if stage == 3:
         return microbatches * (1 if stays else 2)  # forward, and again for backward
     if stage == 2:
@@ -33,10 +38,11 @@ def all_gathers_per_step(stage: int, stays: bool, microbatches: int) -> int:
     return 1  # ZeRO-1: once, after the optimizer changed the weights
 
 
-def reduce_scatters_per_step(stage: int, microbatches: int) -> int:
+def reduce_scatters_per_step(stage: int, microbatches: int, pipelined=False) -> int:
     """How often a unit's gradients are reduce-scattered in one step (synced every
-    micro-batch; ZeRO-1 keeps them unsharded and reduces once)."""
-    return 1 if stage == 1 else microbatches
+    micro-batch; ZeRO-1 keeps them unsharded and reduces once, as every stage of a
+    pipeline does)."""
+    return 1 if stage == 1 or pipelined else microbatches
 
 
 def lookup_possible(stage: int, ranks: int) -> bool:

@@ -1,0 +1,131 @@
+"""Pipeline stages on paper (`flatshard plan --pp N`): which blocks each rank's stages
+hold (as `flatshard.pipeline` splits them: api/pipeline.py's `assign_blocks`), how many
+micro-batches' activations a stage holds at once under each schedule, the bubble, and the
+activations and their gradients sent between stages. Each rank's memory and data-parallel
+bytes are then those of a flatshard run of its stages' units (estimate.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from flatshard.errors import ConfigError
+from flatshard.planner.model_spec import ModelSpec, UnitSpec
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs")
+_INTERLEAVED = ("interleaved-1f1b", "looped-bfs")  # two stages a rank
+
+
+@dataclass(frozen=True)
+class RankPart:
+    """Pipeline rank `rank`'s stages: each as a model of its own (`stages`), all of them
+    together (`whole`: its memory), the micro-batches of activations they hold at once
+    (`in_flight`, of the rank's whole activations) and the bytes sent to other stages."""
+
+    rank: int
+    stages: tuple[ModelSpec, ...]
+    whole: ModelSpec
+    in_flight: float
+    sent: int
+
+
+def stages_per_rank(schedule: str) -> int:
+    return 2 if schedule in _INTERLEAVED else 1
+
+
+def check_pipeline_setup(setup) -> None:
+    if setup.pp_schedule not in SCHEDULES:
+        raise ConfigError(f"--pp-schedule {setup.pp_schedule}: use one of {', '.join(SCHEDULES)}")
+    if setup.world_size % setup.pp:
+        raise ConfigError(f"--pp {setup.pp} must divide --world-size {setup.world_size}")
+    if setup.hpz_group or setup.ep > 1 or setup.cp > 1:
+        raise ConfigError("--pp with --hpz-group, --ep or --cp is not planned yet: use one")
+
+
+def bubble_fraction(setup) -> float:
+    """The share of a step each rank waits: (pp - 1) of the micro-batch slots, which the
+    interleaved schedules make `v` times shorter (v stages a rank)."""
+    v = stages_per_rank(setup.pp_schedule) if setup.pp_schedule == "interleaved-1f1b" else 1
+    return (setup.pp - 1) / (v * setup.grad_accum + setup.pp - 1)
+
+
+def rank_parts(spec: ModelSpec, setup, hidden: int, activation_bytes: int) -> list[RankPart]:
+    """Every pipeline rank's part of `spec` under `setup` (grad_accum: the micro-batches)."""
+    v = stages_per_rank(setup.pp_schedule)
+    stages = setup.pp * v
+    if spec.n_layers < stages:
+        raise ConfigError(
+            f"--pp {setup.pp} with {setup.pp_schedule} makes {stages} stages of "
+            f"{spec.n_layers} blocks: use fewer stages"
+        )
+    blocks = _assign(spec.n_layers, stages)
+    boundary = setup.micro_batch * setup.seq_len * hidden * activation_bytes
+    parts = []
+    for rank in range(setup.pp):
+        mine = range(rank, stages, setup.pp)
+        specs = tuple(_stage(spec, blocks[s], s == 0, s == stages - 1) for s in mine)
+        held = [b for s in mine for b in blocks[s]]
+        together = _stage(spec, held, 0 in mine, stages - 1 in mine)
+        sends = sum((s < stages - 1) + (s > 0) for s in mine)  # forward out, gradient back
+        parts.append(RankPart(rank, specs, together, _in_flight(setup, rank),
+                              sends * setup.grad_accum * boundary))  # fmt: skip
+    return parts
+
+
+def _in_flight(setup, rank: int) -> float:
+    """Micro-batches of the rank's activations held at once, at the peak: GPipe runs every
+    forward first; 1F1B starts `pp - rank` of them before its first backward; interleaved
+    1F1B holds `2 (pp - rank - 1) + pp + 1` chunks of a stage (half the rank's blocks);
+    looped BFS every micro-batch of both stages."""
+    m, pp = setup.grad_accum, setup.pp
+    if setup.pp_schedule in ("gpipe", "looped-bfs"):
+        return float(m)
+    if setup.pp_schedule == "1f1b":
+        return float(min(m, pp - rank))
+    return min(2 * m, 2 * (pp - rank - 1) + pp + 1) / 2
+
+
+def _assign(n_blocks: int, stages: int) -> list[range]:
+    per, extra = divmod(n_blocks, stages)
+    starts = [s * per + min(s, extra) for s in range(stages + 1)]
+    return [range(starts[s], starts[s + 1]) for s in range(stages)]
+
+
+def _stage(spec: ModelSpec, blocks, first: bool, last: bool) -> ModelSpec:
+    """`spec` cut to `blocks` (the embedding when `first`, the norm and head when `last`)."""
+    held = _layer_counts(spec, blocks)
+
+    def activations(a: int):
+        whole = spec.activations(a)
+        layers = tuple((n, saved) for n, (_, saved) in zip(held, whole.layers) if n)
+        head, head_norm = (whole.head, whole.head_norm) if last else (0, 0)
+        return replace(whole, layers=layers, head=head, head_norm=head_norm)
+
+    units = _stage_units(spec, blocks, first, last)
+    return replace(spec, units=units, n_layers=len(list(blocks)), activations=activations)
+
+
+def _layer_counts(spec: ModelSpec, blocks) -> list[int]:
+    """How many of `blocks` fall in each run of same-shaped layers (spec.units' order)."""
+    counts, start = [], 0
+    chosen = set(blocks)
+    for unit in spec.units:
+        if unit.is_root or unit.inner:
+            continue
+        counts.append(sum(1 for i in range(start, start + unit.count) if i in chosen))
+        start += unit.count
+    return counts
+
+
+def _stage_units(spec: ModelSpec, blocks, first: bool, last: bool) -> tuple[UnitSpec, ...]:
+    chosen, units, start = sorted(set(blocks)), [], 0
+    for unit in spec.units:
+        if unit.is_root:
+            if first if unit.embedding else last:
+                units.append(unit)
+        elif not unit.inner:
+            held = [i for i in chosen if start <= i < start + unit.count]
+            start += unit.count
+            if held:
+                name = f"layers.{held[0]}-{held[-1]}" if len(held) > 1 else f"layers.{held[0]}"
+                units.append(replace(unit, name=name, count=len(held)))
+    return tuple(units)
