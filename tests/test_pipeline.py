@@ -31,7 +31,7 @@ def _loss(logits, target):
 def _pipelined(schedule: str, pp: int, tp: int, zero_stage: int, microbatches: int):
     """(per step: the whole batch's loss, the reference's; the largest weight difference)."""
     dims = flatshard.ParallelDims(dist.get_world_size(), pp=pp, tp=tp)
-    per_rank = 2 if "interleaved" in schedule or "looped" in schedule else 1
+    per_rank = 1 if schedule in ("gpipe", "1f1b") else 2
     cfg = config(n_layers=max(4, pp * per_rank), ffn_dim=48)  # 48: TP splits it
     whole = build_model(cfg)
     reference = copy.deepcopy(whole)
@@ -72,6 +72,9 @@ CASES = [  # schedule, pp, tp, ZeRO stage, micro-batches (dp: what pp and tp lea
     ("looped-bfs", 2, 1, 3, 2),
     ("interleaved-1f1b", 4, 1, 3, 4),
     ("1f1b", 2, 2, 3, 2),
+    ("interleaved-zb", 2, 1, 3, 4),  # zero bubble: weight gradients after input gradients
+    ("zbv", 2, 1, 3, 4),  # V-shaped: rank r runs stages r and 3 - r
+    ("dualpipev", 2, 1, 2, 4),
 ]
 
 

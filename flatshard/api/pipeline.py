@@ -37,10 +37,15 @@ SCHEDULES = {
     "1f1b": schedules.Schedule1F1B,
     "interleaved-1f1b": schedules.ScheduleInterleaved1F1B,
     "looped-bfs": schedules.ScheduleLoopedBFS,
+    "interleaved-zb": schedules.ScheduleInterleavedZeroBubble,
+    "zbv": schedules.ScheduleZBVZeroBubble,
+    "dualpipev": schedules.ScheduleDualPipeV,
 }
-"""The schedules `pipeline` runs, by name (torch's classes): the first two one stage per
-rank, the others several. torch's zero-bubble schedules split each backward into the
-inputs' and the weights' gradients, which flatshard's units do not take apart yet."""
+"""The schedules `pipeline` runs, by name (torch's classes): gpipe and 1f1b one stage a
+rank, the others two (stage i on rank i % pp; the V-shaped zbv and dualpipev: rank r runs
+stages r and 2 pp - 1 - r). The zero-bubble ones (interleaved-zb, zbv, dualpipev) compute
+each backward's input gradients first and its weight gradients later."""
+V_SHAPED = ("zbv", "dualpipev")
 
 
 class PipelineStage(pipelining.PipelineStage):
@@ -48,6 +53,19 @@ class PipelineStage(pipelining.PipelineStage):
     its blocks and itself); torch's schedules take it. Gradients are reduced once per step,
     after the last micro-batch's backward; the schedule then divides them by the number of
     micro-batches (its `scale_grads`)."""
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward=False):
+        """torch's, with the parameters the forwards used on the modules: the zero-bubble
+        schedules take each backward apart (the inputs' gradients first, the weights'
+        later) and find the weights among `submod.parameters()`."""
+        units = registry.units_below(self.submod)
+        for unit in units:
+            unit.register("unsharded")
+        try:
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        finally:
+            for unit in units:
+                unit.register("sharded")
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         unit = registry.unit_of(self.submod)
@@ -149,6 +167,10 @@ def pipeline(
     pp, rank = meshes.pp.size(), meshes.pp_rank
     num_stages = pp * per_rank
     mine = list(range(rank, num_stages, pp))
+    if schedule in V_SHAPED:
+        if per_rank != 2:
+            raise MeshError(f"schedule {schedule!r} runs two stages a rank (a V)")
+        mine = [rank, num_stages - 1 - rank]
     part = _stages_part(model, num_stages, mine)
     ranges = assign_blocks(len(_blocks(model)), num_stages)
     views = [part] if len(mine) == 1 else [

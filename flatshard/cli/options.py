@@ -134,9 +134,11 @@ OPTIONS: tuple[Option, ...] = (
            "a rank each (outermost; processes are pp x dp_replicate x dp_shard x tp); each "
            "step's micro-batches (global_batch / (micro_batch x data-parallel ranks)) flow "
            "through them", check=_positive),
-    Option("train.pp_schedule", "1f1b", "pipeline schedule: gpipe, 1f1b, interleaved-1f1b "
-           "or looped-bfs (the last two: two stages per rank)",
-           choices=("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs")),
+    Option("train.pp_schedule", "1f1b", "pipeline schedule (torch's): gpipe, 1f1b, or with two "
+           "stages per rank interleaved-1f1b, looped-bfs and the zero-bubble interleaved-zb, "
+           "zbv, dualpipev",
+           choices=("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv",
+                    "dualpipev")),
     Option("train.microbatches", 0, "micro-batches per step per data-parallel rank (sets "
            "train.micro_batch to what it leaves; 0: global_batch / micro_batch / dp)",
            check=_non_negative),

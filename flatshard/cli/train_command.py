@@ -36,7 +36,8 @@ TRAIN_FLAGS = {
     "ep": ("train.ep", "N", "expert parallelism over N ranks (MoE models)"),
     "cp": ("train.cp", "N", "context parallelism: each sequence split over N ranks"),
     "pp": ("train.pp", "N", "pipeline parallelism: the blocks in N stages (outermost)"),
-    "pp_schedule": ("train.pp_schedule", "NAME", "gpipe, 1f1b, interleaved-1f1b, looped-bfs"),
+    "pp_schedule": ("train.pp_schedule", "NAME", "gpipe, 1f1b, interleaved-1f1b, looped-bfs, "
+                    "interleaved-zb, zbv or dualpipev"),
     "microbatches": ("train.microbatches", "M", "micro-batches per step per data-parallel rank"),
     "offload": ("train.offload", "F", "keep and step this share of the optimizer on the host"),
     "offload_dir": ("train.offload_dir", "DIR", "optimizer state in memory-mapped files here"),

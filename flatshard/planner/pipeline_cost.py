@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from flatshard.api.pipeline import SCHEDULES as PIPELINE_SCHEDULES
+from flatshard.api.pipeline import V_SHAPED, assign_blocks
 from flatshard.errors import ConfigError
 from flatshard.planner.model_spec import ModelSpec, UnitSpec
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs")
-_INTERLEAVED = ("interleaved-1f1b", "looped-bfs")  # two stages a rank
+SCHEDULES = tuple(PIPELINE_SCHEDULES)
+_V_SHAPED = V_SHAPED  # rank r runs stages r and 2 pp - 1 - r
+_INTERLEAVED = tuple(s for s in SCHEDULES if s not in ("gpipe", "1f1b"))  # two stages a rank
 
 
 @dataclass(frozen=True)
@@ -43,9 +46,15 @@ def check_pipeline_setup(setup) -> None:
 
 def bubble_fraction(setup) -> float:
     """The share of a step each rank waits: (pp - 1) of the micro-batch slots, which the
-    interleaved schedules make `v` times shorter (v stages a rank)."""
-    v = stages_per_rank(setup.pp_schedule) if setup.pp_schedule == "interleaved-1f1b" else 1
-    return (setup.pp - 1) / (v * setup.grad_accum + setup.pp - 1)
+    interleaved schedules make `v` times shorter (v stages a rank); the zero-bubble ones
+    fill it with weight gradients as their papers count it: interleaved-zb to a third,
+    the V-shaped ones to none once there are 2 pp micro-batches."""
+    pp, m, schedule = setup.pp, setup.grad_accum, setup.pp_schedule
+    if schedule in _V_SHAPED and m >= 2 * pp:
+        return 0.0
+    v = 2 if schedule in ("interleaved-1f1b", "interleaved-zb", *_V_SHAPED) else 1
+    bubble = (pp - 1) / (v * m + pp - 1)
+    return bubble / 3 if schedule == "interleaved-zb" else bubble
 
 
 def rank_parts(spec: ModelSpec, setup, hidden: int, activation_bytes: int) -> list[RankPart]:
@@ -57,11 +66,13 @@ def rank_parts(spec: ModelSpec, setup, hidden: int, activation_bytes: int) -> li
             f"--pp {setup.pp} with {setup.pp_schedule} makes {stages} stages of "
             f"{spec.n_layers} blocks: use fewer stages"
         )
-    blocks = _assign(spec.n_layers, stages)
+    blocks = assign_blocks(spec.n_layers, stages)
     boundary = setup.micro_batch * setup.seq_len * hidden * activation_bytes
     parts = []
     for rank in range(setup.pp):
-        mine = range(rank, stages, setup.pp)
+        mine = [rank, stages - 1 - rank] if setup.pp_schedule in _V_SHAPED else range(
+            rank, stages, setup.pp
+        )
         specs = tuple(_stage(spec, blocks[s], s == 0, s == stages - 1) for s in mine)
         held = [b for s in mine for b in blocks[s]]
         together = _stage(spec, held, 0 in mine, stages - 1 in mine)
@@ -81,13 +92,9 @@ def _in_flight(setup, rank: int) -> float:
         return float(m)
     if setup.pp_schedule == "1f1b":
         return float(min(m, pp - rank))
+    if setup.pp_schedule in _V_SHAPED:  # a V: 1F1B's memory, every rank alike
+        return float(min(m, pp))
     return min(2 * m, 2 * (pp - rank - 1) + pp + 1) / 2
-
-
-def _assign(n_blocks: int, stages: int) -> list[range]:
-    per, extra = divmod(n_blocks, stages)
-    starts = [s * per + min(s, extra) for s in range(stages + 1)]
-    return [range(starts[s], starts[s + 1]) for s in range(stages)]
 
 
 def _stage(spec: ModelSpec, blocks, first: bool, last: bool) -> ModelSpec:
