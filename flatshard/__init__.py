@@ -13,9 +13,10 @@ from flatshard.api.fsdp_module import (
     weights_changed,
 )
 from flatshard.api.materialize import materialize
-from flatshard.api.parallel_plan import ParallelPlan, register_plan
+from flatshard.api.parallel_plan import ParallelPlan, StageParts, register_plan
 from flatshard.api.parallelize import parallelize
-from flatshard.api.pipeline import Pipeline, PipelineStage, pipeline, stage_modules
+from flatshard.api.pipeline import Pipeline, PipelineStage, pipeline
+from flatshard.api.pipeline_split import stage_modules
 from flatshard.api.sharding import fully_shard
 from flatshard.api.state_movement import offload_states, reload_states
 from flatshard.comm.sync_group import SyncGroup, weight_sync_group
@@ -71,6 +72,7 @@ __all__ = [
     "Pipeline",
     "PipelineStage",
     "ReceiveStats",
+    "StageParts",
     "SyncGroup",
     "SyncStats",
     "TokenIdError",

@@ -23,6 +23,23 @@ MeshPlan = Callable[[nn.Module, DeviceMesh], None] | dict[str, ParallelStyle]
 
 
 @dataclass(frozen=True)
+class StageParts:
+    """Where a decoder keeps what pipeline stages split (`flatshard.pipeline`), as dotted
+    paths: the embedding (on the first stage), the blocks (a ModuleList, spread over the
+    stages), the final norm and the head (on the last). `missing(path)`: what stands in for
+    a part a stage lacks (default None: the model's forward skips it). `forward(stage, x,
+    first)`: the stage's forward, where the model's own cannot take the previous stage's
+    hidden states or must return its own (None: the model's, as flatshard's models do)."""
+
+    embed: str = "embed_tokens"
+    blocks: str = "layers"
+    norm: str = "norm"
+    head: str = "lm_head"
+    missing: Callable[[str], nn.Module | None] = lambda path: None
+    forward: Callable | None = None
+
+
+@dataclass(frozen=True)
 class ParallelPlan:
     """How a model is split.
 
@@ -41,7 +58,8 @@ class ParallelPlan:
         sequence (torch's `SequenceParallel`), for `ParallelDims(sequence_parallel=True)`.
     context_parallel: makes the model's attention see the whole sequence while each rank
         of the CP mesh holds part of it (`flatshard.parallel.apply_context_parallel`): a
-        function of (model, cp_mesh)."""
+        function of (model, cp_mesh).
+    stages: where its pipeline stages' parts are (`StageParts`; `flatshard.pipeline`)."""
 
     blocks: Callable[[nn.Module], list[nn.Module]] | str = "layers"
     tensor_parallel: MeshPlan | None = None
@@ -49,6 +67,7 @@ class ParallelPlan:
     uncompiled: Callable[[nn.Module], list[nn.Module]] | None = None
     sequence_parallel: MeshPlan | None = None
     context_parallel: Callable[[nn.Module, DeviceMesh], None] | None = None
+    stages: StageParts = StageParts()
 
     def blocks_of(self, model: nn.Module) -> list[nn.Module]:
         if callable(self.blocks):
@@ -57,8 +76,6 @@ class ParallelPlan:
             found = model.get_submodule(self.blocks)
         except AttributeError:
             found = None
-        if isinstance(found, nn.ModuleDict):  # a pipeline stage's blocks, by their indices
-            return list(found.values())
         if not isinstance(found, (nn.ModuleList, nn.Sequential)):
             raise MeshError(
                 f"{type(model).__name__} has no ModuleList {self.blocks!r} of blocks: pass "

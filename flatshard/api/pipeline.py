@@ -16,8 +16,6 @@ reduce-scattered once per step, whatever the number of micro-batches.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -25,12 +23,12 @@ from torch.distributed import pipelining
 from torch.distributed.pipelining import schedules
 
 from flatshard import registry
+from flatshard.api.parallel_plan import plan_for
 from flatshard.api.parallelize import parallelize
-from flatshard.errors import MeshError, WrappingError
+from flatshard.api.pipeline_split import assign_blocks, stage_view, stages_part
+from flatshard.errors import MeshError
 from flatshard.mesh import Meshes, ParallelDims
 from flatshard.runtime import hooks
-
-_PARTS = ("embed_tokens", "layers", "norm", "lm_head")  # the reference families' names
 
 SCHEDULES = {
     "gpipe": schedules.ScheduleGPipe,
@@ -152,7 +150,7 @@ def pipeline(
     parallelize_options: `parallelize`'s (mp_policy, zero_stage, activation_checkpointing,
         ...), for every stage.
 
-    The model is split by `stage_modules` (blocks spread as evenly as they go)."""
+    The model is split as `stage_modules` splits it (its plan's `StageParts`)."""
     meshes = dims if isinstance(dims, Meshes) else dims.build()
     if meshes.pp is None:
         raise MeshError("pipeline needs pp > 1 in ParallelDims; without it use parallelize")
@@ -171,10 +169,10 @@ def pipeline(
         if per_rank != 2:
             raise MeshError(f"schedule {schedule!r} runs two stages a rank (a V)")
         mine = [rank, num_stages - 1 - rank]
-    part = _stages_part(model, num_stages, mine)
-    ranges = assign_blocks(len(_blocks(model)), num_stages)
+    part = stages_part(model, num_stages, mine)
+    ranges = assign_blocks(len(plan_blocks(model)), num_stages)
     views = [part] if len(mine) == 1 else [
-        _view(part, ranges[i], i == 0, i == num_stages - 1) for i in mine
+        stage_view(part, ranges[i], i == 0, i == num_stages - 1) for i in mine
     ]  # fmt: skip
     device = torch.device(meshes.world.device_type)
     stages = []
@@ -186,81 +184,6 @@ def pipeline(
     return Pipeline(part, views, stages, runner, meshes, microbatches, loss_fn)
 
 
-def stage_modules(model: nn.Module, num_stages: int, stage: int) -> nn.Module:
-    """Stage `stage` of `num_stages` of a decoder (`embed_tokens`, `layers`, `norm`,
-    `lm_head`, as flatshard's reference models have them): a copy holding its share of the
-    blocks in a ModuleDict under their indices (names stay the whole model's, so checkpoints
-    do not depend on the split), the embedding on the first stage, norm and head on the
-    last. Blocks are split as evenly as they go, the earlier stages taking the extra ones."""
-    return _stages_part(model, num_stages, [stage])
-
-
-def _stages_part(model: nn.Module, num_stages: int, mine: list[int]) -> nn.Module:
-    """A copy of `model` with the blocks (and ends) of the stages `mine`."""
-    missing = [name for name in _PARTS if not hasattr(model, name)]
-    if missing:
-        raise WrappingError(
-            f"{type(model).__name__} has no {', '.join(missing)}: split it into stages "
-            "yourself (a module per stage) and wrap each in flatshard.PipelineStage"
-        )
-    layers = _blocks(model)
-    if not 1 <= num_stages <= len(layers) or not all(0 <= s < num_stages for s in mine):
-        raise WrappingError(
-            f"cannot make stages {mine} of {num_stages} from {len(layers)} blocks: the "
-            "stages must number between 1 and the blocks, and each be one of them"
-        )
-    if getattr(getattr(model, "config", None), "tie_embeddings", False) and num_stages > 1:
-        raise WrappingError(
-            "the embedding and the output head share one weight, but pipeline stages put "
-            "them on the first and the last stage: untie them (tie_embeddings=False)"
-        )
-    ranges = assign_blocks(len(layers), num_stages)
-    part = _skeleton(model)
-    part.layers = nn.ModuleDict(
-        {str(layers[p][0]): copy.deepcopy(layers[p][1]) for s in mine for p in ranges[s]}
-    )
-    if 0 in mine:
-        part.embed_tokens = copy.deepcopy(model.embed_tokens)
-    if num_stages - 1 in mine:
-        part.norm, part.lm_head = copy.deepcopy(model.norm), copy.deepcopy(model.lm_head)
-    return part
-
-
-def assign_blocks(blocks: int, num_stages: int) -> list[range]:
-    """Each stage's blocks (by position): as even as they go, the earlier stages taking
-    the extra ones."""
-    per, extra = divmod(blocks, num_stages)
-    starts = [s * per + min(s, extra) for s in range(num_stages + 1)]
-    return [range(starts[s], starts[s + 1]) for s in range(num_stages)]
-
-
-def _view(part: nn.Module, blocks: range, first: bool, last: bool) -> nn.Module:
-    """One stage of a rank's part: a module of its own holding the part's very blocks (and
-    ends), so sharding the stage shards the part."""
-    view = _skeleton(part)
-    view.layers = nn.ModuleDict({k: b for k, b in part.layers.items() if int(k) in blocks})
-    if first:
-        view.embed_tokens = part.embed_tokens
-    if last:
-        view.norm, view.lm_head = part.norm, part.lm_head
-    return view
-
-
-def _blocks(model: nn.Module) -> list[tuple[int, nn.Module]]:
-    if isinstance(model.layers, nn.ModuleDict):
-        return [(int(k), b) for k, b in model.layers.items()]
-    return list(enumerate(model.layers))
-
-
-def _skeleton(model: nn.Module) -> nn.Module:
-    """A copy of `model` without its blocks and ends (each stage adds its own)."""
-    kept = {name: getattr(model, name) for name in _PARTS}
-    try:
-        for name in _PARTS:
-            setattr(model, name, None)
-        skeleton = copy.deepcopy(model)
-    finally:
-        for name, module in kept.items():
-            setattr(model, name, module)
-    skeleton.pipeline_stage = True  # parallelize takes it under pp > 1
-    return skeleton
+def plan_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's blocks, as its plan names them."""
+    return list(model.get_submodule(plan_for(model).stages.blocks))

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from flatshard.api.pipeline import SCHEDULES as PIPELINE_SCHEDULES
-from flatshard.api.pipeline import V_SHAPED, assign_blocks
+from flatshard.api.pipeline import V_SHAPED
+from flatshard.api.pipeline_split import assign_blocks
 from flatshard.errors import ConfigError
 from flatshard.planner.model_spec import ModelSpec, UnitSpec
 

@@ -276,11 +276,11 @@ class TransformerBlock(nn.Module):
 
 
 def indexed_layers(layers: nn.Module):
-    """(index in the whole model, block): a pipeline stage keeps its blocks in a ModuleDict
-    under their indices, so their names (and checkpoints) stay those of the whole model."""
-    if isinstance(layers, nn.ModuleDict):
-        return [(int(key), layer) for key, layer in layers.items()]
-    return list(enumerate(layers))
+    """(index in the whole model, block): a pipeline stage keeps its blocks under their
+    indices (`flatshard.api.pipeline_split.StageBlocks`), so their names (and checkpoints)
+    stay those of the whole model."""
+    indices = getattr(layers, "indices", None)
+    return list(zip(indices, layers)) if indices is not None else list(enumerate(layers))
 
 
 def attention_extras(cache, layer: int, mask) -> tuple[tuple, dict]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
-from flatshard.api.parallel_plan import ParallelPlan, register_plan
+from flatshard.api.parallel_plan import ParallelPlan, StageParts, register_plan
 from flatshard.api.parallelize import parallelize
 from flatshard.hf.errors import HFConfigError
 from flatshard.mesh import ParallelDims
@@ -42,6 +42,23 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
+def stage_forward(stage: nn.Module, x, first: bool):
+    """A pipeline stage of a transformers causal LM: token ids into the first stage, the
+    previous stage's hidden states (as `inputs_embeds`) into the others; out come the
+    logits, or (norm and head standing in as Identity) the hidden states."""
+    inputs = {"input_ids": x} if first else {"inputs_embeds": x}
+    return type(stage).forward(stage, **inputs, use_cache=False).logits
+
+
+# a causal LM's parts (`model.embed_tokens`, `model.layers`, `model.norm`, `lm_head`, as
+# most families name them); a stage without the norm or head passes its hidden states on
+CAUSAL_LM_STAGES = StageParts(
+    embed="model.embed_tokens", blocks="model.layers", norm="model.norm", head="lm_head",
+    missing=lambda path: None if path.endswith("embed_tokens") else nn.Identity(),
+    forward=stage_forward,
+)  # fmt: skip
+
+
 register_plan(
     lambda model: getattr(model, "_no_split_modules", None) is not None,
     lambda model: ParallelPlan(
@@ -55,5 +72,6 @@ register_plan(
         sequence_parallel=lambda model, mesh: apply_transformers_sequence_parallel(
             model, mesh, decoder_layers(model)
         ),
+        stages=CAUSAL_LM_STAGES,
     ),
 )
