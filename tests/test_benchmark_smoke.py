@@ -421,3 +421,15 @@ def test_lora_step_script(qlora):
     state = {mode: float(rows[mode][4]) for mode in ("flatshard-lora", "flatshard-full")}
     assert rows["flatshard-lora"][3] == rows["fsdp2-peft"][3]  # the same trainable count
     assert 0 < state["flatshard-lora"] < state["flatshard-full"] / 2, proc.stdout
+
+
+def test_pipeline_script():
+    """benchmarks/pipeline.py at its smallest: flatshard's pipeline stages train as FSDP2's
+    under the same torch schedule (their losses agree), beside the run without a pipeline."""
+    script = os.path.join(ROOT, "benchmarks", "pipeline.py")
+    proc = _script(script, "--size", "tiny", "--steps", "2", "--seq", "16")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    agree = re.search(r"losses agree to (\S+) \(relative\)", proc.stdout)
+    assert agree and float(agree.group(1)) <= 1e-5, proc.stdout
+    _, rows = _table(proc.stdout)
+    assert set(rows) == {"fsdp2", "flatshard", "no pipeline"}, proc.stdout
