@@ -8,8 +8,9 @@ with the same torch schedule, inside one set of spawned gloo worker processes at
     fsdp2      torch's `fully_shard` on each stage's blocks and root, torch's `PipelineStage`
     flatshard  `flatshard.pipeline(model, ParallelDims(world, pp=pp), ...)`
 
-and, for scale, the same model without a pipeline (`flatshard.parallelize` over every rank
-as data-parallel, the micro-batches accumulated). Modes alternate step by step (the order
+and, for scale, the same model on the same global batch without a pipeline
+(`flatshard.parallelize` over every rank as data-parallel, each rank's rows in micro-batches
+of the pipelines' size, accumulated). Modes alternate step by step (the order
 reversed every step) so a drift of the shared machine hits all alike. Printed per rank 0
 (the first stage): the median seconds per step and the bytes each kind of collective moved
 (FSDP2's all-gathers and reduce-scatters as it issues them, flatshard's as its counters
@@ -102,7 +103,7 @@ def worker(rank: int, world: int, port: int, args, out) -> None:
             run = runs[mode]
             pipelined = mode != "no pipeline"
             ranks, index = (meshes.dp.size(), meshes.dp_rank) if pipelined else (world, rank)
-            mine = tokens[: rows * ranks].chunk(ranks)[index]  # the same global batch
+            mine = tokens[: rows * meshes.dp.size()].chunk(ranks)[index]  # one global batch
             counter.reset()
             counter.active = True
             dist.barrier()
@@ -136,9 +137,11 @@ def _torch_step(schedule, runner, inputs, targets, meshes) -> torch.Tensor:
 
 
 def _accumulate(model, inputs, targets, args) -> torch.Tensor:
+    """This rank's rows of the global batch, in micro-batches of the pipelines' size."""
+    count = max(1, inputs.shape[0] // args.micro_batch)
     total = torch.zeros(())
-    for x, y in zip(inputs.chunk(args.microbatches), targets.chunk(args.microbatches)):
-        loss = loss_fn(model(x), y) / args.microbatches
+    for x, y in zip(inputs.chunk(count), targets.chunk(count)):
+        loss = loss_fn(model(x), y) / count
         loss.backward()
         total += loss.detach()
     return total

@@ -21,7 +21,7 @@ models (4 fp32 copies of the vocabulary per token); on small ones the block mome
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 MODES = ("none", "full", "selective", "offload")
 FP32 = 4  # bytes of an fp32 element; main weights are kept in fp32
@@ -78,6 +78,9 @@ class Activations:
     block_input: int
     head: int
     head_norm: int = 0  # of the head's bytes, the final norm's (sequence parallelism splits it)
+    # of the head's bytes, what only the loss's backward holds (the log-softmax's and the
+    # logits' gradients): once, however many micro-batches a pipeline stage keeps
+    head_transient: int = 0
 
     def on_rank(self, tp: int, sp: bool) -> Activations:
         """What one of `tp` tensor-parallel ranks saves: attention heads and hidden units
@@ -87,9 +90,10 @@ class Activations:
             return self
         layers = tuple((count, saved.on_rank(tp, sp)) for count, saved in self.layers)
         if not sp:
-            return Activations(layers, self.block_input, self.head, self.head_norm)
+            return replace(self, layers=layers)
         head = self.head - self.head_norm + self.head_norm // tp
-        return Activations(layers, self.block_input // tp, head, self.head_norm // tp)
+        return replace(self, layers=layers, block_input=self.block_input // tp, head=head,
+                       head_norm=self.head_norm // tp)  # fmt: skip
 
     def per_token(self, mode: str = "none") -> int:
         if mode not in MODES:
@@ -150,4 +154,5 @@ def projection_outputs(dim: int, a: int) -> Saved:
 
 def layer_activations(layers, dim: int, vocab: int, a: int) -> Activations:
     kinds = tuple((count, saved) for count, saved in layers if count)
-    return Activations(kinds, a * dim, head_bytes(dim, vocab, a), norm_bytes(dim, a).all)
+    return Activations(kinds, a * dim, head_bytes(dim, vocab, a), norm_bytes(dim, a).all,
+                       head_transient=2 * FP32 * vocab)  # fmt: skip

@@ -244,7 +244,8 @@ def _pipeline_plan(spec: ModelSpec, setup: Setup, hidden: int, vocab: int, muon)
         share = offloaded_share(part.whole.units, setup.dp_shard, setup.offload)
         by_ac = {
             mode: split_memory(
-                _memory(part.whole, units, replace(setup, ac=mode), part.in_flight),
+                _memory(part.whole, units, replace(setup, ac=mode), part.in_flight,
+                        part.transient),
                 share, setup.offload_disk,
             )
             for mode in AC_MODES
@@ -282,9 +283,11 @@ def _pipeline_plan(spec: ModelSpec, setup: Setup, hidden: int, vocab: int, muon)
 
 
 def _memory(
-    spec: ModelSpec, units: tuple[UnitFigures, ...], setup: Setup, in_flight: float = 1.0
+    spec: ModelSpec, units: tuple[UnitFigures, ...], setup: Setup, in_flight: float = 1.0,
+    once: int = 0,
 ) -> dict[str, int]:
-    """`in_flight`: micro-batches whose activations a pipeline stage holds at once."""
+    """`in_flight`: micro-batches whose activations a pipeline stage holds at once; `once`:
+    activation bytes it holds besides, once (its loss's backward)."""
     pb, rb = DTYPE_BYTES[setup.param_dtype], DTYPE_BYTES[setup.reduce_dtype]
     total = lambda f: sum(f(u) * u.count for u in units)
     params = total(lambda u: u.shard) * FP32 + total(lambda u: u.nf4) // setup.dp_shard
@@ -292,6 +295,7 @@ def _memory(
     optimizer = round(setup.optimizer_states * total(lambda u: u.shard_trainable)) * FP32
     per_token = spec.activations(pb).on_rank(setup.tp, setup.sp).per_token(setup.ac)
     activations = round(in_flight * (setup.micro_batch * setup.seq_len // setup.cp * per_token))
+    activations += once
     activations += context_parallel_keys(spec, setup)
     looked_up = [u for u in units if is_looked_up(u, setup)]
     # the output gradients a lookup gathers (and their fp32 copy), alive while its backward

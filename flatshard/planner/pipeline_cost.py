@@ -30,6 +30,7 @@ class RankPart:
     whole: ModelSpec
     in_flight: float
     sent: int
+    transient: int  # activation bytes held once (the loss's backward, on the last stage)
 
 
 def stages_per_rank(schedule: str) -> int:
@@ -78,8 +79,11 @@ def rank_parts(spec: ModelSpec, setup, hidden: int, activation_bytes: int) -> li
         held = [b for s in mine for b in blocks[s]]
         together = _stage(spec, held, 0 in mine, stages - 1 in mine)
         sends = sum((s < stages - 1) + (s > 0) for s in mine)  # forward out, gradient back
+        tokens = setup.micro_batch * setup.seq_len // setup.cp
+        transient = tokens * spec.activations(activation_bytes).head_transient
         parts.append(RankPart(rank, specs, together, _in_flight(setup, rank),
-                              sends * setup.grad_accum * boundary))  # fmt: skip
+                              sends * setup.grad_accum * boundary,
+                              transient if stages - 1 in mine else 0))  # fmt: skip
     return parts
 
 
@@ -103,10 +107,15 @@ def _stage(spec: ModelSpec, blocks, first: bool, last: bool) -> ModelSpec:
     held = _layer_counts(spec, blocks)
 
     def activations(a: int):
+        # per micro-batch in flight: its blocks', and the head's (the logits and what the
+        # loss saved) on the last stage, the stage's output on the others (the schedule
+        # keeps it until its backward); the loss's backward adds `transient` once
         whole = spec.activations(a)
         layers = tuple((n, saved) for n, (_, saved) in zip(held, whole.layers) if n)
-        head, head_norm = (whole.head, whole.head_norm) if last else (0, 0)
-        return replace(whole, layers=layers, head=head, head_norm=head_norm)
+        head, head_norm = (whole.head - whole.head_transient, whole.head_norm) if last else (
+            whole.block_input, 0
+        )
+        return replace(whole, layers=layers, head=head, head_norm=head_norm, head_transient=0)
 
     units = _stage_units(spec, blocks, first, last)
     return replace(spec, units=units, n_layers=len(list(blocks)), activations=activations)

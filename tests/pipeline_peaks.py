@@ -1,0 +1,50 @@
+"""Each rank's measured peak memory for two steps of a pipelined reference Llama, as
+`tests/test_cli_pipeline.py` compares it with `flatshard plan --pp`: run under
+`python -m torch.distributed.run --nproc-per-node 4 tests/pipeline_peaks.py SCHEDULE` with
+MALLOC_MMAP_THRESHOLD_ set (glibc returns freed blocks at once: the live peak is measured).
+Prints `PEAK <pipeline rank> <bytes>` per rank, the second step's (the first also learns
+shapes and the gather order)."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+import flatshard
+from flatshard.cli.meters import MemoryMeter, warm_up_runtime
+from flatshard.cli.model import build_pipeline
+from flatshard.models import LlamaConfig
+
+# the sizes of test_cli_pipeline's plan: 4 micro-batches of 4 x 512 tokens per dp rank
+CONFIG = dict(vocab_size=257, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=172)
+ROWS, SEQ, MICROBATCHES = 16, 512, 4
+
+
+def main(schedule: str) -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    device = torch.device("cpu")
+    dims = flatshard.ParallelDims(dist.get_world_size(), pp=2)
+    warm_up_runtime(device)
+    pipe = build_pipeline(LlamaConfig(max_seq_len=SEQ, **CONFIG), zero_stage=3,
+                          precision="fp32", seed=0, device=device, dims=dims,
+                          schedule=schedule, microbatches=MICROBATCHES)  # fmt: skip
+    optimizer = torch.optim.AdamW(pipe.model.parameters())
+    meter = MemoryMeter(device)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        tokens = torch.randint(0, CONFIG["vocab_size"], (ROWS, SEQ + 1), generator=generator)
+        meter.reset()
+        pipe.loss_fn.divisor = float(ROWS * SEQ)
+        pipe.step(tokens[:, :-1], tokens[:, 1:])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        peak = meter.peak()
+    print(f"PEAK {dims.build().pp_rank} {peak}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
