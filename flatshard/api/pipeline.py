@@ -118,7 +118,7 @@ class Pipeline:
         kwargs = {"target": target, "losses": losses} if self.is_last else {}
         self.schedule.step(*args, **kwargs)
         summed = not self.schedule.scale_grads
-        loss = torch.zeros(())
+        loss = torch.zeros((), device=self.stages[0].device)  # NCCL reduces device tensors
         if self.is_last:
             loss = torch.stack(losses).detach()
             loss = loss.sum() if summed else loss.mean()
