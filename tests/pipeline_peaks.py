@@ -1,12 +1,14 @@
 """Each rank's measured peak memory for two steps of a pipelined reference Llama, as
 `tests/test_cli_pipeline.py` compares it with `flatshard plan --pp`: run under
-`python -m torch.distributed.run --nproc-per-node 4 tests/pipeline_peaks.py SCHEDULE` with
-MALLOC_MMAP_THRESHOLD_ set (glibc returns freed blocks at once: the live peak is measured).
-Prints `PEAK <pipeline rank> <bytes>` per rank, the second step's (the first also learns
-shapes and the gather order)."""
+`python -m torch.distributed.run --nproc-per-node 4 tests/pipeline_peaks.py SCHEDULE DIR`
+with MALLOC_MMAP_THRESHOLD_ set (glibc returns freed blocks at once: the live peak is
+measured). Each rank writes `<pipeline rank> <bytes>` to DIR/peak-<rank>.txt, the second
+step's (the first also learns shapes and the gather order); a file each, as the ranks'
+printed lines interleave."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -22,7 +24,7 @@ CONFIG = dict(vocab_size=257, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_d
 ROWS, SEQ, MICROBATCHES = 16, 512, 4
 
 
-def main(schedule: str) -> None:
+def main(schedule: str, out: str) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     device = torch.device("cpu")
@@ -42,9 +44,10 @@ def main(schedule: str) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         peak = meter.peak()
-    print(f"PEAK {dims.build().pp_rank} {peak}", flush=True)
+    with open(os.path.join(out, f"peak-{dist.get_rank()}.txt"), "w") as handle:
+        handle.write(f"{dims.build().pp_rank} {peak}\n")
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

@@ -26,7 +26,9 @@ def forward_order(units) -> list[UnitFigures]:
     return [unit for chain in chains for _ in range(chain[0].count) for unit in chain]
 
 
-def step_communication(units: tuple[UnitFigures, ...], setup) -> dict[str, int]:
+def step_communication(units: tuple[UnitFigures, ...], setup, empty_root=False) -> dict[str, int]:
+    """`empty_root`: the model's root is a unit without parameters of its own (a pipeline
+    stage holding blocks only), which counts among its units."""
     pb, rb = DTYPE_BYTES[setup.param_dtype], DTYPE_BYTES[setup.reduce_dtype]
     accumulation = setup.grad_accum
     looked_up = [u for u in units if is_looked_up(u, setup)]
@@ -36,7 +38,7 @@ def step_communication(units: tuple[UnitFigures, ...], setup) -> dict[str, int]:
     # embedding runs does not change which units stay gathered: gather_policy.py)
     order = forward_order(gathered_units)
     root_parts = [u.is_root for u in order]
-    in_model = sum(u.count for u in units)
+    in_model = sum(u.count for u in units) + int(empty_root)
     stays = [stays_gathered(i, root_parts, in_model) for i in range(len(order))]
     quantized = setup.quantize_weights != "none"
     all_gather = sum(

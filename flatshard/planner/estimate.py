@@ -250,7 +250,10 @@ def _pipeline_plan(spec: ModelSpec, setup: Setup, hidden: int, vocab: int, muon)
             )
             for mode in AC_MODES
         }  # fmt: skip
-        moved = [step_communication(figures(stage), setup) for stage in part.stages]
+        moved = [
+            step_communication(figures(stage), setup, not any(u.is_root for u in stage.units))
+            for stage in part.stages
+        ]
         communication = {key: sum(m[key] for m in moved) for key in moved[0]}
         communication.update(tp_communication(part.whole, setup, hidden, vocab))
         communication.update(ep_communication(part.whole, setup, hidden))
