@@ -255,6 +255,12 @@ def _pipeline_plan(spec: ModelSpec, setup: Setup, hidden: int, vocab: int, muon)
             for stage in part.stages
         ]
         communication = {key: sum(m[key] for m in moved) for key in moved[0]}
+        if len(part.stages) > 1:  # torch's schedule unshards each stage's root once a step:
+            # the embedding, otherwise looked up from its shards, is gathered then too
+            extra = sum(u.gathered_bytes(pb) for u in units if u.embedding
+                        and is_looked_up(u, setup))  # fmt: skip
+            communication["all_gather"] += extra
+            communication["total"] += extra
         communication.update(tp_communication(part.whole, setup, hidden, vocab))
         communication.update(ep_communication(part.whole, setup, hidden))
         communication.update(cp_communication(part.whole, setup))
