@@ -27,10 +27,9 @@ from flatshard.cli.model import (
     build_plain,
     build_sharded,
     build_transformers,
-    is_transformers_config,
     lora_of_checkpoint,
-    saved_model_config,
 )
+from flatshard.cli.saved_model import is_transformers_config, saved_model_config
 from flatshard.models import family_of_config
 from flatshard.models.lora import merge_adapters, peft_adapter
 from flatshard.models.transformers import shard_decoder_layers

@@ -27,8 +27,10 @@ from flatshard.cli.model import (
     build_plain,
     build_sharded,
     build_transformers,
-    is_transformers_config,
     lora_of_checkpoint,
+)
+from flatshard.cli.saved_model import (
+    is_transformers_config,
     max_seq_len,
     saved_model_config,
     vocab_size,

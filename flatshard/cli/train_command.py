@@ -137,8 +137,9 @@ def _process_counts(config, world: int) -> list[int]:
 
 def _check_data(config) -> None:
     """Read (and tokenise, into the cache the ranks then map) the data and check it fits."""
-    from flatshard.cli.model import check_hf_vocab, llama_config
+    from flatshard.cli.model import llama_config
     from flatshard.cli.run_data import open_run_data
+    from flatshard.cli.saved_model import check_hf_vocab
     from flatshard.data.sequences import SequenceOrder
 
     data = open_run_data(config).train
