@@ -18,6 +18,10 @@ version string), in one place.
   kernels: an exact-type list in `torch.optim.optimizer` and one in
   `torch.utils._foreach_utils` (DTensor adds itself to both). A subclass not listed silently
   gets the per-tensor loop: on a GPU, AdamW's step took 5x as long.
+- torch's ring attention (`_templated_ring_attention` and its backward, in the module its
+  `context_parallel` lives in since 2.9): None where that module or those functions are
+  missing or take a mesh in place of a process group (as before 2.9); context parallelism
+  then all-gathers the keys and values itself.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +81,23 @@ def torch_save_without_record_crc32():
         yield
     finally:
         serialization.set_crc32_options(previous)
+
+
+@functools.cache
+def torch_ring_attention():
+    """torch's context-parallel attention module, where it has the ring functions."""
+    try:
+        ring = importlib.import_module(
+            "torch.distributed.tensor.experimental._context_parallel._attention"
+        )
+    except ImportError:
+        return None
+    needed = ("_templated_ring_attention", "_templated_ring_attention_backward", "_cp_options")
+    if not all(hasattr(ring, name) for name in needed):
+        return None
+    # earlier releases took the mesh where these take its process group
+    first = next(iter(inspect.signature(ring._templated_ring_attention).parameters))
+    return ring if first == "group" else None
 
 
 def fused_tail_unit(device: torch.device, dtype: torch.dtype) -> int | None:

@@ -145,17 +145,30 @@ def test_llama3_8b_with_sequence_parallelism(capsys):
 
 
 def test_context_parallelism_and_a_128k_token_plan_that_fits_80_gb(capsys):
-    """--cp splits each sequence: activations per rank for its share of the tokens, plus
-    the keys and values of the rest (gathered, repeated to the query heads) every block
-    keeps; per block the KV heads' keys and values all-gathered in forward (again in a
-    full-AC recompute) and their gradients reduce-scattered. 128k tokens fit 80 GB per
-    rank: llama3-8b on 64 ranks at cp 8, llama3-70b on 64 at tp 8 + SP, cp 8 (full AC)."""
+    """--cp splits each sequence: activations per rank for its share of the tokens. torch's
+    ring (bf16 on NCCL: flash attention) saves each block's own keys and values as
+    projected and holds the whole sequence's KV heads plus fp32 gradient sums in the last
+    block's backward; per block it all-gathers the keys and values in forward and backward
+    and passes their fp32 gradients around the ring. The all-gather variant (fp32 on NCCL)
+    saves the rest of the sequence's keys and values, repeated to the query heads, in
+    every block, and reduce-scatters their gradients. 128k tokens fit 80 GB per rank:
+    llama3-8b on 64 ranks at cp 8, llama3-70b on 64 at tp 8 + SP, cp 8 (full AC)."""
     L, T, q_rows, kv_rows = 32, 8192, 32 * 128, 8 * 128
     one, two = (plan(capsys, "llama3-8b", "--seq-len", T, "--cp", cp) for cp in (1, 2))
-    others = 2 * L * (T // 2) * q_rows * BF16
+    local = T // 2
+    ring = 2 * T * kv_rows * BF16 + local * (q_rows + 2 * kv_rows) * FP32
+    ring -= L * local * 2 * (q_rows - kv_rows) * BF16  # keys and values not repeated
+    assert two["memory"]["activations"] == one["memory"]["activations"] // 2 + ring
+    kv_bytes = L * T * 2 * kv_rows
+    assert two["communication"]["cp_all_gather"] == 2 * kv_bytes * BF16
+    assert two["communication"]["cp_all_to_all"] == kv_bytes * FP32
+    assert two["communication"]["cp_reduce_scatter"] == 0
+    fp32 = ["--seq-len", T, "--param-dtype", "fp32"]
+    one, two = (plan(capsys, "llama3-8b", *fp32, "--cp", cp) for cp in (1, 2))
+    others = 2 * L * (T // 2) * q_rows * FP32
     assert two["memory"]["activations"] == one["memory"]["activations"] // 2 + others
-    assert two["communication"]["cp_reduce_scatter"] == L * T * 2 * kv_rows * BF16
-    assert two["communication"]["cp_all_gather"] == L * T * 2 * kv_rows * BF16
+    assert two["communication"]["cp_reduce_scatter"] == kv_bytes * FP32
+    assert two["communication"]["cp_all_gather"] == kv_bytes * FP32
     assert main(["plan", "llama3-8b", "--cp", "3"]) == 2
     assert "--cp 3 must divide" in capsys.readouterr().err
     long = ["--seq-len", 131072, "--world-size", 64, "--ac", "full"]
@@ -164,7 +177,7 @@ def test_context_parallelism_and_a_128k_token_plan_that_fits_80_gb(capsys):
     assert plan(capsys, "llama3-8b", *long)["memory"]["device"] > 80 * 2**30  # without CP
     assert max(eight["memory"]["device"], seventy["memory"]["device"]) < 80 * 2**30
     recomputed = eight["communication"]
-    assert recomputed["cp_all_gather"] == 2 * recomputed["cp_reduce_scatter"]
+    assert recomputed["cp_all_gather"] == 3 * kv_bytes * 16 * BF16  # 131072 = 16 x 8192
 
 
 def test_qwen3_30b_a3b_on_8_ranks(capsys):

@@ -208,3 +208,40 @@ def test_a_chunks_attention_over_its_prefix_equals_masked_sdpa(prefix):
                     torch.autograd.grad(theirs, (q, k, v), grad)):  # fmt: skip
         assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
     assert torch.allclose(ours, theirs, atol=1e-6)
+
+
+def _attention_on_ranks(ring):
+    """This rank's output and q/k/v gradients under CP attention (torch's ring or the
+    all-gather), beside the whole sequence's causal SDPA at this rank's positions."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from flatshard.parallel.context_parallel import ContextParallel
+    from flatshard.parallel.ring_attention import ring_runs
+
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    context = ContextParallel(mesh, ring=ring)
+    torch.manual_seed(0)
+    length = 16
+    q = torch.randn(2, 4, length, 8, requires_grad=True)  # 4 query heads over 2 KV heads
+    k, v = (torch.randn(2, 2, length, 8, requires_grad=True) for _ in range(2))
+    grad = torch.randn(2, 4, length, 8)
+    mine = [split_sequence(t, mesh, dim=2).detach().requires_grad_() for t in (q, k, v)]
+    out = context.attention(*mine)
+    out.backward(split_sequence(grad, mesh, dim=2))
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    full.backward(grad)
+    # every rank's key/value gradients sum over the ranks' queries: gathered, in order
+    reference = [split_sequence(t, mesh, dim=2) for t in (full, q.grad, k.grad, v.grad)]
+    gradients = [mine[0].grad, mine[1].grad, mine[2].grad]
+    errors = [(a - b).abs().max().item() for a, b in zip([out, *gradients], reference)]
+    return ring_runs(q), errors
+
+
+@pytest.mark.parametrize("ring", [True, False], ids=["torch-ring", "all-gather"])
+def test_context_parallel_attention_equals_causal_sdpa(ring):
+    """At cp 4 with grouped KV heads: the attention output and the query, key and value
+    gradients of each rank equal those of causal SDPA over the whole sequence, by torch's
+    ring (its ring functions over the fused CPU kernel) and by the all-gather variant."""
+    for runs, errors in run_distributed(_attention_on_ranks, 4, ring):
+        assert runs  # torch 2.13 has the ring and the CPU kernel returns its log-sum-exp
+        assert max(errors) < 1e-5, errors

@@ -122,7 +122,10 @@ def format_plan(result: Plan) -> str:
         lines.append(f"    TP reduce-scatter (SP)          {_gib(c['tp_reduce_scatter'])}")
     if c["cp_all_gather"]:
         lines.append(f"    CP all-gather (keys, values)    {_gib(c['cp_all_gather'])}")
-        lines.append(f"    CP reduce-scatter (their grads) {_gib(c['cp_reduce_scatter'])}")
+        if c["cp_all_to_all"]:
+            lines.append(f"    CP all-to-all (grads, ring)     {_gib(c['cp_all_to_all'])}")
+        else:
+            lines.append(f"    CP reduce-scatter (their grads) {_gib(c['cp_reduce_scatter'])}")
     if c["ep_all_to_all"]:
         lines.append(f"    EP all-to-all (tokens)          {_gib(c['ep_all_to_all'])}")
     wire = c["wire_per_rank"] + c["tp_wire_per_rank"] + c["ep_wire_per_rank"]

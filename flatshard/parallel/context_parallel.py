@@ -9,8 +9,11 @@ the rank's two query chunks attends to the keys up to its end (chunk_attention.p
 fused kernel, no mask). The model learns its tokens' places from `position_ids` (RoPE at
 those positions).
 
-This is the all-gather-K/V variant, which runs on any backend; torch's `context_parallel`
-(ring attention over SDPA's CUDA kernels) is not used.
+Where torch's ring attention runs (ring_attention.py: torch's ring, the one its
+`context_parallel` runs, over the fused CPU kernel or CUDA flash attention) `attention` takes
+it: only this rank's keys and values are saved for backward. Elsewhere (a torch without it,
+CUDA in float32) it all-gathers the keys and values (`gather`) and attends to them
+(`attend`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from flatshard import compat
 from flatshard.errors import MeshError
 from flatshard.parallel.chunk_attention import chunk_attention
+from flatshard.parallel.ring_attention import ring_attention, ring_runs
 
 
 def sequence_positions(length: int, cp: int, rank: int, device=None) -> torch.Tensor:
@@ -51,16 +55,30 @@ class ContextParallel:
     them (`attend`). Set on the model and its attention modules by
     `apply_context_parallel`."""
 
-    def __init__(self, cp_mesh: DeviceMesh):
+    def __init__(self, cp_mesh: DeviceMesh, ring: bool = True):
         if cp_mesh.ndim != 1:
             raise MeshError(f"context parallelism takes a 1-D mesh, got {cp_mesh.ndim}-D")
         self.mesh = cp_mesh
         self.size = cp_mesh.size()
+        self.ring = ring  # torch's ring where it runs; False: always the all-gather
         self._order: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def split(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's tokens of `tensor` (see `split_sequence`)."""
         return split_sequence(tensor, self.mesh, dim)
+
+    def attention(self, query, key, value, scale=None) -> torch.Tensor:
+        """Causal attention of this rank's queries [B, H, T_local, D] over the whole
+        sequence, of which this rank holds keys and values [B, H_kv, T_local, D] (`scale`:
+        of the scores)."""
+        if self.ring and ring_runs(query):
+            return ring_attention(query, key, value, self.mesh.get_group(), scale)
+        key, value = self.gather(key, value)
+        groups = query.shape[1] // key.shape[1]
+        if groups > 1:
+            key = key.repeat_interleave(groups, dim=1)
+            value = value.repeat_interleave(groups, dim=1)
+        return self.attend(query, key, value, scale)
 
     def gather(self, key: torch.Tensor, value: torch.Tensor):
         """[B, H, T_local, D] each -> [B, H, T, D], the whole sequence in order."""

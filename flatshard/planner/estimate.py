@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from flatshard import compat
 from flatshard.errors import ConfigError
 from flatshard.layout.offload import needs_bucket_per_param
 from flatshard.mesh import ParallelDims
@@ -107,6 +108,14 @@ class Setup:
         if self.optimizer == "muon":
             return 2 - self.muon_share
         return 1 if self.optimizer == "sgd" else 2
+
+    @property
+    def cp_ring(self) -> bool:
+        """Whether context parallelism runs torch's ring (flatshard.parallel.ring_attention):
+        where torch has it, on the CPU kernel (gloo) or CUDA flash attention (half
+        precision); else it all-gathers the keys and values."""
+        has_kernel = self.backend == "gloo" or self.param_dtype in ("bf16", "fp16")
+        return self.cp > 1 and has_kernel and compat.torch_ring_attention() is not None
 
     @property
     def optimizer_name(self) -> str:

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from flatshard.errors import ConfigError, MeshError
 from flatshard.models.llama import LLAMA_BLOCK_PLAN, tp_local_shape
-from flatshard.planner.model_spec import ModelSpec, UnitSpec
+from flatshard.planner.model_spec import FP32, ModelSpec, UnitSpec
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -129,30 +129,53 @@ def _projection_rows(spec: ModelSpec, suffix: str) -> int:
 
 
 def context_parallel_keys(spec: ModelSpec, setup) -> int:
-    """Bytes per rank that context parallelism adds to what a block saves: the keys and
+    """Bytes per rank that context parallelism adds to what a block saves.
+
+    torch's ring (`setup.cp_ring`) saves this rank's keys and values only, as projected
+    (not repeated to the query heads); while the last block's backward runs it holds the
+    whole sequence's (gathered again, KV heads) and fp32 sums of the query, key and value
+    gradients. The all-gather variant saves the keys and
     values of the rest of the sequence, gathered and repeated to every query head (a local
-    token's own are counted per token). Every block keeps them without checkpointing (and
-    selective keeps them, as the gathered collective's output); with full or offload
-    checkpointing only the block whose backward runs."""
+    token's own are counted per token): every block without checkpointing (selective
+    keeps them, as the gathered collective's output), the block whose backward runs with
+    full or offload checkpointing."""
     if setup.cp == 1:
         return 0
     q_rows = _projection_rows(spec, "q_proj.weight")
+    pb = DTYPE_BYTES[setup.param_dtype]
+    if setup.cp_ring:
+        kv_rows = _projection_rows(spec, "k_proj.weight")
+        local = setup.micro_batch * setup.seq_len // setup.cp
+        gathered = 2 * setup.micro_batch * setup.seq_len * kv_rows * pb
+        # the per-token figures count keys and values repeated to the query heads, as SDPA
+        # saves them; the ring saves them as projected (selective keeps those anyway)
+        blocks = {"none": spec.n_layers, "selective": 0}.get(setup.ac, 1)
+        unrepeated = blocks * local * 2 * (q_rows - kv_rows) * pb
+        return gathered + local * (q_rows + 2 * kv_rows) * FP32 - unrepeated
     others = setup.seq_len - setup.seq_len // setup.cp
-    per_block = 2 * setup.micro_batch * others * q_rows * DTYPE_BYTES[setup.param_dtype]
+    per_block = 2 * setup.micro_batch * others * q_rows * pb
     blocks = spec.n_layers if setup.ac in ("none", "selective") else 1
     return blocks * per_block
 
 
 def cp_communication(spec: ModelSpec, setup) -> dict[str, int]:
     """Bytes per rank per step of context parallelism's collectives (the payload: the whole
-    gathered tensor): per block and micro-batch, forward all-gathers the keys and values
-    (the KV heads of this TP rank), backward reduce-scatters their gradients; full or
-    offload checkpointing gathers again in the recompute."""
+    gathered tensor), per block and micro-batch. Forward all-gathers the keys and values
+    (the KV heads of this TP rank), and full or offload checkpointing again in the
+    recompute. torch's ring gathers them once more in backward and passes their fp32
+    gradients around the ring (`cp` all-to-alls of this rank's share); the all-gather
+    variant reduce-scatters their gradients."""
+    none = {"cp_all_gather": 0, "cp_reduce_scatter": 0, "cp_all_to_all": 0}
     if setup.cp == 1:
-        return {"cp_all_gather": 0, "cp_reduce_scatter": 0, "cp_wire_per_rank": 0}
+        return {**none, "cp_wire_per_rank": 0}
     kv_rows = _projection_rows(spec, "k_proj.weight")
     tokens = setup.micro_batch * setup.seq_len * setup.grad_accum
     each = spec.n_layers * tokens * 2 * kv_rows * DTYPE_BYTES[setup.param_dtype]
     gathers = each * (2 if setup.ac in ("full", "offload") else 1)
+    if setup.cp_ring:
+        gathers += each
+        passed = spec.n_layers * tokens * 2 * kv_rows * FP32
+        wire = (setup.cp - 1) * gathers // setup.cp + passed
+        return {**none, "cp_all_gather": gathers, "cp_all_to_all": passed, "cp_wire_per_rank": wire}
     wire = (setup.cp - 1) * (gathers + each) // setup.cp
-    return {"cp_all_gather": gathers, "cp_reduce_scatter": each, "cp_wire_per_rank": wire}
+    return {**none, "cp_all_gather": gathers, "cp_reduce_scatter": each, "cp_wire_per_rank": wire}

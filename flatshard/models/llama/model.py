@@ -215,8 +215,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # -> [B, heads, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.context_parallel is not None:
-            k, v = self.context_parallel.gather(k, v)
+        if self.context_parallel is not None:  # the sequence split over ranks: causal
+            out = self.context_parallel.attention(q, k, v)
+            return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         if cache is not None:  # generation: attend to every token seen so far
             k, v = cache.extend(layer, k, v)
             mask = cache.attention_mask(t, k.shape[2], x.device)
@@ -226,11 +227,8 @@ class Attention(nn.Module):
             # memory-efficient kernel does not take enable_gqa and would fall back to math).
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        if self.context_parallel is not None:
-            out = self.context_parallel.attend(q, k, v)
-        else:
-            causal = mask is None and q.shape[2] == k.shape[2]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        causal = mask is None and q.shape[2] == k.shape[2]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 

@@ -34,12 +34,7 @@ def split_context(model: nn.Module, layers: list[nn.Module], cp_mesh) -> None:
 
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers' attention-function interface: [B, H, T, D] in, [B, T, H, D] out."""
-    context = module.context_parallel
-    key, value = context.gather(key, value)
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    out = context.attend(query, key, value, scaling)
+    out = module.context_parallel.attention(query, key, value, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
