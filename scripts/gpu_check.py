@@ -19,7 +19,7 @@ activation_offload_1b (activation offload where compute is large against the byt
 fused_adamw (the flat AdamW with fused=True against torch's fused AdamW: bitwise, step
 times); checkpoint (sync and async saves from the device, a load that trains on bitwise); ac_1b
 (step time and peak per activation checkpointing mode at 1b); ac_compiled_1b (the same, blocks
-compiled).
+compiled); ring_attention (context parallelism's ring on the device's kernel against SDPA).
 The sections that compare runs bitwise run with deterministic kernels.
 """
 
@@ -706,6 +706,34 @@ def checkpoint(check: Check) -> dict:
     return out
 
 
+def ring_attention(check: Check) -> dict:
+    """Context parallelism's ring (torch's, on the device's kernel: CUDA flash attention in
+    bf16) over this one rank: output and q/k/v gradients against causal SDPA."""
+    from flatshard.parallel.ring_attention import ring_attention as ring
+    from flatshard.parallel.ring_attention import ring_runs
+
+    dtype = torch.bfloat16 if check.cuda else torch.float32
+    torch.manual_seed(0)
+    shape = (2, 8, 256, 64) if check.cuda else (2, 4, 16, 8)
+    q = torch.randn(shape, device=check.device, dtype=dtype, requires_grad=True)
+    kv_shape = (shape[0], shape[1] // 2, *shape[2:])  # grouped KV heads
+    k, v = (torch.randn(kv_shape, device=check.device, dtype=dtype, requires_grad=True)
+            for _ in range(2))  # fmt: skip
+    grad = torch.randn(shape, device=check.device, dtype=dtype)
+    if not ring_runs(q):
+        return {"ok": False, "error": "torch's ring does not run here"}
+    ours = ring(q, k, v, dist.group.WORLD)
+    mine = torch.autograd.grad(ours, (q, k, v), grad)
+    theirs = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    reference = torch.autograd.grad(theirs, (q, k, v), grad)
+    errors = [
+        ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+        for a, b in zip([ours, *mine], [theirs, *reference])
+    ]
+    tolerance = 2e-2 if check.cuda else 1e-5
+    return {"max_rel_out_dq_dk_dv": errors, "ok": max(errors) <= tolerance}
+
+
 SECTIONS = {
     "env": env,
     "cpu_parity": cpu_parity,
@@ -721,6 +749,7 @@ SECTIONS = {
     "activation_offload_1b": activation_offload_1b,
     "ac_1b": ac_1b,
     "ac_compiled_1b": ac_compiled_1b,
+    "ring_attention": ring_attention,
 }
 # the sections that compare runs bitwise get repeatable kernels
 # (not activation_memory: the math attention they need saves the whole attention matrix)
