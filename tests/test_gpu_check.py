@@ -28,10 +28,11 @@ def test_cpu_dry_run(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     sections = ["cpu_parity", "bf16", "quantized", "offload", "state_offload", "checkpoint",
                 "compile", "activation_memory", "activation_offload_1b", "ac_1b",
-                "ac_compiled_1b", "fsdp2_1b", "fused_adamw"]  # fmt: skip
+                "ac_compiled_1b", "fsdp2_1b", "fused_adamw", "ring_attention"]  # fmt: skip
     for name in sections:
         assert report[name]["ok"] is True, (name, report[name])
     assert report["cpu_parity"]["max_rel"] == 0  # CPU against CPU here
+    assert max(report["ring_attention"]["max_rel_out_dq_dk_dv"]) <= 1e-5
     assert report["compile"]["graph_breaks"] == 0 and report["compile"]["graphs"] >= 1
     memory = report["activation_memory"]
     assert memory["offload_equal_losses"]
