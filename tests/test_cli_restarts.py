@@ -189,7 +189,7 @@ def test_a_rank_that_never_comes_back_leaves_the_run_going_on_fewer(tmp_path):
     are those of a run resumed at 2 processes from the same checkpoint."""
     run = tmp_path / "run"
     shrink = ["--nproc", "4", "--min-nproc", "2", "--global-batch", "8", "--micro-batch", "2",
-              "--set", "checkpoint.keep_last=0"]  # fmt: skip
+              "--set", "checkpoint.keep_last=0", "--steps", "14"]  # fmt: skip
     command = [sys.executable, "-m", "flatshard", *RUN, *shrink, "--max-restarts", "1"]
     proc = _Launched(command + ["--out", str(run)], REPO_ROOT, tmp_path / "logs")
     _kill_rank(run, attempt=0, rank=3, after_steps=6)
