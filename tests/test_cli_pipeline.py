@@ -19,13 +19,15 @@ pytestmark = pytest.mark.slow
 
 RUN = ["train", "--model", "tiny", "--set", "model.n_layers=4", "--seq-len", "64",
        "--global-batch", "8", "--micro-batch", "2", "--set", "run.sample_tokens=0"]  # fmt: skip
+EVAL = ["--set", "data.eval=0.05", "--set", "train.eval_interval=4",
+        "--set", "train.eval_sequences=6"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """8 steps on 2 data-parallel processes, no pipeline."""
+    """8 steps on 2 data-parallel processes, no pipeline, evaluated at steps 4 and 8."""
     out = tmp_path_factory.mktemp("straight") / "run"
-    check_ok(flatshard(*RUN, "--steps", "8", "--nproc", "2", "--out", out, timeout=300))
+    check_ok(flatshard(*RUN, *EVAL, "--steps", "8", "--nproc", "2", "--out", out, timeout=300))
     return out
 
 
@@ -33,16 +35,24 @@ def _losses(run) -> list[float]:
     return [r["loss"] for r in metrics(run)]
 
 
+def _eval_losses(run) -> list[tuple[int, float, int]]:
+    return [(r["step"], r["eval_loss"], r["eval_tokens"]) for r in metrics(run) if "eval_loss" in r]
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
 def test_pipelined_training_has_the_losses_of_the_run_without(tmp_path, straight, schedule):
     """pp 2 x dp 2 on 4 processes: the same data-parallel split, the blocks in 2 stages
-    (interleaved: 4, two a rank); then resumed without a pipeline from its step-4
+    (interleaved: 4, two a rank), evaluated through the stages (the schedule's forwards
+    only) as the straight run is; then resumed without a pipeline from its step-4
     checkpoint, to the straight run's end, and exported as the straight run is."""
     run = tmp_path / "run"
-    pipelined = ["--nproc", "4", "--pp", "2", "--pp-schedule", schedule]
+    pipelined = ["--nproc", "4", "--pp", "2", "--pp-schedule", schedule, *EVAL]
     check_ok(flatshard(*RUN, *pipelined, "--steps", "8", "--checkpoint-interval", "4", "--out",
                        run, timeout=300))  # fmt: skip
     assert _losses(run) == pytest.approx(_losses(straight), rel=1e-5)
+    ours, theirs = _eval_losses(run), _eval_losses(straight)
+    assert [(s, t) for s, _, t in ours] == [(s, t) for s, _, t in theirs] == [(4, 384), (8, 384)]
+    assert [loss for _, loss, _ in ours] == pytest.approx([loss for _, loss, _ in theirs], rel=1e-6)
     again = tmp_path / "again"  # the step-4 checkpoint alone, resumed
     (again / "checkpoints").mkdir(parents=True)
     shutil.copy(run / "config.toml", again)

@@ -82,7 +82,8 @@ class Pipeline:
     """This rank's part of a pipelined model: `model` holds its stages' parameters under
     the whole model's names (build the optimizer on `model.parameters()`, save and load
     `model`), `stages` are torch `PipelineStage`s, `schedule` the torch schedule running
-    them with `loss_fn`. `step(inputs, target)` runs one step's forwards and backwards."""
+    them with `loss_fn`. `step(inputs, target)` runs one step's forwards and backwards,
+    `evaluate(inputs, target)` its forwards only."""
 
     def __init__(self, model, modules, stages, schedule, meshes: Meshes, microbatches, loss_fn):
         self.model, self.modules, self.stages = model, modules, stages
@@ -107,6 +108,18 @@ class Pipeline:
         batches (summed with scale_grads=False), as one process would have them. Returns
         the loss they are of (the micro-batches' losses' mean, or sum), on every rank of
         the pipeline."""
+        losses = self._run(self.schedule.step, inputs, target)
+        return self._to_all(losses, summed=not self.schedule.scale_grads)
+
+    @torch.no_grad()
+    def evaluate(self, inputs=None, target=None) -> torch.Tensor:
+        """Forwards only (the schedule's `eval`), over the batch as `step` takes it: the
+        sum of the micro-batches' losses, on every rank of the pipeline."""
+        return self._to_all(self._run(self.schedule.eval, inputs, target), summed=True)
+
+    def _run(self, run, inputs, target) -> list[torch.Tensor]:
+        """The last stage's loss of each micro-batch after `run` (the schedule's step or
+        eval) took the batch."""
         batch = (inputs if self.is_first else target) if self.is_first or self.is_last else None
         if batch is not None and batch.shape[0] % self.microbatches:
             raise ValueError(
@@ -116,8 +129,11 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         args = [inputs] if self.is_first else []
         kwargs = {"target": target, "losses": losses} if self.is_last else {}
-        self.schedule.step(*args, **kwargs)
-        summed = not self.schedule.scale_grads
+        run(*args, **kwargs)
+        return losses
+
+    def _to_all(self, losses: list[torch.Tensor], summed: bool) -> torch.Tensor:
+        """The last stage's losses summed (or their mean), on every rank of the pipeline."""
         loss = torch.zeros((), device=self.stages[0].device)  # NCCL reduces device tensors
         if self.is_last:
             loss = torch.stack(losses).detach()

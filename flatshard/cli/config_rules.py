@@ -142,7 +142,6 @@ def _check_pipeline(config) -> None:
          "a mixture-of-experts model (its balancing loss)"),
         (train.cp > 1, "context parallelism (train.cp)"),
         (config.data.pack, "packed conversations (data.pack)"),
-        (config.data.eval, "evaluation (data.eval)"),
         (config.sync.address, "weight sync (sync.address)"),
     ]  # fmt: skip
     for used, what in not_yet:

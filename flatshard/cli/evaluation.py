@@ -40,10 +40,11 @@ class Evaluation:
         return step == train.steps or bool(interval and step % interval == 0)
 
     @torch.no_grad()
-    def run(self, model, micro_batch: int, dp_rank: int, dp_world: int, device, cp: int = 1
-            ) -> dict:  # fmt: skip
+    def run(self, model, micro_batch: int, dp_rank: int, dp_world: int, device, cp: int = 1,
+            pipe=None) -> dict:  # fmt: skip
         """{"eval_loss", "eval_perplexity", "eval_tokens"}; call on every rank (`cp`: the
-        context-parallel ranks that split each window's tokens)."""
+        context-parallel ranks that split each window's tokens; `pipe`: the pipeline whose
+        stages run the forwards, `micro_batch` rows at a time, its micro-batches')."""
         was_training = model.training
         model.eval()
         per_round = micro_batch * dp_world
@@ -65,13 +66,17 @@ class Evaluation:
                 targets.to(device),
                 self._positions(indices, device),  # packed
             )
-            output = model(inputs, **position_kwargs(model, positions))
-            logits = getattr(output, "logits", output)  # transformers: an output object
-            losses = F.cross_entropy(
-                logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
-                reduction="none",
-            )  # fmt: skip
-            sums[0] += losses.double().sum().cpu()
+            if pipe is not None:  # every stage's rank gets the last stage's sum
+                pipe.loss_fn.divisor = 1.0
+                sums[0] += pipe.evaluate(inputs, targets).double().cpu()
+            else:
+                output = model(inputs, **position_kwargs(model, positions))
+                logits = getattr(output, "logits", output)  # transformers: an output object
+                losses = F.cross_entropy(
+                    logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
+                    reduction="none",
+                )  # fmt: skip
+                sums[0] += losses.double().sum().cpu()
             sums[1] += float((targets != IGNORE).sum())
         model.train(was_training)
         if dist.is_initialized():
@@ -91,7 +96,7 @@ class Evaluation:
 
 
 def _replicas(token_ranks: int) -> int:
-    """How many ranks computed each token (TP peers share one data-parallel batch; CP
-    ranks split it)."""
+    """How many ranks computed each token (TP peers share one data-parallel batch, and
+    so do a pipeline's stages, each given its last stage's sum; CP ranks split it)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     return max(1, world // token_ranks)

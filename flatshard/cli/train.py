@@ -172,9 +172,10 @@ class Trainer:
             if self.push is not None and self.push.due(self.step):
                 record.update(self.push.push(self.model, self.step))
             if self.evaluation is not None and self.evaluation.due(self.step, config.train):
+                rows = config.train.micro_batch * (self.pipe.microbatches if self.pipe else 1)
                 record.update(self.evaluation.run(
-                    self.model, config.train.micro_batch, self.dp_rank, self.dp_world,
-                    self.ranks.device, self.dims.cp,
+                    self.model, rows, self.dp_rank, self.dp_world, self.ranks.device,
+                    self.dims.cp, self.pipe,
                 ))  # fmt: skip
             if self.progress is not None:
                 self.progress.step(record)
