@@ -3,7 +3,8 @@ model of its own for (Mixtral: MoE experts fused in memory, per-expert on disk):
 step's loss is transformers' own, a resumed run repeats an uninterrupted one bitwise, and
 its checkpoint converts back to a directory transformers loads; `sample` reads it. Under
 `--tp` (Phi-3, fused projections) and `--tp --ep` (Mixtral), a run stopped at one layout
-resumes at others with the losses of plain data parallelism."""
+resumes at others with the losses of plain data parallelism; so does one in pipeline stages
+(`--pp`, Phi-3)."""
 
 from __future__ import annotations
 
@@ -186,6 +187,32 @@ def test_tensor_parallel_fine_tune_resumes_at_another_layout(phi3, tmp_path):
     for name, tensor in exports[0].items():
         assert torch.allclose(exports[1][name], tensor, rtol=1e-5, atol=1e-6), name
     transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf-split")
+
+
+def test_a_pipelined_fine_tune_resumes_without_a_pipeline(phi3, tmp_path):
+    """--hf --pp 2 at world 4 (each rank reading only its stage's tensors of the files),
+    stopped, resumed in one process without a pipeline: the losses of an uninterrupted
+    data-parallel run; its export loads in transformers with that run's weights."""
+    straight, piped = tmp_path / "straight", tmp_path / "piped"
+    run = [*RUN, "--global-batch", 8, "--steps", 3]  # 2 micro-batches a data-parallel rank
+    check_ok(flatshard("train", "--hf", phi3, *run, "--nproc", 2, "--out", straight))
+    stop = ["--set", "run.stop_at_step=2"]
+    check_ok(flatshard("train", "--hf", phi3, *run, "--nproc", 4, "--pp", 2, "--out", piped,
+                       *stop))  # fmt: skip
+    resumed = check_ok(flatshard("train", "--resume", piped, "--nproc", 1, "--pp", 1))
+    assert "resuming from step 2" in resumed.stdout
+    expected, losses = ([r["loss"] for r in metrics(d)] for d in (straight, piped))
+    assert len(losses) == 3
+    assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(losses, expected))
+    exports = []
+    for run_dir in (straight, piped):
+        out = tmp_path / f"hf-{run_dir.name}"
+        assert main(["convert", "checkpoint-to-hf", str(run_dir), str(out)]) == 0
+        exports.append(load_file(out / "model.safetensors"))
+    assert exports[0].keys() == exports[1].keys()
+    for name, tensor in exports[0].items():
+        assert torch.allclose(exports[1][name], tensor, rtol=1e-5, atol=1e-6), name
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf-piped")
 
 
 def test_a_tp_that_does_not_divide_the_heads_is_one_line(phi3):

@@ -137,7 +137,6 @@ def _check_pipeline(config) -> None:
     if train.pp == 1:
         return
     not_yet = [
-        (config.model.hf, "a Hugging Face model (model.hf)"),
         (config.model.preset.startswith("moe") or config.model.n_experts > 0,
          "a mixture-of-experts model (its balancing loss)"),
         (train.cp > 1, "context parallelism (train.cp)"),
@@ -174,9 +173,9 @@ def _check_lora(config) -> None:
     if train.qlora and not train.lora_rank:
         raise ConfigError("train.qlora quantizes the bases LoRA adapts: set train.lora_rank "
                           "(--lora R) too")  # fmt: skip
-    if train.lora_rank and (train.tp > 1 or train.ep > 1 or train.cp > 1):
+    if train.lora_rank and (train.tp > 1 or train.ep > 1 or train.cp > 1 or train.pp > 1):
         raise ConfigError(
             "LoRA (train.lora_rank) runs data-parallel only for now: set train.tp=1, "
-            "train.cp=1 and train.ep=1 (the adapters are small; ZeRO shards the frozen base "
-            "already)"
+            "train.cp=1, train.ep=1 and train.pp=1 (the adapters are small; ZeRO shards the "
+            "frozen base already)"
         )

@@ -119,6 +119,10 @@ def build_run_model(
         activations=activation_options(train.ac, train.compile),
     )
     warn_eager_selective(train, device)
+    if config.model.hf and dims.pp > 1:  # the stages this rank runs, read from the files
+        accumulation = train.global_batch // (train.micro_batch * dims.dp)
+        return build_hf_pipeline(config.model.hf, schedule=train.pp_schedule,
+                                 microbatches=accumulation, load=load, **sharding)  # fmt: skip
     if config.model.hf:
         lora = lora_spec(train.lora_rank, train.lora_alpha, train.lora_dropout,
                          train.lora_targets)  # fmt: skip
@@ -234,6 +238,33 @@ def build_pipeline(cfg: LlamaConfig, *, zero_stage: int, precision: str, seed: i
         raise ConfigError(f"train.pp={dims.pp}, train.pp_schedule={schedule}: {error}") from None
     torch.manual_seed(seed)
     flatshard.materialize(pipe.model, device, replay=whole)
+    return pipe
+
+
+def build_hf_pipeline(path: str, *, zero_stage: int, precision: str, device, dims: ParallelDims,
+                      schedule: str, microbatches: int, load: bool, hpz_group: int = 0,
+                      offload=None, activations=None) -> flatshard.Pipeline:  # fmt: skip
+    """The stages of the Hugging Face model at `path` this rank runs, as `build_pipeline`
+    makes the reference model's, each rank reading only its stages' slices of the files
+    (load False: allocated only, a checkpoint will fill them)."""
+    hf_config = hf.read_hf_config(path)
+    adapter = hf.adapter_for_config(hf_config)
+    with torch.device("meta"):
+        whole = adapter.build(hf_config)
+    if isinstance(whole, MoE):  # its balancing loss adds the router's of every stage
+        raise ConfigError(f"train.pp ({dims.pp}) with a mixture-of-experts model (its "
+                          "balancing loss) is not supported yet: use one of the two")  # fmt: skip
+    stage = _stage(zero_stage, hpz_group, offload, activations)
+    try:
+        pipe = flatshard.pipeline(whole, dims.build(device.type), loss_fn=StepLoss(),
+                                  microbatches=microbatches, schedule=schedule,
+                                  scale_grads=False, mp_policy=mixed_precision(precision),
+                                  **stage)  # fmt: skip
+    except (MeshError, WrappingError, ValueError) as error:
+        raise ConfigError(f"train.pp={dims.pp}, train.pp_schedule={schedule}: {error}") from None
+    adapter.allocate(pipe.model, device)
+    if load:
+        hf.load_pretrained(pipe.model, path, adapter=adapter, whole=whole)
     return pipe
 
 

@@ -46,6 +46,7 @@ def load_pretrained(
     adapter: StateDictAdapter | None = None,
     rules: tuple[NameRule, ...] | None = None,
     check_config: bool = True,
+    whole: nn.Module | None = None,
 ) -> LoadStats:
     """Load the HF checkpoint at `path` into `model` (strict: every tensor used, every
     parameter filled). Works on a `fully_shard`-ed model at any world size and on a plain one.
@@ -54,19 +55,25 @@ def load_pretrained(
     rules: other name rules for that adapter.
     check_config: the model and `path/config.json` must describe the same model, where the
         adapter can tell.
+    whole: `model` is a pipeline rank's part of `whole` (`Pipeline.model`; `whole` may be on
+        the meta device): the checkpoint must match `whole` strictly, and `model` reads its
+        own tensors of it.
     """
     started = time.perf_counter()
     path = Path(path)
     adapter = adapter or adapter_for(model)
     if rules is not None:
         adapter = adapter.with_rules(rules)
+    checked = model if whole is None else whole
     if check_config:
-        adapter.check_config(model, path)
+        adapter.check_config(checked, path)
     tensors = checkpoint_tensors(path)
-    mappings, unmapped = adapter.plan_for_checkpoint(model, set(tensors))
-    problem = _mismatch_report(adapter, model, mappings, unmapped, tensors)
+    mappings, unmapped = adapter.plan_for_checkpoint(checked, set(tensors))
+    problem = _mismatch_report(adapter, checked, mappings, unmapped, tensors)
     if problem:
         raise HFCheckpointError(f"checkpoint {path} does not match the model:\n{problem}")
+    if whole is not None:  # the part's own: its parameters keep the whole model's names
+        mappings, _ = adapter.plan_for_checkpoint(model, set(tensors))
 
     params = adapter.tensors(model)
     bytes_read = slices = 0
