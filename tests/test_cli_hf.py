@@ -190,16 +190,18 @@ def test_tensor_parallel_fine_tune_resumes_at_another_layout(phi3, tmp_path):
 
 
 def test_a_pipelined_fine_tune_resumes_without_a_pipeline(phi3, tmp_path):
-    """--hf --pp 2 at world 4 (each rank reading only its stage's tensors of the files),
+    """--hf --pp 2 --cp 2 at world 4 (each rank reading only its stage's tensors of the
+    files; each stage's attention flatshard's CP attention, at its part's positions),
     stopped, resumed in one process without a pipeline: the losses of an uninterrupted
     data-parallel run; its export loads in transformers with that run's weights."""
     straight, piped = tmp_path / "straight", tmp_path / "piped"
     run = [*RUN, "--global-batch", 8, "--steps", 3]  # 2 micro-batches a data-parallel rank
     check_ok(flatshard("train", "--hf", phi3, *run, "--nproc", 2, "--out", straight))
     stop = ["--set", "run.stop_at_step=2"]
-    check_ok(flatshard("train", "--hf", phi3, *run, "--nproc", 4, "--pp", 2, "--out", piped,
-                       *stop))  # fmt: skip
-    resumed = check_ok(flatshard("train", "--resume", piped, "--nproc", 1, "--pp", 1))
+    check_ok(flatshard("train", "--hf", phi3, *run, "--nproc", 4, "--pp", 2, "--cp", 2,
+                       "--out", piped, *stop))  # fmt: skip
+    resumed = check_ok(flatshard("train", "--resume", piped, "--nproc", 1, "--pp", 1,
+                                 "--cp", 1))  # fmt: skip
     assert "resuming from step 2" in resumed.stdout
     expected, losses = ([r["loss"] for r in metrics(d)] for d in (straight, piped))
     assert len(losses) == 3

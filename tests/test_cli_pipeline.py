@@ -70,6 +70,19 @@ def test_pipelined_training_has_the_losses_of_the_run_without(tmp_path, straight
         assert torch.allclose(ours[key], value, rtol=1e-4, atol=1e-6), key
 
 
+def test_pipeline_stages_split_the_sequence_under_context_parallelism(tmp_path, straight):
+    """pp 2 x cp 2 on 4 processes: each stage's tokens are its CP part of every sequence
+    (placed at their positions by the stage itself); training and evaluation have the
+    losses of the straight run on the same global batches."""
+    run = tmp_path / "run"
+    check_ok(flatshard(*RUN, *EVAL, "--nproc", "4", "--pp", "2", "--cp", "2", "--steps", "8",
+                       "--out", run, timeout=300))  # fmt: skip
+    assert _losses(run) == pytest.approx(_losses(straight), rel=1e-5)
+    ours, theirs = _eval_losses(run), _eval_losses(straight)
+    assert [(s, t) for s, _, t in ours] == [(s, t) for s, _, t in theirs]
+    assert [loss for _, loss, _ in ours] == pytest.approx([loss for _, loss, _ in theirs], rel=1e-6)
+
+
 def test_microbatches_and_what_a_pipeline_cannot_take(tmp_path):
     """--microbatches sets the micro-batch size; layouts and features a pipeline does not
     take yet are refused in one line that names the keys."""
@@ -90,20 +103,23 @@ def _sizes(*more: str) -> list[str]:
     return [arg for pair in pairs for arg in ("--set", pair)]
 
 
-@pytest.mark.parametrize("zero,schedule", [(1, "gpipe"), (2, "gpipe"), (3, "gpipe"),
-                                           (3, "interleaved-1f1b"), (3, "zbv")])  # fmt: skip
-def test_pipelined_bytes_per_step_equal_the_plan(tmp_path, zero, schedule):
+@pytest.mark.parametrize("zero,schedule,cp", [(1, "gpipe", 1), (2, "gpipe", 1), (3, "gpipe", 1),
+                                              (3, "interleaved-1f1b", 1), (3, "zbv", 1),
+                                              (3, "1f1b", 2)])  # fmt: skip
+def test_pipelined_bytes_per_step_equal_the_plan(tmp_path, zero, schedule, cp):
     """Each stage gathers and reduces as `flatshard plan --pp` says (rank 0's stages, whose
     bytes the run's metrics hold), from the second step on (the first learns the order);
-    with two stages a rank too (torch's schedule unshards each stage's root once a step)."""
+    with two stages a rank too (torch's schedule unshards each stage's root once a step),
+    and with each stage's units sharded over its CP ranks (pp 2 x cp 2)."""
     sizes = _sizes("data.seq_len=32", "train.micro_batch=2", "train.global_batch=16",
-                   f"train.zero_stage={zero}", f"train.pp_schedule={schedule}")  # fmt: skip
+                   f"train.zero_stage={zero}", f"train.pp_schedule={schedule}",
+                   f"train.cp={cp}")  # fmt: skip
     run = tmp_path / "run"
     check_ok(flatshard("train", *sizes, "--steps", 2, "--out", run, "--set",
                        "run.sample_tokens=0", timeout=300))  # fmt: skip
     plan = json.loads(check_ok(flatshard("plan", *sizes, "--json")).stdout)
     first = plan["pipeline"]["stages"][0]["communication"]
-    assert plan["setup"]["grad_accum"] == 4 == plan["pipeline"]["microbatches"]
+    assert plan["setup"]["grad_accum"] == 4 * cp == plan["pipeline"]["microbatches"]
     record = metrics(run)[-1]
     assert record["all_gather_bytes"] == first["all_gather"]
     assert record["reduce_scatter_bytes"] == first["reduce_scatter"]

@@ -195,6 +195,9 @@ def pipeline(
     for index, view in zip(mine, views):
         parallelize(view, meshes, **parallelize_options)
         stages.append(PipelineStage(view, index, num_stages, device, group=meshes.pp.get_group()))
+    context = getattr(views[0], "context_parallel", None)
+    if context is not None:  # the part splits its inputs as its stages do
+        part.context_parallel = context
     runner = kind(stages if multi else stages[0], n_microbatches=microbatches, loss_fn=loss_fn,
                   scale_grads=scale_grads)  # fmt: skip
     return Pipeline(part, views, stages, runner, meshes, microbatches, loss_fn)

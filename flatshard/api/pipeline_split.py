@@ -66,11 +66,14 @@ def stages_part(model: nn.Module, num_stages: int, mine: list[int]) -> nn.Module
             "them on the first and the last stage: untie them (tie_embeddings=False)"
         )
     ranges = assign_blocks(len(blocks), num_stages)
-    held = {blocks[p][0]: copy.deepcopy(blocks[p][1]) for s in mine for p in ranges[s]}
+    # one copy of what the pieces share (a transformers model's config, which its layers
+    # read their attention implementation from): one memo for every copy
+    memo: dict = {}
+    held = {blocks[p][0]: copy.deepcopy(blocks[p][1], memo) for s in mine for p in ranges[s]}
     ends = {parts.embed: 0 in mine, parts.norm: num_stages - 1 in mine}
     ends[parts.head] = num_stages - 1 in mine
-    kept = {path: copy.deepcopy(_get(model, path)) for path, keep in ends.items() if keep}
-    return _assemble(model, parts, held, kept)
+    kept = {path: copy.deepcopy(_get(model, path), memo) for path, keep in ends.items() if keep}
+    return _assemble(model, parts, held, kept, memo)
 
 
 def stage_view(part: nn.Module, blocks: range, first: bool, last: bool) -> nn.Module:
@@ -79,7 +82,9 @@ def stage_view(part: nn.Module, blocks: range, first: bool, last: bool) -> nn.Mo
     parts = _parts_of(part)
     held = {i: b for i, b in _blocks(part, parts) if i in blocks}
     ends = {parts.embed: first, parts.norm: last, parts.head: last}
-    return _assemble(part, parts, held, {p: _get(part, p) for p, keep in ends.items() if keep})
+    kept = {p: _get(part, p) for p, keep in ends.items() if keep}
+    config = getattr(part, "config", None)  # the one its blocks read, not a copy
+    return _assemble(part, parts, held, kept, {} if config is None else {id(config): config})
 
 
 def _parts_of(model: nn.Module) -> StageParts:
@@ -101,16 +106,18 @@ def _blocks(model: nn.Module, parts: StageParts) -> list[tuple[int, nn.Module]]:
     return list(enumerate(blocks))
 
 
-def _assemble(model: nn.Module, parts: StageParts, blocks: dict, ends: dict) -> nn.Module:
+def _assemble(model: nn.Module, parts: StageParts, blocks: dict, ends: dict, memo: dict
+              ) -> nn.Module:  # fmt: skip
     """A copy of `model` without its blocks and ends, given `blocks` and `ends` (the parts
-    it keeps; the others stand in as the plan says), its forward the plan's."""
+    it keeps; the others stand in as the plan says), its forward the plan's. `memo`: the
+    copies made so far (`copy.deepcopy`'s), which it shares."""
     names = (parts.embed, parts.blocks, parts.norm, parts.head)
     kept = {name: _get(model, name) for name in names}
     own_forward = model.__dict__.pop("forward", None)  # a stage's: each copy gets its own
     try:
         for name in names:
             _set(model, name, None)
-        stage = copy.deepcopy(model)
+        stage = copy.deepcopy(model, memo)
     finally:
         for name, module in kept.items():
             _set(model, name, module)

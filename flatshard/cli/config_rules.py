@@ -139,7 +139,6 @@ def _check_pipeline(config) -> None:
     not_yet = [
         (config.model.preset.startswith("moe") or config.model.n_experts > 0,
          "a mixture-of-experts model (its balancing loss)"),
-        (train.cp > 1, "context parallelism (train.cp)"),
         (config.data.pack, "packed conversations (data.pack)"),
         (config.sync.address, "weight sync (sync.address)"),
     ]  # fmt: skip

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from flatshard.data.sequences import IGNORE
-from flatshard.models.registry import token_loss
+from flatshard.models.registry import model_inputs, token_loss
 
 
 class StepLoss:
@@ -34,12 +34,16 @@ def pipeline_gradients(pipe, order, position: int, train, dp_rank: int, dp_world
         for micro in range(accumulation)
     ]
     batch = torch.cat([order.batch(first, train.micro_batch) for first in firsts]).to(device)
+    labels = None
+    if labelled is not None:
+        rows = [step_labels[f - position : f - position + train.micro_batch] for f in firsts]
+        labels = torch.cat(rows).to(device)
+    # under context parallelism this rank's part of each sequence (the stages place it)
+    inputs, targets, _ = model_inputs(pipe.model, batch, labels)
+    cp = 1 if pipe.meshes.cp is None else pipe.meshes.cp.size()
     if labelled is None:
-        targets = batch[:, 1:]
         pipe.loss_fn.divisor = float(targets.numel())  # the mean over this rank's targets
     else:
-        rows = [step_labels[f - position : f - position + train.micro_batch] for f in firsts]
-        targets = torch.cat(rows).to(device)
-        pipe.loss_fn.divisor = max(labelled, 1) / dp_world
-    loss = pipe.step(batch[:, :-1], targets)
+        pipe.loss_fn.divisor = max(labelled, 1) / (dp_world * cp)
+    loss = pipe.step(inputs, targets)
     return loss.double(), labelled

@@ -67,6 +67,12 @@ class ContextParallel:
         """This rank's tokens of `tensor` (see `split_sequence`)."""
         return split_sequence(tensor, self.mesh, dim)
 
+    def positions(self, batch: int, local_length: int, device=None) -> torch.Tensor:
+        """[batch, local_length]: the positions of this rank's tokens (see `split_sequence`)."""
+        rank = self.mesh.get_local_rank()
+        held = sequence_positions(local_length * self.size, self.size, rank, device)
+        return held.expand(batch, -1)
+
     def attention(self, query, key, value, scale=None) -> torch.Tensor:
         """Causal attention of this rank's queries [B, H, T_local, D] over the whole
         sequence, of which this rank holds keys and values [B, H_kv, T_local, D] (`scale`:

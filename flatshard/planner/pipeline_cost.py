@@ -42,8 +42,8 @@ def check_pipeline_setup(setup) -> None:
         raise ConfigError(f"--pp-schedule {setup.pp_schedule}: use one of {', '.join(SCHEDULES)}")
     if setup.world_size % setup.pp:
         raise ConfigError(f"--pp {setup.pp} must divide --world-size {setup.world_size}")
-    if setup.hpz_group or setup.ep > 1 or setup.cp > 1:
-        raise ConfigError("--pp with --hpz-group, --ep or --cp is not planned yet: use one")
+    if setup.hpz_group or setup.ep > 1:
+        raise ConfigError("--pp with --hpz-group or --ep is not planned yet: use one")
 
 
 def bubble_fraction(setup) -> float:
@@ -69,7 +69,8 @@ def rank_parts(spec: ModelSpec, setup, hidden: int, activation_bytes: int) -> li
             f"{spec.n_layers} blocks: use fewer stages"
         )
     blocks = assign_blocks(spec.n_layers, stages)
-    boundary = setup.micro_batch * setup.seq_len * hidden * activation_bytes
+    # what a stage sends on: its activations for this rank's tokens (its CP part)
+    boundary = setup.micro_batch * setup.seq_len // setup.cp * hidden * activation_bytes
     parts = []
     for rank in range(setup.pp):
         mine = [rank, stages - 1 - rank] if setup.pp_schedule in _V_SHAPED else range(

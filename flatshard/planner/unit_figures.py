@@ -73,11 +73,12 @@ def is_looked_up(unit: UnitFigures, setup) -> bool:
     """Whether the runtime looks this unit's embedding up from its shards."""
     if unit.embedding is None or not lookup_possible(setup.zero_stage, setup.dp_shard):
         return False
-    return looks_up(setup.dp_shard, setup.micro_batch * setup.seq_len, unit.embedding[0])
+    tokens = setup.micro_batch * setup.seq_len // setup.cp  # this rank's (its CP part)
+    return looks_up(setup.dp_shard, tokens, unit.embedding[0])
 
 
 def unit_lookup_payloads(unit: UnitFigures, setup) -> tuple[int, int]:
     """(all-gathered, reduce-scattered) bytes of one micro-batch's lookup and its backward."""
     dim, itemsize = unit.embedding[1], DTYPE_BYTES[setup.param_dtype]
-    tokens = setup.micro_batch * setup.seq_len
+    tokens = setup.micro_batch * setup.seq_len // setup.cp
     return lookup_payloads(setup.dp_shard, tokens, dim, itemsize, unit.trainable)

@@ -340,6 +340,10 @@ class Llama(nn.Module):
         keys and values join it (generation feeds each new token alone). `position_ids`
         [B, T] (as transformers takes them): each token's position in its document; where
         they restart, a new document begins that attends only to itself (packed data)."""
+        context = getattr(self, "context_parallel", None)
+        if context is not None and position_ids is None and getattr(self, "pipeline_stage", 0):
+            # a pipeline stage takes no positions: its tokens are the CP split's
+            position_ids = context.positions(tokens.shape[0], tokens.shape[1], tokens.device)
         cos, sin = rope_at(self.config, tokens, cache, position_ids)
         mask = attention_mask(self, position_ids)
         # a pipeline stage (flatshard.parallel.pipeline) holds some of the parts: a later
