@@ -187,6 +187,7 @@ def worker(rank: int, world: int, port: int, args, path: str, out) -> None:
                        trainable=run["trainable"], held=run["held"])
             for mode, run in runs.items()
         })  # fmt: skip
+    dist.barrier()  # on gloo a rank tearing down while its peer still sends aborted the peer
     dist.destroy_process_group()
 
 
