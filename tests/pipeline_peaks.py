@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import flatshard
 from flatshard.cli.meters import MemoryMeter, warm_up_runtime
-from flatshard.cli.model import build_pipeline
+from flatshard.cli.run_model import build_pipeline
 from flatshard.models import LlamaConfig
 
 # the sizes of test_cli_pipeline's plan: 4 micro-batches of 4 x 512 tokens per dp rank

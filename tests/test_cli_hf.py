@@ -178,15 +178,7 @@ def test_tensor_parallel_fine_tune_resumes_at_another_layout(phi3, tmp_path):
     assert len(losses) == 3
     assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(losses, expected))
 
-    exports = []
-    for run_dir in (straight, split):
-        out = tmp_path / f"hf-{run_dir.name}"
-        assert main(["convert", "checkpoint-to-hf", str(run_dir), str(out)]) == 0
-        exports.append(load_file(out / "model.safetensors"))
-    assert exports[0].keys() == exports[1].keys() == load_file(phi3 / "model.safetensors").keys()
-    for name, tensor in exports[0].items():
-        assert torch.allclose(exports[1][name], tensor, rtol=1e-5, atol=1e-6), name
-    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf-split")
+    _exports_agree(tmp_path, straight, split, phi3)
 
 
 def test_a_pipelined_fine_tune_resumes_without_a_pipeline(phi3, tmp_path):
@@ -206,15 +198,21 @@ def test_a_pipelined_fine_tune_resumes_without_a_pipeline(phi3, tmp_path):
     expected, losses = ([r["loss"] for r in metrics(d)] for d in (straight, piped))
     assert len(losses) == 3
     assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(losses, expected))
+    _exports_agree(tmp_path, straight, piped, phi3)
+
+
+def _exports_agree(tmp_path, straight, other, source) -> None:
+    """Both runs' checkpoints convert to the source model's tensors, equal to each other's,
+    and `other`'s loads in transformers."""
     exports = []
-    for run_dir in (straight, piped):
+    for run_dir in (straight, other):
         out = tmp_path / f"hf-{run_dir.name}"
         assert main(["convert", "checkpoint-to-hf", str(run_dir), str(out)]) == 0
         exports.append(load_file(out / "model.safetensors"))
-    assert exports[0].keys() == exports[1].keys()
+    assert exports[0].keys() == exports[1].keys() == load_file(source / "model.safetensors").keys()
     for name, tensor in exports[0].items():
         assert torch.allclose(exports[1][name], tensor, rtol=1e-5, atol=1e-6), name
-    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf-piped")
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"hf-{other.name}")
 
 
 def test_a_tp_that_does_not_divide_the_heads_is_one_line(phi3):

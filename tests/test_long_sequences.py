@@ -213,12 +213,11 @@ def test_a_chunks_attention_over_its_prefix_equals_masked_sdpa(prefix):
 def _attention_on_ranks(ring):
     """This rank's output and q/k/v gradients under CP attention (torch's ring or the
     all-gather), beside the whole sequence's causal SDPA at this rank's positions."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     from flatshard.parallel.context_parallel import ContextParallel
     from flatshard.parallel.ring_attention import ring_runs
 
-    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    world = torch.distributed.get_world_size()
+    mesh = flatshard.ParallelDims(world, cp=world).build("cpu").cp
     context = ContextParallel(mesh, ring=ring)
     torch.manual_seed(0)
     length = 16

@@ -1,7 +1,8 @@
-"""The model of a run: the reference Llama, the reference MoE (`model.n_experts` > 0) or a
+"""The models of a run: the reference Llama, the reference MoE (`model.n_experts` > 0) or a
 Hugging Face model (`model.hf`), built on the meta device and sharded, or plain (one
-process, no sharding) for sampling and
-conversion."""
+process, no sharding) for sampling and conversion; and the train.* keys as `parallelize`
+settings. run_model.py picks among them for a training run (and builds its pipeline
+stages)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,8 @@ from flatshard import hf
 from flatshard.cli import runs
 from flatshard.cli.config import RunConfig
 from flatshard.cli.errors import ConfigError, RunError, warn
-from flatshard.cli.pipeline_step import StepLoss
 from flatshard.cli.saved_model import config_from_dict, is_transformers_config
-from flatshard.errors import MeshError, WrappingError
+from flatshard.errors import MeshError
 from flatshard.mesh import ParallelDims
 from flatshard.models import Llama, LlamaConfig, MoE, MoEConfig, family_of_config
 from flatshard.models.llama import check_tp
@@ -27,7 +27,6 @@ from flatshard.models.lora import (
     LoRAError,
     LoRASpec,
     add_lora,
-    init_adapters,
     lora_spec_of,
     merge_adapters,
 )
@@ -102,48 +101,6 @@ def reference_model(cfg: LlamaConfig) -> Llama | MoE:
     return family_of_config(cfg).model_type(cfg)
 
 
-def build_run_model(
-    config, model_config: LlamaConfig | None, dims: ParallelDims, device: torch.device, load: bool
-):
-    """The model a training run config describes, sharded over `dims` as its train.* keys
-    say: the Hugging Face model of model.hf (read from its files when `load`), else the
-    reference model of `model_config`."""
-    train = config.train
-    sharding = dict(
-        zero_stage=train.zero_stage,
-        precision=train.precision,
-        device=device,
-        dims=dims,
-        hpz_group=train.hpz_group,
-        offload=offload_policy(train.offload, train.offload_dir),
-        activations=activation_options(train.ac, train.compile),
-    )
-    warn_eager_selective(train, device)
-    if config.model.hf and dims.pp > 1:  # the stages this rank runs, read from the files
-        accumulation = train.global_batch // (train.micro_batch * dims.dp)
-        return build_hf_pipeline(config.model.hf, schedule=train.pp_schedule,
-                                 microbatches=accumulation, load=load, **sharding)  # fmt: skip
-    if config.model.hf:
-        lora = lora_spec(train.lora_rank, train.lora_alpha, train.lora_dropout,
-                         train.lora_targets)  # fmt: skip
-        # a LoRA run's checkpoints hold its adapters: the base is read from its files anyway
-        model = build_hf(config.model.hf, load=load or lora is not None, lora=lora,
-                         nf4_bases=train.qlora, **sharding)  # fmt: skip
-        if lora is not None:
-            init_adapters(model, train.seed)  # a resume's checkpoint overwrites them
-    elif dims.pp > 1:  # the stages this rank runs: their weights as the whole model's
-        accumulation = train.global_batch // (train.micro_batch * dims.dp)
-        return build_pipeline(model_config, seed=train.seed, schedule=train.pp_schedule,
-                              microbatches=accumulation, **sharding)  # fmt: skip
-    else:
-        model = build_sharded(model_config, seed=train.seed, **sharding)
-    chosen = {k: getattr(train, k) for k in ("quantize_weights", "quantize_grads")}
-    if any(value != "none" for value in chosen.values()):
-        quantized = {k: None if value == "none" else value for k, value in chosen.items()}
-        model.set_comm_policy(flatshard.CommPolicy(**quantized))
-    return model
-
-
 def lora_spec(rank: int, alpha: float, dropout: float, targets: str) -> LoRASpec | None:
     """The LoRA adapters train.lora_* ask for (None: rank 0, train every weight)."""
     if not rank:
@@ -211,7 +168,7 @@ def build_sharded(
         raise ConfigError(f"train.ep ({ep}) must divide model.n_experts ({cfg.n_experts})")
     with torch.device("meta"):
         model = reference_model(cfg)
-    stage = _stage(zero_stage, hpz_group, offload, activations)
+    stage = stage_options(zero_stage, hpz_group, offload, activations)
     policy = mixed_precision(precision)
     with _as_config_error(_degrees(dims)):
         flatshard.parallelize(model, dims.build(device.type), mp_policy=policy, **stage)
@@ -220,55 +177,7 @@ def build_sharded(
     return model
 
 
-def build_pipeline(cfg: LlamaConfig, *, zero_stage: int, precision: str, seed: int, device,
-                   dims: ParallelDims, schedule: str, microbatches: int, hpz_group: int = 0,
-                   offload=None, activations=None) -> flatshard.Pipeline:  # fmt: skip
-    """The stages of the reference model this rank runs (`flatshard.pipeline` over
-    `dims.pp`), each parallelized as `build_sharded`'s model, with the whole model's weights
-    for `seed`; its loss is `StepLoss` (summed over each step's micro-batches)."""
-    with torch.device("meta"):
-        whole = reference_model(cfg)
-    stage = _stage(zero_stage, hpz_group, offload, activations)
-    try:
-        pipe = flatshard.pipeline(whole, dims.build(device.type), loss_fn=StepLoss(),
-                                  microbatches=microbatches, schedule=schedule,
-                                  scale_grads=False, mp_policy=mixed_precision(precision),
-                                  **stage)  # fmt: skip
-    except (MeshError, WrappingError, ValueError) as error:  # torch's: too few micro-batches
-        raise ConfigError(f"train.pp={dims.pp}, train.pp_schedule={schedule}: {error}") from None
-    torch.manual_seed(seed)
-    flatshard.materialize(pipe.model, device, replay=whole)
-    return pipe
-
-
-def build_hf_pipeline(path: str, *, zero_stage: int, precision: str, device, dims: ParallelDims,
-                      schedule: str, microbatches: int, load: bool, hpz_group: int = 0,
-                      offload=None, activations=None) -> flatshard.Pipeline:  # fmt: skip
-    """The stages of the Hugging Face model at `path` this rank runs, as `build_pipeline`
-    makes the reference model's, each rank reading only its stages' slices of the files
-    (load False: allocated only, a checkpoint will fill them)."""
-    hf_config = hf.read_hf_config(path)
-    adapter = hf.adapter_for_config(hf_config)
-    with torch.device("meta"):
-        whole = adapter.build(hf_config)
-    if isinstance(whole, MoE):  # its balancing loss adds the router's of every stage
-        raise ConfigError(f"train.pp ({dims.pp}) with a mixture-of-experts model (its "
-                          "balancing loss) is not supported yet: use one of the two")  # fmt: skip
-    stage = _stage(zero_stage, hpz_group, offload, activations)
-    try:
-        pipe = flatshard.pipeline(whole, dims.build(device.type), loss_fn=StepLoss(),
-                                  microbatches=microbatches, schedule=schedule,
-                                  scale_grads=False, mp_policy=mixed_precision(precision),
-                                  **stage)  # fmt: skip
-    except (MeshError, WrappingError, ValueError) as error:
-        raise ConfigError(f"train.pp={dims.pp}, train.pp_schedule={schedule}: {error}") from None
-    adapter.allocate(pipe.model, device)
-    if load:
-        hf.load_pretrained(pipe.model, path, adapter=adapter, whole=whole)
-    return pipe
-
-
-def _stage(zero_stage: int, hpz_group: int, offload, activations: dict | None) -> dict:
+def stage_options(zero_stage: int, hpz_group: int, offload, activations: dict | None) -> dict:
     """The parallelize settings every unit of a trainer's model shares besides precision."""
     stage = {"reshard_after_forward": hpz_group} if hpz_group else {"zero_stage": zero_stage}
     return {**stage, "offload_policy": offload, **(activations or {})}
@@ -345,7 +254,7 @@ def build_hf(
         flatshard.parallelize,
         dims=dims.build(device.type),
         mp_policy=mixed_precision(precision),
-        **_stage(zero_stage, hpz_group, offload, activations),
+        **stage_options(zero_stage, hpz_group, offload, activations),
     )
 
     def shard(model):

@@ -30,12 +30,13 @@ from flatshard.cli.generate import sample_at_end
 from flatshard.cli.hf_records import checkpoint_records
 from flatshard.cli.launch import EXIT_STOPPED, Ranks, init_distributed
 from flatshard.cli.meters import MemoryMeter, share_step, warm_up_runtime
-from flatshard.cli.model import build_run_model, llama_config
+from flatshard.cli.model import llama_config
 from flatshard.cli.pipeline_step import pipeline_gradients
 from flatshard.cli.progress import Progress, read_metrics
 from flatshard.cli.run_checkpoints import RunCheckpoints
 from flatshard.cli.run_data import open_run_data
 from flatshard.cli.run_header import run_header
+from flatshard.cli.run_model import build_run_model
 from flatshard.cli.saved_model import check_hf_vocab
 from flatshard.cli.schedule import learning_rate
 from flatshard.cli.stop import StopRequest

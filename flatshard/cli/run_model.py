@@ -1,0 +1,114 @@
+"""The model a training run config describes, as its train.* keys split it: sharded over
+the run's ranks (model.py builds it), or this rank's pipeline stages (train.pp > 1) of the
+reference model or of a Hugging Face model."""
+
+from __future__ import annotations
+
+import torch
+
+import flatshard
+from flatshard import hf
+from flatshard.cli.errors import ConfigError
+from flatshard.cli.model import (
+    activation_options,
+    build_hf,
+    build_sharded,
+    lora_spec,
+    mixed_precision,
+    offload_policy,
+    reference_model,
+    stage_options,
+    warn_eager_selective,
+)
+from flatshard.cli.pipeline_step import StepLoss
+from flatshard.errors import MeshError, WrappingError
+from flatshard.mesh import ParallelDims
+from flatshard.models import LlamaConfig, MoE
+from flatshard.models.lora import init_adapters
+
+
+def build_run_model(
+    config, model_config: LlamaConfig | None, dims: ParallelDims, device: torch.device, load: bool
+):
+    """The model a training run config describes, sharded over `dims` as its train.* keys
+    say: the Hugging Face model of model.hf (read from its files when `load`), else the
+    reference model of `model_config`; under train.pp a `flatshard.Pipeline` of this
+    rank's stages."""
+    train = config.train
+    sharding = dict(
+        zero_stage=train.zero_stage,
+        precision=train.precision,
+        device=device,
+        dims=dims,
+        hpz_group=train.hpz_group,
+        offload=offload_policy(train.offload, train.offload_dir),
+        activations=activation_options(train.ac, train.compile),
+    )
+    warn_eager_selective(train, device)
+    if dims.pp > 1:  # the stages this rank runs, with the whole model's weights
+        piped = dict(schedule=train.pp_schedule,
+                     microbatches=train.global_batch // (train.micro_batch * dims.dp))  # fmt: skip
+        if config.model.hf:
+            return build_hf_pipeline(config.model.hf, load=load, **piped, **sharding)
+        return build_pipeline(model_config, seed=train.seed, **piped, **sharding)
+    if config.model.hf:
+        lora = lora_spec(train.lora_rank, train.lora_alpha, train.lora_dropout,
+                         train.lora_targets)  # fmt: skip
+        # a LoRA run's checkpoints hold its adapters: the base is read from its files anyway
+        model = build_hf(config.model.hf, load=load or lora is not None, lora=lora,
+                         nf4_bases=train.qlora, **sharding)  # fmt: skip
+        if lora is not None:
+            init_adapters(model, train.seed)  # a resume's checkpoint overwrites them
+    else:
+        model = build_sharded(model_config, seed=train.seed, **sharding)
+    chosen = {k: getattr(train, k) for k in ("quantize_weights", "quantize_grads")}
+    if any(value != "none" for value in chosen.values()):
+        quantized = {k: None if value == "none" else value for k, value in chosen.items()}
+        model.set_comm_policy(flatshard.CommPolicy(**quantized))
+    return model
+
+
+def build_pipeline(cfg: LlamaConfig, *, seed: int, device, **options) -> flatshard.Pipeline:
+    """The stages of the reference model this rank runs, with the whole model's weights
+    for `seed` (`options`: `_pipeline`'s)."""
+    with torch.device("meta"):
+        whole = reference_model(cfg)
+    pipe = _pipeline(whole, device=device, **options)
+    torch.manual_seed(seed)
+    flatshard.materialize(pipe.model, device, replay=whole)
+    return pipe
+
+
+def build_hf_pipeline(path: str, *, load: bool, device, **options) -> flatshard.Pipeline:
+    """The stages of the Hugging Face model at `path` this rank runs, each rank reading only
+    its stages' slices of the files (load False: allocated only, a checkpoint will fill
+    them; `options`: `_pipeline`'s)."""
+    hf_config = hf.read_hf_config(path)
+    adapter = hf.adapter_for_config(hf_config)
+    with torch.device("meta"):
+        whole = adapter.build(hf_config)
+    if isinstance(whole, MoE):  # its balancing loss adds the router's of every stage
+        pp = options["dims"].pp
+        raise ConfigError(f"train.pp ({pp}) with a mixture-of-experts model (its balancing "
+                          "loss) is not supported yet: use one of the two")  # fmt: skip
+    pipe = _pipeline(whole, device=device, **options)
+    adapter.allocate(pipe.model, device)
+    if load:
+        hf.load_pretrained(pipe.model, path, adapter=adapter, whole=whole)
+    return pipe
+
+
+def _pipeline(whole, *, zero_stage: int, precision: str, device, dims: ParallelDims,
+              schedule: str, microbatches: int, hpz_group: int = 0, offload=None,
+              activations=None) -> flatshard.Pipeline:  # fmt: skip
+    """`flatshard.pipeline` over `dims.pp` of the meta-device `whole`, each stage
+    parallelized as `build_sharded`'s model; its loss is `StepLoss` (summed over each
+    step's micro-batches)."""
+    stage = stage_options(zero_stage, hpz_group, offload, activations)
+    try:
+        return flatshard.pipeline(whole, dims.build(device.type), loss_fn=StepLoss(),
+                                  microbatches=microbatches, schedule=schedule,
+                                  scale_grads=False, mp_policy=mixed_precision(precision),
+                                  **stage)  # fmt: skip
+    except (MeshError, WrappingError, ValueError) as error:  # torch's: too few micro-batches
+        raise ConfigError(f"train.pp={dims.pp}, train.pp_schedule={schedule}: {error}") from None
