@@ -53,6 +53,10 @@ run --preset 35m --modes fsdp2,zero3,fsdp2-tp,tp3,fsdp2-sp,sp3,cp3 --interleave 
 "$python" benchmarks/recovery.py --size 35m >> "$out"
 "$python" benchmarks/recovery.py --size 120m >> "$out"
 "$python" benchmarks/sample_speed.py --repeats 3 >> "$out"  # flatshard sample: KV cache
+# a real pretrained model (SmolLM2-135M): `flatshard train --hf` against FSDP2, bf16
+for n in 1 2; do
+  "$python" benchmarks/hf_finetune.py --steps 8 --seq-len 256 --batch 2 --nproc $n >> "$out"
+done
 if grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo; then
   run --preset 35m --steps 12 --rounds 4 --interleave steps --param-dtype bf16
   run --preset 35m --steps 4 --exact-memory --param-dtype bf16

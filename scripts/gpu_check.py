@@ -19,7 +19,10 @@ activation_offload_1b (activation offload where compute is large against the byt
 fused_adamw (the flat AdamW with fused=True against torch's fused AdamW: bitwise, step
 times); checkpoint (sync and async saves from the device, a load that trains on bitwise); ac_1b
 (step time and peak per activation checkpointing mode at 1b); ac_compiled_1b (the same, blocks
-compiled); ring_attention (context parallelism's ring on the device's kernel against SDPA).
+compiled); ring_attention (context parallelism's ring on the device's kernel against SDPA);
+scale_8b and scale_8b_compiled (4 layers of Llama-3-8B's shapes at 8192 tokens, flatshard
+against FSDP2, eager and compiled: step, MFU, peak memory, host time per phase; the flat
+AdamW against torch's fused AdamW).
 The sections that compare runs bitwise run with deterministic kernels.
 """
 
@@ -52,6 +55,9 @@ SIZES = {
                              ffn_dim=1376, max_seq_len=2048), 8, 2048),
         "1b": (dict(vocab_size=32000, dim=2048, n_layers=16, n_heads=16, n_kv_heads=8,
                     ffn_dim=5632, max_seq_len=2048), 4, 2048),
+        # Llama-3-8B's shapes, 4 of its 32 layers (1.9B parameters with the vocabulary)
+        "8b": (dict(vocab_size=128256, dim=4096, n_layers=4, n_heads=32, n_kv_heads=8,
+                    ffn_dim=14336, max_seq_len=8192, rope_theta=500000.0), 1, 8192),
     },
     "cpu": {
         "35m": (dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
@@ -60,6 +66,8 @@ SIZES = {
                              ffn_dim=48, max_seq_len=64), 2, 32),
         "1b": (dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
                     max_seq_len=64), 2, 16),
+        "8b": (dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
+                    max_seq_len=64, rope_theta=500000.0), 1, 32),
     },
 }  # fmt: skip
 STEPS, WARMUP = 4, 1
@@ -122,10 +130,12 @@ class Check:
         fully_shard(model, mp_policy=policy)
         return model
 
-    def train(self, model, size: str, device=None, steps: int = STEPS + WARMUP) -> dict:
-        """Losses and step times (after WARMUP) of AdamW steps on the fixed data."""
+    def train(self, model, size: str, device=None, steps: int = STEPS + WARMUP,
+              optimizer=None) -> dict:  # fmt: skip
+        """Losses and step times (after WARMUP) of optimizer steps (default: torch's AdamW) on
+        the fixed data."""
         device = device or self.device
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-3)
         losses, times = [], []
         for tokens in self.data(size, steps):
             tokens = tokens.to(device)
@@ -589,28 +599,76 @@ def fsdp2_1b(check: Check) -> dict:
     return out
 
 
-def _phases(check: Check, model, optimizer, steps: int = 3) -> dict:
+def scale_8b(check: Check, compile: bool = False) -> dict:
+    """Llama-3-8B's shapes (4 layers, 8192 tokens, bf16 with fp32 reduction) at world 1, one
+    run at a time: flatshard with torch's fused AdamW and with its own flat AdamW on that
+    kernel, against FSDP2 with torch's fused AdamW; step time, MFU, peak memory, losses and
+    each phase's device and host time."""
+    import flatshard
+
+    policy = flatshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    flatshard_model = lambda: check.sharded("8b", mp_policy=policy, compile=compile)  # noqa: E731
+    runs = {
+        "flatshard": (flatshard_model, torch.optim.AdamW),
+        "flatshard_flat_adamw": (flatshard_model, flatshard.optim.AdamW),
+        "fsdp2": (lambda: check.fsdp2("8b", compile=compile), torch.optim.AdamW),
+    }
+    cfg, batch, seq = check.sizes["8b"]
+    out = {}
+    for name, (build, make) in runs.items():
+        model = build()
+        optimizer = make(model.parameters(), lr=1e-4, fused=True)
+        check.reset_peak()
+        run = check.train(model, "8b", steps=WARMUP + 3, optimizer=optimizer)
+        out[name] = {**run, "peak_bytes": check.peak(),
+                     "phases_ms": _phases(check, model, optimizer, size="8b")}  # fmt: skip
+        params = sum(p.numel() for p in model.parameters())
+        del model, optimizer
+    # per token: 6 x the parameters the tokens multiply (all but the embedding lookup) and the
+    # attention's 12 x layers x dim x sequence (torchtitan's count)
+    flops = batch * seq * (6 * (params - cfg["vocab_size"] * cfg["dim"])
+                           + 12 * cfg["n_layers"] * cfg["dim"] * seq)  # fmt: skip
+    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if check.cuda and k in
+                 torch.cuda.get_device_name()), None)  # fmt: skip
+    for name in runs:
+        out[name]["mfu"] = flops / out[name]["step_s"] / peak if peak else None
+    out["params"] = params
+    out["step_ratio"] = {n: out[n]["step_s"] / out["fsdp2"]["step_s"] for n in runs}
+    out["loss_max_rel_fsdp2"] = _max_rel(out["flatshard"]["losses"], out["fsdp2"]["losses"])
+    out["ok"] = out["loss_max_rel_fsdp2"] < 2e-2  # the same model and data: close losses
+    return out
+
+
+def scale_8b_compiled(check: Check) -> dict:
+    """scale_8b with every block compiled (flatshard's and FSDP2's alike)."""
+    return scale_8b(check, compile=True)
+
+
+def _phases(check: Check, model, optimizer, steps: int = 3, size: str = "1b") -> dict:
     """Median milliseconds of forward, backward and optimizer step, each timed alone (the
-    device synchronized between them), and the host time of each before it waits."""
-    tokens = check.data("1b", 1)[0].to(check.device)
-    timed = {key: [] for key in ("forward", "backward", "optimizer", "forward_host")}
-    for _ in range(steps):
-        check.sync()
-        start = time.perf_counter()
+    device synchronized between them), and the host time of each: until its calls return,
+    before the device is waited for."""
+    tokens = check.data(size, 1)[0].to(check.device)
+    phases = ("forward", "backward", "optimizer")
+    timed = {key: [] for phase in phases for key in (phase, phase + "_host")}
+
+    def forward():
         logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-        timed["forward_host"].append(time.perf_counter() - start)
-        check.sync()
-        timed["forward"].append(time.perf_counter() - start)
-        start = time.perf_counter()
-        loss.backward()
-        check.sync()
-        timed["backward"].append(time.perf_counter() - start)
-        start = time.perf_counter()
+        return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+
+    def step(_):
         optimizer.step()
         optimizer.zero_grad()
+
+    for _ in range(steps):
         check.sync()
-        timed["optimizer"].append(time.perf_counter() - start)
+        result = None
+        for phase, call in zip(phases, (lambda _: forward(), lambda loss: loss.backward(), step)):
+            start = time.perf_counter()
+            result = call(result)  # the loss, for the backward
+            timed[phase + "_host"].append(time.perf_counter() - start)
+            check.sync()
+            timed[phase].append(time.perf_counter() - start)
     return {key: 1e3 * statistics.median(values) for key, values in timed.items()}
 
 
@@ -750,6 +808,8 @@ SECTIONS = {
     "ac_1b": ac_1b,
     "ac_compiled_1b": ac_compiled_1b,
     "ring_attention": ring_attention,
+    "scale_8b": scale_8b,
+    "scale_8b_compiled": scale_8b_compiled,
 }
 # the sections that compare runs bitwise get repeatable kernels
 # (not activation_memory: the math attention they need saves the whole attention matrix)

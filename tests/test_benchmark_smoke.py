@@ -400,6 +400,19 @@ def test_hf_sample_and_tokenize_scripts(tmp_path):
             assert "same ids: True; reused: True" in proc.stdout
 
 
+def test_hf_finetune_script(tmp_path):
+    """`flatshard train --hf` and the FSDP2 run of its settings (two processes each) train
+    alike: in fp32 every step's loss agrees to rounding."""
+    model = _tiny_chat_model(tmp_path / "model")
+    proc = _script(os.path.join(ROOT, "benchmarks", "hf_finetune.py"), "--model", model,
+                   "--steps", "3", "--seq-len", "32", "--batch", "2", "--nproc", "2",
+                   "--precision", "fp32")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| flatshard |" in proc.stdout and "| fsdp2 |" in proc.stdout, proc.stdout
+    difference = re.search(r"largest relative difference ([0-9.e+-]+)", proc.stdout)
+    assert float(difference.group(1)) <= 1e-6, proc.stdout
+
+
 @pytest.mark.parametrize("qlora", [False, True])
 def test_lora_step_script(qlora):
     """benchmarks/lora_step.py at its smallest: flatshard's LoRA and FSDP2 + PEFT, given the

@@ -94,6 +94,29 @@ def test_compiled_blocks_train_like_eager(case):
         assert rel_diff(weights, eager[1]) <= TOLERANCE
 
 
+def _lengths(compile: bool):
+    """Steps at two sequence lengths: the second recompiles each block with symbolic
+    lengths (dynamo's automatic dynamic shapes), which attention's causal flag must survive."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Llama(config(**CONFIG))
+    flatshard.parallelize(model, flatshard.ParallelDims(dist.get_world_size()), compile=compile)
+    generator = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, model.config.vocab_size, (4, n), generator=generator)
+            for n in (9, 13)]  # fmt: skip
+    return train(model, data, rank=dist.get_rank(), world=dist.get_world_size()), full_state(model)
+
+
+def _lengths_compiled_and_eager():
+    return _lengths(True), _lengths(False)
+
+
+def test_compiled_blocks_take_other_sequence_lengths():
+    compiled, eager = run_distributed(_lengths_compiled_and_eager, 1)[0]
+    assert rel_losses(compiled[0], eager[0]) <= TOLERANCE
+    assert rel_diff(compiled[1], eager[1]) <= TOLERANCE
+
+
 def _bf16():
     mp = flatshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return _compiled_and_eager(mp=mp)

@@ -28,7 +28,8 @@ def test_cpu_dry_run(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     sections = ["cpu_parity", "bf16", "quantized", "offload", "state_offload", "checkpoint",
                 "compile", "activation_memory", "activation_offload_1b", "ac_1b",
-                "ac_compiled_1b", "fsdp2_1b", "fused_adamw", "ring_attention"]  # fmt: skip
+                "ac_compiled_1b", "fsdp2_1b", "fused_adamw", "ring_attention", "scale_8b",
+                "scale_8b_compiled"]  # fmt: skip
     for name in sections:
         assert report[name]["ok"] is True, (name, report[name])
     assert report["cpu_parity"]["max_rel"] == 0  # CPU against CPU here
@@ -40,6 +41,11 @@ def test_cpu_dry_run(tmp_path):
     assert all(memory[mode]["plan_device_bytes"] > 0 for mode in ("none", "full", "selective"))
     assert report["fsdp2_1b"]["ratio"] > 0 and report["fsdp2_1b"]["ratio_flat_adamw"] > 0
     assert set(report["fsdp2_1b"]["phases_ms"]["fsdp2"]) >= {"forward", "backward", "optimizer"}
+    for name in ("scale_8b", "scale_8b_compiled"):  # the same model and data as FSDP2's
+        scale = report[name]
+        assert scale["loss_max_rel_fsdp2"] <= 1e-6, scale
+        assert all(scale[run]["peak_bytes"] is None and scale[run]["phases_ms"]["backward_host"] > 0
+                   for run in ("flatshard", "flatshard_flat_adamw", "fsdp2"))  # fmt: skip
     assert all(0 < report["quantized"][f]["max_rel_vs_fp32"] <= 2e-2 for f in ("int8", "fp8"))
     assert all(ms > 0 for ms in report["fused_adamw"]["optimizer_ms"].values())
     saved = report["checkpoint"]

@@ -227,7 +227,9 @@ class Attention(nn.Module):
             # memory-efficient kernel does not take enable_gqa and would fall back to math).
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        causal = mask is None and q.shape[2] == k.shape[2]
+        # a Python bool: compiled for a second sequence length, the lengths are symbols whose
+        # comparison SDPA refuses; without a cache queries and keys are the same tokens
+        causal = mask is None and (cache is None or q.shape[2] == k.shape[2])
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
