@@ -22,6 +22,11 @@ version string), in one place.
   `context_parallel` lives in since 2.9): None where that module or those functions are
   missing or take a mesh in place of a process group (as before 2.9); context parallelism
   then all-gathers the keys and values itself.
+- torch's multi-stage pipeline schedules compute every rank's action list when built, from
+  their stages' indices and group size alone: `pipeline_actions` builds one from stand-in
+  stages for `flatshard plan` (None where a schedule wants more of a stage). Their `step`
+  keeps every micro-batch's output of the last stage (its logits) to return them unless
+  told `return_outputs=False` (where it takes that argument): `pipeline_step_options`.
 """
 
 from __future__ import annotations
@@ -98,6 +103,59 @@ def torch_ring_attention():
     # earlier releases took the mesh where these take its process group
     first = next(iter(inspect.signature(ring._templated_ring_attention).parameters))
     return ring if first == "group" else None
+
+
+def pipeline_step_options(step) -> dict:
+    """Keyword arguments for a torch schedule's `step`: its last stage not to keep the
+    micro-batches' outputs, where `step` takes `return_outputs`."""
+    return {"return_outputs": False} if _takes(step, "return_outputs") else {}
+
+
+def _takes(function, name: str) -> bool:
+    try:
+        return name in inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+PIPELINE_KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I",
+                  "BACKWARD_WEIGHT": "W"}  # fmt: skip
+
+
+def pipeline_actions(schedule_type: type, stage_indices: list[int], pp: int, rank: int,
+                     microbatches: int) -> list[tuple[str, int, int]] | None:  # fmt: skip
+    """Pipeline rank `rank`'s computations under torch's multi-stage `schedule_type`, in the
+    order it runs them: (F, B (a whole backward), I (its input half) or W (its weight half),
+    stage, micro-batch); an overlapped forward-backward pair as its two. None where the
+    schedule cannot be built from stand-in stages."""
+    from types import SimpleNamespace
+
+    stages = [
+        SimpleNamespace(num_stages=pp * len(stage_indices), group_size=pp, group_rank=rank,
+                        stage_index=index, is_first=index == 0,
+                        is_last=index == pp * len(stage_indices) - 1,
+                        submod=torch.nn.Module())  # fmt: skip
+        for index in stage_indices
+    ]
+    try:
+        order = schedule_type(stages, microbatches, loss_fn=lambda *_: None).pipeline_order
+    except Exception:  # noqa: BLE001 - a torch whose schedules want more of a stage
+        return None
+    actions = []
+
+    def add(action) -> None:
+        if getattr(action, "sub_actions", None):
+            for sub in action.sub_actions:
+                add(sub)
+            return
+        kind = PIPELINE_KINDS.get(getattr(action.computation_type, "name", ""))
+        if kind is not None:
+            actions.append((kind, action.stage_index, action.microbatch_index))
+
+    for action in order.get(rank, []):
+        if action is not None:
+            add(action)
+    return actions
 
 
 def fused_tail_unit(device: torch.device, dtype: torch.dtype) -> int | None:

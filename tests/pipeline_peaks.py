@@ -3,8 +3,8 @@
 `python -m torch.distributed.run --nproc-per-node 4 tests/pipeline_peaks.py SCHEDULE DIR`
 with MALLOC_MMAP_THRESHOLD_ set (glibc returns freed blocks at once: the live peak is
 measured). Each rank writes `<pipeline rank> <bytes>` to DIR/peak-<rank>.txt, the second
-step's (the first also learns shapes and the gather order); a file each, as the ranks'
-printed lines interleave."""
+step's (the first also learns shapes and the gather order), above what the rank holds
+before it; a file each, as the ranks' printed lines interleave."""
 
 from __future__ import annotations
 
@@ -38,6 +38,8 @@ def main(schedule: str, out: str) -> None:
     generator = torch.Generator().manual_seed(0)
     for _ in range(2):
         tokens = torch.randint(0, CONFIG["vocab_size"], (ROWS, SEQ + 1), generator=generator)
+        for stage in pipe.stages:  # what torch keeps of the last step till the next begins
+            stage.clear_runtime_states()  # (the last stage's outputs, the inputs' gradients)
         meter.reset()
         pipe.loss_fn.divisor = float(ROWS * SEQ)
         pipe.step(tokens[:, :-1], tokens[:, 1:])

@@ -189,3 +189,32 @@ def test_fused_tail_unit_follows_the_cpu_vector_width(monkeypatch):
         assert compat.fused_tail_unit(cpu, torch.float32) == fp32
         assert compat.fused_tail_unit(cpu, torch.bfloat16) == bf16
     assert compat.fused_tail_unit(torch.device("cuda"), torch.float32) == 1
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv",
+                                      "dualpipev"])  # fmt: skip
+def test_pipeline_actions_of_torchs_multi_stage_schedules(schedule):
+    """`flatshard plan` reads what a pipeline rank holds off torch's action list for it, built
+    from stand-in stages: every one of the rank's (stage, micro-batch) runs a forward, then
+    a whole backward or its input half before its weight half."""
+    from flatshard.api.pipeline import SCHEDULES, V_SHAPED
+
+    pp, microbatches = 4, 8
+    for rank in range(pp):
+        mine = [rank, 2 * pp - 1 - rank] if schedule in V_SHAPED else [rank, rank + pp]
+        actions = compat.pipeline_actions(SCHEDULES[schedule], mine, pp, rank, microbatches)
+        assert actions, (schedule, rank)
+        for stage in mine:
+            for micro in range(microbatches):
+                kinds = "".join(k for k, s, m in actions if (s, m) == (stage, micro))
+                assert kinds in ("FB", "FIW"), (schedule, rank, stage, micro, kinds)
+
+
+def test_pipeline_steps_keep_no_outputs():
+    """torch's schedules keep each micro-batch's last-stage output (the logits) to return
+    them unless told not to: flatshard's steps tell them where `step` takes it."""
+    from flatshard.api.pipeline import SCHEDULES
+
+    for schedule in SCHEDULES.values():
+        assert compat.pipeline_step_options(schedule.step) == {"return_outputs": False}
+    assert compat.pipeline_step_options(lambda *args, target=None: None) == {}

@@ -16,13 +16,15 @@ reduce-scattered once per step, whatever the number of micro-batches.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import pipelining
 from torch.distributed.pipelining import schedules
 
-from flatshard import registry
+from flatshard import compat, registry
 from flatshard.api.parallel_plan import plan_for
 from flatshard.api.parallelize import parallelize
 from flatshard.api.pipeline_split import assign_blocks, stage_view, stages_part
@@ -108,7 +110,10 @@ class Pipeline:
         batches (summed with scale_grads=False), as one process would have them. Returns
         the loss they are of (the micro-batches' losses' mean, or sum), on every rank of
         the pipeline."""
-        losses = self._run(self.schedule.step, inputs, target)
+        # the last stage's outputs (the logits of every micro-batch) are not ours to return
+        step = functools.partial(self.schedule.step,
+                                 **compat.pipeline_step_options(self.schedule.step))  # fmt: skip
+        losses = self._run(step, inputs, target)
         return self._to_all(losses, summed=not self.schedule.scale_grads)
 
     @torch.no_grad()

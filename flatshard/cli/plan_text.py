@@ -164,7 +164,7 @@ def _pipeline_lines(pipeline: dict, pp: int) -> list[str]:
     for stage in pipeline["stages"]:
         c = stage["communication"]
         lines.append(
-            f"    {stage['rank']:>4}  {stage['blocks']:>6}  {stage['in_flight']:>9g} "
+            f"    {stage['rank']:>4}  {stage['blocks']:>6}  {round(stage['in_flight'], 2):>9g} "
             f"{_gib(stage['memory']['total'])}  {_gib(c['total']):>19}  "
             f"{_gib(c['pipeline_send']):>20}"
         )

@@ -2,12 +2,19 @@
 hold (as `flatshard.pipeline` splits them: api/pipeline.py's `assign_blocks`), how many
 micro-batches' activations a stage holds at once under each schedule, the bubble, and the
 activations and their gradients sent between stages. Each rank's memory and data-parallel
-bytes are then those of a flatshard run of its stages' units (estimate.py)."""
+bytes are then those of a flatshard run of its stages' units (estimate.py).
+
+What a rank holds at once under the schedules of two stages a rank is read off torch's own
+action list for it (`compat.pipeline_actions`): a forward's activations live until its
+backward, or under the zero-bubble schedules until the backward's weight half, and from
+the input half to the weight half also the gradients of the matrix products' outputs that
+the weight half starts from (torch's `stage_backward_input` keeps them)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from flatshard import compat
 from flatshard.api.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 from flatshard.api.pipeline import V_SHAPED
 from flatshard.api.pipeline_split import assign_blocks
@@ -30,7 +37,9 @@ class RankPart:
     whole: ModelSpec
     in_flight: float
     sent: int
-    transient: int  # activation bytes held once (the loss's backward, on the last stage)
+    # activation bytes held once: the loss's backward on the last stage, and the zero-bubble
+    # schedules' gradients kept for the weight halves
+    transient: int
 
 
 def stages_per_rank(schedule: str) -> int:
@@ -81,11 +90,72 @@ def rank_parts(spec: ModelSpec, setup, hidden: int, activation_bytes: int) -> li
         together = _stage(spec, held, 0 in mine, stages - 1 in mine)
         sends = sum((s < stages - 1) + (s > 0) for s in mine)  # forward out, gradient back
         tokens = setup.micro_batch * setup.seq_len // setup.cp
+        in_flight = _in_flight(setup, rank)
         transient = tokens * spec.activations(activation_bytes).head_transient
-        parts.append(RankPart(rank, specs, together, _in_flight(setup, rank),
-                              sends * setup.grad_accum * boundary,
-                              transient if stages - 1 in mine else 0))  # fmt: skip
+        transient = transient if stages - 1 in mine else 0
+        held = None
+        if len(mine) > 1:
+            held = _held_at_peak(setup, rank, list(mine), specs, together, spec, hidden,
+                                 activation_bytes)  # fmt: skip
+        if held is not None:
+            in_flight, transient = held[0], tokens * held[1]
+        parts.append(RankPart(rank, specs, together, in_flight,
+                              sends * setup.grad_accum * boundary, transient))  # fmt: skip
     return parts
+
+
+def _held_at_peak(setup, rank: int, mine: list[int], specs, together: ModelSpec,
+                  whole_spec: ModelSpec, hidden: int, a: int):  # fmt: skip
+    """Walking torch's action list for pipeline rank `rank` (stages `mine`, their `specs`):
+    at the moment it holds the most, (the activations held, in micro-batches of the rank's
+    whole `together`; the bytes per token of everything else then: the gradients kept for
+    weight halves, the tensors sent so far (torch's runtime waits for its sends at the end
+    of the step, so each lives till then) and the running backward's own gradients); a
+    tuple (float, int). None where torch's list is not to be had."""
+    actions = compat.pipeline_actions(PIPELINE_SCHEDULES[setup.pp_schedule], mine, setup.pp,
+                                      rank, setup.grad_accum)  # fmt: skip
+    if not actions:
+        return None
+    stages = setup.pp * len(mine)
+    per_token = lambda s: s.activations(a).on_rank(setup.tp, setup.sp)  # noqa: E731
+    whole = per_token(whole_spec)
+    boundary = hidden * a // (setup.tp if setup.sp else 1)
+    saved, kept, running = {}, {}, {}
+    for index, spec in zip(mine, specs):
+        stage = per_token(spec)
+        saved[index] = stage.per_token("none")
+        # the weight half starts from the gradients of the matrix products' outputs: about
+        # what selective AC keeps of a block (those outputs)
+        kept[index] = sum(n * layer.kept for n, layer in stage.layers)
+        # while a backward runs: a block's activation gradients (as per_token's), freed as
+        # it goes; the input half frees nothing (the weight half needs the graph), so it
+        # holds what it keeps, and on the last stage the loss's gradients too
+        largest = max((layer.all for _, layer in stage.layers), default=0)
+        last = whole.head_transient if index == stages - 1 else 0
+        running[index] = {"B": largest * 3 // 8, "I": kept[index] + largest * 3 // 8 + last}
+    sends_forward = {i for i in mine if i < stages - 1 and i + 1 not in mine}
+    sends_back = {i for i in mine if i > 0 and i - 1 not in mine}
+    held: dict[tuple[int, int], list[int]] = {}
+    sent, peak = 0, (0, 0)
+
+    def now(extra: int = 0) -> tuple[int, int]:
+        return (sum(h[0] for h in held.values()),
+                sum(h[1] for h in held.values()) + sent + extra)  # fmt: skip
+
+    for kind, stage, micro in actions:
+        moments = []
+        if kind in ("B", "I"):  # while it runs: its gradients besides what is held
+            moments.append(now(running[stage][kind]))
+            sent += boundary * (stage in sends_back)
+        if kind == "F":
+            held[(stage, micro)] = [saved[stage], 0]
+        elif kind == "I" and (stage, micro) in held:
+            held[(stage, micro)][1] = kept[stage]
+        elif held.pop((stage, micro), None) is not None:  # a whole backward, a weight half
+            sent += boundary * (stage in sends_forward)  # its output, till the sends end
+        moments.append(now())
+        peak = max([peak, *moments], key=sum)
+    return peak[0] / per_token(together).per_token("none"), peak[1]
 
 
 def _in_flight(setup, rank: int) -> float:
