@@ -230,7 +230,8 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
     fsdp2_losses = summary.get(fsdp2, {}).get("losses")
     # expert parallelism's all-to-alls get their own column when an EP mode ran
     with_ep = "ep3" in opts["modes"]
-    kinds = [k for k in COMM_KINDS if with_ep or k != "ep_all_to_all"]
+    kinds = [k for k in COMM_KINDS if (with_ep or k != "ep_all_to_all")
+             and ("cp3" in opts["modes"] or k != "cp_all_to_all")]  # fmt: skip
     header = (
         "| mode | step ms (median) | ×FSDP2 | ×DDP | fwd ms | bwd ms | opt ms "
         "| CPU s/step (all ranks) | CPU ×FSDP2 | CPU ×DDP "
@@ -490,6 +491,10 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
         for ours, peer in (("sp3", "fsdp2-sp"), ("sp3", "fsdp2-tp"), ("cp3", "fsdp2"))
         if ours in summary and peer in summary
     ]
+    if "cp3" in summary:
+        ring = summary["cp3"]["comm"]["cp_all_to_all"]
+        long.append(f"{MODE_NAMES['cp3']} passes {_fmt_bytes(ring)} of key and value "
+                    "gradients around the ring per step (in its sent bytes)")  # fmt: skip
     if long:
         explain.append(f"\nLong sequences: {'; '.join(long)}, step-paired medians as above.")
     if "fsdp2-moe" in summary:

@@ -14,11 +14,13 @@ def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send", "ep_all_to_all")
+COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send", "ep_all_to_all",
+              "cp_all_to_all")  # fmt: skip
 # Bytes each rank sends per counted byte of a collective, as (N-1)/N multiples, for the
 # algorithms gloo runs: ring all-gather, all-to-all and ring all-reduce (reduce-scatter +
 # all-gather); gloo's reduce-scatter clones its input and all-reduces all of it.
-WIRE_FACTOR = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 2, "all_to_all": 1}
+WIRE_FACTOR = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 2, "all_to_all": 1,
+               "cp_all_to_all": 1}  # fmt: skip
 COUNTED_NAME = {
     "all_gather": "all_gather_single",
     "reduce_scatter": "reduce_scatter_single",
@@ -26,6 +28,7 @@ COUNTED_NAME = {
     "all_to_all": "all_to_all_single",
     "send": "isend",
     "ep_all_to_all": "all_to_all_single (EP)",
+    "cp_all_to_all": "all_to_all_single (CP ring)",
 }
 
 
@@ -33,8 +36,9 @@ def _by_group_size(comm: dict, kind: str, world: int) -> dict[int, float]:
     """A kind's counted bytes by the size of the group they went over: as counted
     (`comm["group_sizes"]`), or all over the world (an analytic count, an older result)."""
     split = (comm.get("group_sizes") or {}).get(kind)
-    if not split or not math.isclose(sum(split.values()), comm[kind], rel_tol=1e-9):
-        return {world: comm[kind]}
+    counted = comm.get(kind, 0)  # (a kind an older result did not count: none)
+    if not split or not math.isclose(sum(split.values()), counted, rel_tol=1e-9):
+        return {world: counted}
     return {int(n): b for n, b in split.items()}
 
 
@@ -105,6 +109,7 @@ class CommCounter:
         ("all_reduce",): ("all_reduce", 2),
         ("all_gather_single", "all_gather_tensor"): ("all_gather", 2),
         ("reduce_scatter_single", "reduce_scatter_tensor"): ("reduce_scatter", 3),
+        ("all_to_all_single",): ("cp_all_to_all", 3),
     }
 
     def reset(self) -> None:

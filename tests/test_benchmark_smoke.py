@@ -177,6 +177,10 @@ def test_compare_tp_modes(tmp_path):
     assert _kib(sp["all-reduce /step"]) < _kib(ours["all-reduce /step"]) / 4
     assert re.search(r"flatshard TP\+SP ZeRO-3 vs FSDP2 TP\+SP: step x [0-9.]+", text)
     assert re.search(r"flatshard CP ZeRO-3 vs FSDP2: step x [0-9.]+", text)
+    # torch's ring passes the key and value gradients with functional all-to-alls: counted
+    ring = re.search(r"passes ([0-9.]+) (B|KiB|MiB) of key and value gradients", text)
+    assert ring and float(ring.group(1)) > 0, text
+    assert re.search(r"all_to_all_single \(CP ring\) [1-9]", text)
 
 
 def test_compare_moe_modes(tmp_path):
