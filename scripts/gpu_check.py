@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import os
 import statistics
@@ -38,152 +37,27 @@ import sys
 import time
 import traceback
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:  # flatshard from the checkout (no install on the GPU machine)
-    sys.path.insert(0, _ROOT)
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-# (config, micro batch, sequence length) per size, for the GPU and for the CPU dry run
-SIZES = {
-    "gpu": {
-        "35m": (dict(vocab_size=12000, dim=512, n_layers=8, n_heads=8, n_kv_heads=4,
-                     ffn_dim=1376, max_seq_len=2048), 8, 512),
-        "activations": (dict(vocab_size=12000, dim=512, n_layers=8, n_heads=8, n_kv_heads=4,
-                             ffn_dim=1376, max_seq_len=2048), 8, 2048),
-        "1b": (dict(vocab_size=32000, dim=2048, n_layers=16, n_heads=16, n_kv_heads=8,
-                    ffn_dim=5632, max_seq_len=2048), 4, 2048),
-        # Llama-3-8B's shapes, 4 of its 32 layers (1.9B parameters with the vocabulary)
-        "8b": (dict(vocab_size=128256, dim=4096, n_layers=4, n_heads=32, n_kv_heads=8,
-                    ffn_dim=14336, max_seq_len=8192, rope_theta=500000.0), 1, 8192),
-    },
-    "cpu": {
-        "35m": (dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
-                     max_seq_len=64), 2, 16),
-        "activations": (dict(vocab_size=61, dim=32, n_layers=3, n_heads=4, n_kv_heads=2,
-                             ffn_dim=48, max_seq_len=64), 2, 32),
-        "1b": (dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
-                    max_seq_len=64), 2, 16),
-        "8b": (dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
-                    max_seq_len=64, rope_theta=500000.0), 1, 32),
-    },
-}  # fmt: skip
-STEPS, WARMUP = 4, 1
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense, SXM
-
-
-class Check:
-    """What every section shares: the device, the sizes, the report."""
-
-    def __init__(self, device: torch.device, sizes: dict):
-        self.device, self.sizes, self.report = device, sizes, {}
-        self.cuda = device.type == "cuda"
-
-    def model(self, size: str, seed: int = 0):
-        from flatshard.models import Llama, LlamaConfig
-
-        torch.manual_seed(seed)
-        with torch.device("meta"):
-            model = Llama(LlamaConfig(**self.sizes[size][0]))
-        return model
-
-    def data(self, size: str, steps: int = STEPS + WARMUP):
-        cfg, batch, seq = self.sizes[size]
-        generator = torch.Generator().manual_seed(1)
-        shape = (batch, seq + 1)
-        return [
-            torch.randint(0, cfg["vocab_size"], shape, generator=generator) for _ in range(steps)
-        ]
-
-    def sharded(self, size: str, device=None, **options):
-        """The `size` Llama through `flatshard.parallelize` at world 1 on `device`."""
-        import flatshard
-
-        device = device or self.device
-        model = self.model(size)
-        dims = flatshard.ParallelDims(1)
-        flatshard.parallelize(model, dims.build(device.type), **options)
-        torch.manual_seed(0)
-        flatshard.materialize(model, device)
-        return model
-
-    def fsdp2(self, size: str = "1b", ac=None, compile: bool = False):
-        """The `size` Llama in bf16 under PyTorch FSDP2 (per block and the root), its blocks
-        checkpointed by flatshard's AC wrapper and compiled as flatshard's are, on request."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        from flatshard.api.activation_checkpointing import checkpoint_block
-        from flatshard.models import Llama, LlamaConfig
-
-        torch.manual_seed(0)
-        with torch.device(self.device):
-            model = Llama(LlamaConfig(**self.sizes[size][0]))
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for block in model.layers:
-            if ac is not None:
-                checkpoint_block(block, ac)
-            fully_shard(block, mp_policy=policy)
-            if compile:  # FSDP2's hooks are skipped by dynamo: whole block graphs
-                block.compile()
-        fully_shard(model, mp_policy=policy)
-        return model
-
-    def train(self, model, size: str, device=None, steps: int = STEPS + WARMUP,
-              optimizer=None) -> dict:  # fmt: skip
-        """Losses and step times (after WARMUP) of optimizer steps (default: torch's AdamW) on
-        the fixed data."""
-        device = device or self.device
-        optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-3)
-        losses, times = [], []
-        for tokens in self.data(size, steps):
-            tokens = tokens.to(device)
-            self.sync()
-            start = time.perf_counter()
-            logits = model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            self.sync()
-            times.append(time.perf_counter() - start)
-            losses.append(loss.item())
-        return {"losses": losses, "step_s": statistics.median(times[WARMUP:])}
-
-    @contextlib.contextmanager
-    def deterministic(self):
-        """Bitwise-repeatable kernels (a GPU's embedding backward adds atomically, in any
-        order): for the sections that compare runs bitwise."""
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        filling = torch.utils.deterministic.fill_uninitialized_memory
-        torch.utils.deterministic.fill_uninitialized_memory = False  # not a cost to time
-        try:
-            with sdpa_kernel(SDPBackend.MATH):  # the fused attention backwards add atomically
-                yield
-        finally:
-            torch.use_deterministic_algorithms(False)
-            torch.utils.deterministic.fill_uninitialized_memory = filling
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def reset_peak(self) -> None:
-        gc.collect()  # models of earlier runs (their reference cycles) go first
-        if self.cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-
-    def peak(self) -> int | None:
-        return torch.cuda.max_memory_allocated() if self.cuda else None
-
-
-def _max_rel(ours: list[float], theirs: list[float]) -> float:
-    return max(abs(a - b) / abs(b) for a, b in zip(ours, theirs))
-
+# gpu_check_setup puts the checkout's flatshard on the path (the GPU machine has none installed)
+from gpu_check_setup import (
+    SIZES,
+    STEPS,
+    WARMUP,
+    Check,
+    _max_rel,
+    _profile_step,
+)
+from gpu_check_speed import (
+    ac_1b,
+    ac_compiled_1b,
+    activation_offload_1b,
+    fsdp2_1b,
+    scale_8b,
+    scale_8b_compiled,
+)
 
 # --- sections ---------------------------------------------------------------------------------
 
@@ -444,232 +318,6 @@ def _step_memory(check: Check, model, size: str) -> dict | None:
     at["after_backward"] = torch.cuda.memory_allocated()
     model.zero_grad()
     return at
-
-
-def _profile_step(check: Check, model, size: str, rows: int = 12) -> list | None:
-    """The device time of one step by kernel (copies included), largest first."""
-    if not check.cuda:
-        return None
-    from torch.profiler import ProfilerActivity, profile
-
-    tokens = check.data(size, 1)[0].to(check.device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        logits = model(tokens[:, :-1])
-        F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
-        check.sync()
-    model.zero_grad()
-    events = prof.key_averages()
-
-    def device_us(event):
-        return getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
-
-    top = sorted(events, key=device_us, reverse=True)[:rows]
-    found = [{"name": e.key[:80], "device_ms": device_us(e) / 1e3, "count": e.count,
-              "cpu_ms": e.cpu_time_total / 1e3} for e in top]  # fmt: skip
-    step_cpu = max((e.cpu_time_total for e in events), default=0)
-    found.append({"name": "largest cpu total", "cpu_ms": step_cpu / 1e3})
-    return found + [{"name": "copy/compute overlap", **_copy_overlap(prof.events())}]
-
-
-def _copy_overlap(events) -> dict:
-    """Device milliseconds of host<->device copies, of kernels, and of copies that ran while
-    a kernel ran (how much of activation offload the compute hides)."""
-
-    def merged(spans):
-        out = []
-        for start, end in sorted(spans):
-            if out and start <= out[-1][1]:
-                out[-1][1] = max(out[-1][1], end)
-            else:
-                out.append([start, end])
-        return out
-
-    copies, kernels = [], []
-    for event in events:
-        if str(getattr(event, "device_type", "")).split(".")[-1] != "CUDA":
-            continue
-        span = (event.time_range.start, event.time_range.end)
-        is_copy = "Memcpy HtoD" in event.name or "Memcpy DtoH" in event.name
-        (copies if is_copy else kernels).append(span)
-    copies, kernels = merged(copies), merged(kernels)
-    hidden = sum(max(0, min(c[1], k[1]) - max(c[0], k[0])) for c in copies for k in kernels)
-    total = sum(end - start for start, end in copies)
-    return {
-        "copy_ms": total / 1e3,
-        "kernel_ms": sum(end - start for start, end in kernels) / 1e3,
-        "copy_hidden_ms": hidden / 1e3,
-        "copy_hidden_fraction": hidden / max(1, total),
-    }
-
-
-def activation_offload_1b(check: Check) -> dict:
-    """Activation offload where a block's compute is large against its activations (the 1b
-    Llama in bf16): step time and peak against no offload, losses equal."""
-    import flatshard
-
-    policy = flatshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    out = {}
-    for mode in ("none", "offload"):
-        ac = None if mode == "none" else mode
-        model = check.sharded("1b", mp_policy=policy, activation_checkpointing=ac)
-        check.reset_peak()
-        run = check.train(model, "1b", steps=WARMUP + 2)
-        out[mode] = {"step_s": run["step_s"], "losses": run["losses"], "peak_bytes": check.peak()}
-        if mode == "offload":
-            out[mode]["profile"] = _profile_step(check, model, "1b")
-        del model
-    out["step_ratio"] = out["offload"]["step_s"] / out["none"]["step_s"]
-    out["equal_losses"] = out["offload"]["losses"] == out["none"]["losses"]
-    out["ok"] = out["equal_losses"]
-    return out
-
-
-def ac_1b(check: Check, compile: bool = False) -> dict:
-    """Step time and peak per activation checkpointing mode where matrix products dominate
-    (the 1b Llama in bf16, fused attention): selective should fall between none and full."""
-    import flatshard
-
-    policy = flatshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    out = {}
-    for mode in ("none", "full", "selective"):
-        ac = None if mode == "none" else mode
-        options = dict(mp_policy=policy, activation_checkpointing=ac, compile=compile)
-        model = check.sharded("1b", **options)
-        check.reset_peak()
-        run = check.train(model, "1b", steps=WARMUP + 3)
-        out[mode] = {"step_s": run["step_s"], "peak_bytes": check.peak()}
-        del model
-    for mode in ("none", "full", "selective"):  # the peer: the same AC and compile on FSDP2
-        model = check.fsdp2(ac=None if mode == "none" else mode, compile=compile)
-        check.reset_peak()
-        run = check.train(model, "1b", steps=WARMUP + 3)
-        out[f"fsdp2_{mode}"] = {"step_s": run["step_s"], "peak_bytes": check.peak()}
-        del model
-    steps = [out[mode]["step_s"] for mode in ("none", "selective", "full")]
-    out["selective_between"] = steps[0] <= steps[1] <= steps[2]
-    out["ok"] = True  # a measurement: what it shows is in the report
-    return out
-
-
-def ac_compiled_1b(check: Check) -> dict:
-    """ac_1b with every block compiled: selective's policy then runs inside the graphs (in
-    eager, torch's dispatch mode costs host time per op: slower than full on an H200)."""
-    return ac_1b(check, compile=True)
-
-
-def fsdp2_1b(check: Check) -> dict:
-    """A ~1B Llama in bf16 at world 1: flatshard (torch's AdamW and flatshard's flat AdamW) and
-    FSDP2 step times, taken in rotation, and each one's phases timed alone."""
-
-    import flatshard
-
-    policy = flatshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-
-    ours = check.sharded("1b", mp_policy=policy)
-    theirs = check.fsdp2("1b")
-    flat = check.sharded("1b", mp_policy=policy)
-    runs = {"flatshard": ours, "fsdp2": theirs, "flatshard_flat_adamw": flat}
-    times = {name: [] for name in runs}
-    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in runs.items()}
-    optimizers["flatshard_flat_adamw"] = flatshard.optim.AdamW(flat.parameters(), lr=1e-4)
-    cfg, batch, seq = check.sizes["1b"]
-    for index, tokens in enumerate(check.data("1b", 2 * STEPS + 3 * WARMUP)):
-        tokens = tokens.to(check.device)
-        for name in list(runs)[index % len(runs) :] + list(runs)[: index % len(runs)]:
-            check.sync()
-            start = time.perf_counter()
-            logits = runs[name](tokens[:, :-1])
-            F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
-            optimizers[name].step()
-            optimizers[name].zero_grad()
-            check.sync()
-            times[name].append(time.perf_counter() - start)
-    step = {name: statistics.median(t[3 * WARMUP :]) for name, t in times.items()}
-    params = sum(p.numel() for p in ours.parameters())
-    out = {"params": params, "step_s": step, "ratio": step["flatshard"] / step["fsdp2"],
-           "ratio_flat_adamw": step["flatshard_flat_adamw"] / step["fsdp2"]}  # fmt: skip
-    out["phases_ms"] = {name: _phases(check, runs[name], optimizers[name]) for name in runs}
-    if check.cuda:
-        name = torch.cuda.get_device_name()
-        peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
-        if peak:
-            flops = 6 * params * batch * seq
-            out["mfu"] = {n: flops / s / peak for n, s in step.items()}
-    out["ok"] = True
-    return out
-
-
-def scale_8b(check: Check, compile: bool = False) -> dict:
-    """Llama-3-8B's shapes (4 layers, 8192 tokens, bf16 with fp32 reduction) at world 1, one
-    run at a time: flatshard with torch's fused AdamW and with its own flat AdamW on that
-    kernel, against FSDP2 with torch's fused AdamW; step time, MFU, peak memory, losses and
-    each phase's device and host time."""
-    import flatshard
-
-    policy = flatshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    flatshard_model = lambda: check.sharded("8b", mp_policy=policy, compile=compile)  # noqa: E731
-    runs = {
-        "flatshard": (flatshard_model, torch.optim.AdamW),
-        "flatshard_flat_adamw": (flatshard_model, flatshard.optim.AdamW),
-        "fsdp2": (lambda: check.fsdp2("8b", compile=compile), torch.optim.AdamW),
-    }
-    cfg, batch, seq = check.sizes["8b"]
-    out = {}
-    for name, (build, make) in runs.items():
-        model = build()
-        optimizer = make(model.parameters(), lr=1e-4, fused=True)
-        check.reset_peak()
-        run = check.train(model, "8b", steps=WARMUP + 3, optimizer=optimizer)
-        out[name] = {**run, "peak_bytes": check.peak(),
-                     "phases_ms": _phases(check, model, optimizer, size="8b")}  # fmt: skip
-        params = sum(p.numel() for p in model.parameters())
-        del model, optimizer
-    # per token: 6 x the parameters the tokens multiply (all but the embedding lookup) and the
-    # attention's 12 x layers x dim x sequence (torchtitan's count)
-    flops = batch * seq * (6 * (params - cfg["vocab_size"] * cfg["dim"])
-                           + 12 * cfg["n_layers"] * cfg["dim"] * seq)  # fmt: skip
-    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if check.cuda and k in
-                 torch.cuda.get_device_name()), None)  # fmt: skip
-    for name in runs:
-        out[name]["mfu"] = flops / out[name]["step_s"] / peak if peak else None
-    out["params"] = params
-    out["step_ratio"] = {n: out[n]["step_s"] / out["fsdp2"]["step_s"] for n in runs}
-    out["loss_max_rel_fsdp2"] = _max_rel(out["flatshard"]["losses"], out["fsdp2"]["losses"])
-    out["ok"] = out["loss_max_rel_fsdp2"] < 2e-2  # the same model and data: close losses
-    return out
-
-
-def scale_8b_compiled(check: Check) -> dict:
-    """scale_8b with every block compiled (flatshard's and FSDP2's alike)."""
-    return scale_8b(check, compile=True)
-
-
-def _phases(check: Check, model, optimizer, steps: int = 3, size: str = "1b") -> dict:
-    """Median milliseconds of forward, backward and optimizer step, each timed alone (the
-    device synchronized between them), and the host time of each: until its calls return,
-    before the device is waited for."""
-    tokens = check.data(size, 1)[0].to(check.device)
-    phases = ("forward", "backward", "optimizer")
-    timed = {key: [] for phase in phases for key in (phase, phase + "_host")}
-
-    def forward():
-        logits = model(tokens[:, :-1])
-        return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-
-    def step(_):
-        optimizer.step()
-        optimizer.zero_grad()
-
-    for _ in range(steps):
-        check.sync()
-        result = None
-        for phase, call in zip(phases, (lambda _: forward(), lambda loss: loss.backward(), step)):
-            start = time.perf_counter()
-            result = call(result)  # the loss, for the backward
-            timed[phase + "_host"].append(time.perf_counter() - start)
-            check.sync()
-            timed[phase].append(time.perf_counter() - start)
-    return {key: 1e3 * statistics.median(values) for key, values in timed.items()}
 
 
 def fused_adamw(check: Check) -> dict:
