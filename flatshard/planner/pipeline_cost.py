@@ -8,7 +8,10 @@ What a rank holds at once under the schedules of two stages a rank is read off t
 action list for it (`compat.pipeline_actions`): a forward's activations live until its
 backward, or under the zero-bubble schedules until the backward's weight half, and from
 the input half to the weight half also the gradients of the matrix products' outputs that
-the weight half starts from (torch's `stage_backward_input` keeps them)."""
+the weight half starts from (torch's `stage_backward_input` keeps them); each tensor sent
+to another rank lives until the step ends (torch's runtime waits for its sends then), and
+a running backward adds its own gradients. Checked against measured peaks of every
+schedule (`tests/test_cli_pipeline.py`, benchmarks/RESULTS.md)."""
 
 from __future__ import annotations
 
@@ -37,8 +40,8 @@ class RankPart:
     whole: ModelSpec
     in_flight: float
     sent: int
-    # activation bytes held once: the loss's backward on the last stage, and the zero-bubble
-    # schedules' gradients kept for the weight halves
+    # bytes held at the peak besides the in-flight activations: the loss's backward on the
+    # last stage; with two stages a rank, all else the walk of torch's action list finds
     transient: int
 
 
@@ -159,7 +162,8 @@ def _held_at_peak(setup, rank: int, mine: list[int], specs, together: ModelSpec,
 
 
 def _in_flight(setup, rank: int) -> float:
-    """Micro-batches of the rank's activations held at once, at the peak: GPipe runs every
+    """Micro-batches of the rank's activations held at once, at the peak (the closed forms;
+    with two stages a rank only where torch's action list is not to be had): GPipe runs every
     forward first; 1F1B starts `pp - rank` of them before its first backward; interleaved
     1F1B holds `2 (pp - rank - 1) + pp + 1` chunks of a stage (half the rank's blocks);
     looped BFS every micro-batch of both stages."""
