@@ -6,6 +6,8 @@ state dict. Parameters held at once stay within `max_bytes` plus the largest one
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -56,12 +58,20 @@ def _held_peak(consume):
 
     peak = [0]
 
-    def probe():
+    def held() -> int:
         records: dict[int, list] = {}
         for storage in recorded:  # a nested gather's buffer may be recorded twice
             records.setdefault(storage.data_ptr(), []).append(storage)
-        held = [s[0].nbytes() for s in records.values() if _held_elsewhere(s[0], len(s))]
-        peak[0] = max(peak[0], sum(held))
+        return sum(s[0].nbytes() for s in records.values() if _held_elsewhere(s[0], len(s)))
+
+    def probe():
+        now = held()
+        for _ in range(5 if now > peak[0] else 0):
+            # gloo's worker thread may hold a finished collective's buffer a moment longer
+            # (seen once on a loaded machine: 512 bytes over): a real hold stays
+            time.sleep(0.01)
+            now = min(now, held())
+        peak[0] = max(peak[0], now)
 
     DTensor.full_tensor, FlatBucket.gather_main = map(recording, originals)
     try:
