@@ -149,6 +149,13 @@ class Check:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
 
+    def peak_flops(self) -> float | None:
+        """The device's dense bf16 peak (None: not a GPU of PEAK_BF16_FLOPS)."""
+        if not self.cuda:
+            return None
+        name = torch.cuda.get_device_name()
+        return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
     def peak(self) -> int | None:
         return torch.cuda.max_memory_allocated() if self.cuda else None
 

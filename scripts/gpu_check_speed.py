@@ -9,7 +9,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from gpu_check_setup import PEAK_BF16_FLOPS, STEPS, WARMUP, Check, _max_rel, _profile_step
+from gpu_check_setup import STEPS, WARMUP, Check, _max_rel, _profile_step
 
 
 def activation_offload_1b(check: Check) -> dict:
@@ -99,12 +99,10 @@ def fsdp2_1b(check: Check) -> dict:
     out = {"params": params, "step_s": step, "ratio": step["flatshard"] / step["fsdp2"],
            "ratio_flat_adamw": step["flatshard_flat_adamw"] / step["fsdp2"]}  # fmt: skip
     out["phases_ms"] = {name: _phases(check, runs[name], optimizers[name]) for name in runs}
-    if check.cuda:
-        name = torch.cuda.get_device_name()
-        peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
-        if peak:
-            flops = 6 * params * batch * seq
-            out["mfu"] = {n: flops / s / peak for n, s in step.items()}
+    peak = check.peak_flops()
+    if peak:
+        flops = 6 * params * batch * seq
+        out["mfu"] = {n: flops / s / peak for n, s in step.items()}
     out["ok"] = True
     return out
 
@@ -138,8 +136,7 @@ def scale_8b(check: Check, compile: bool = False) -> dict:
     # attention's 12 x layers x dim x sequence (torchtitan's count)
     flops = batch * seq * (6 * (params - cfg["vocab_size"] * cfg["dim"])
                            + 12 * cfg["n_layers"] * cfg["dim"] * seq)  # fmt: skip
-    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if check.cuda and k in
-                 torch.cuda.get_device_name()), None)  # fmt: skip
+    peak = check.peak_flops()
     for name in runs:
         out[name]["mfu"] = flops / out[name]["step_s"] / peak if peak else None
     out["params"] = params

@@ -91,6 +91,8 @@ class Pipeline:
         self.model, self.modules, self.stages = model, modules, stages
         self.schedule, self.meshes, self.microbatches = schedule, meshes, microbatches
         self.loss_fn = loss_fn
+        # the last stage's outputs (the logits of every micro-batch) are not ours to return
+        self._step = functools.partial(schedule.step, **compat.pipeline_step_options(schedule.step))
 
     @property
     def is_first(self) -> bool:
@@ -110,10 +112,7 @@ class Pipeline:
         batches (summed with scale_grads=False), as one process would have them. Returns
         the loss they are of (the micro-batches' losses' mean, or sum), on every rank of
         the pipeline."""
-        # the last stage's outputs (the logits of every micro-batch) are not ours to return
-        step = functools.partial(self.schedule.step,
-                                 **compat.pipeline_step_options(self.schedule.step))  # fmt: skip
-        losses = self._run(step, inputs, target)
+        losses = self._run(self._step, inputs, target)
         return self._to_all(losses, summed=not self.schedule.scale_grads)
 
     @torch.no_grad()
