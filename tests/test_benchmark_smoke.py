@@ -286,14 +286,7 @@ def test_hf_parallel_script():
     pytest.importorskip("transformers")
     script = os.path.join(ROOT, "benchmarks", "hf_parallel.py")
     tiny = ["--world", "2", "--tp", "2", "--steps", "2", "--layers", "1", "--hidden", "64"]
-    for attempt in range(2):
-        proc = _script(script, *tiny, "--vocab", "256", "--seq", "16", env={"HF_HUB_OFFLINE": "1"})
-        # A worker of this script has aborted inside gloo twice in about twenty CI runs
-        # ("terminate called without an active exception", SIGABRT, not reproduced in 10
-        # runs since): run it once more then, and fail on anything else or a second abort.
-        if proc.returncode == 0 or "signal SIGABRT" not in proc.stderr:
-            break
-        print(f"hf_parallel.py: a worker aborted (attempt {attempt + 1}):\n{proc.stderr[-2000:]}")
+    proc = _script(script, *tiny, "--vocab", "256", "--seq", "16", env={"HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     agree = re.search(r"losses agree to (\S+) \(relative\)", proc.stdout)
     assert agree and float(agree.group(1)) <= 1e-5, proc.stdout

@@ -4,6 +4,9 @@ gather can move other bytes (here bf16) than the bucket's compute dtype."""
 
 from __future__ import annotations
 
+import atexit
+import time
+
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
@@ -11,7 +14,7 @@ from reference import batches, build_model, config, rel_losses, shard, train
 
 import flatshard
 from flatshard import comm
-from flatshard.comm import nccl_shim
+from flatshard.comm import exit_guard, nccl_shim
 
 STEPS = 3
 
@@ -83,18 +86,24 @@ def test_gather_hook_sees_every_bucket_gather_and_can_move_other_bytes():
 
 def _chosen_collectives():
     group = dist.new_group([0, 1])
+    exit_guard._installed = False  # as in a fresh process (this worker served other tests)
+    atexit.unregister(time.sleep)
+    before = atexit._ncallbacks()
     first, again = comm.for_group(group), comm.for_group(group)
+    pauses = atexit._ncallbacks() - before
     nccl_shim.set_active(True)
     try:
         shimmed = comm.for_group(group)
     finally:
         nccl_shim.set_active(False)
-    return type(first).__name__, first is again, type(shimmed).__name__
+    return type(first).__name__, first is again, type(shimmed).__name__, pauses
 
 
 def test_collectives_are_chosen_once_per_group():
-    kind, same, shimmed = run_distributed(_chosen_collectives, 2)[0]
-    assert (kind, same, shimmed) == ("GlooCollectives", True, "HazardShimCollectives")
+    """...and the first choice installs one pause at exit (comm/exit_guard.py: without it
+    examples/muon.py aborted after its last line in about 1 run in 7)."""
+    kind, same, shimmed, pauses = run_distributed(_chosen_collectives, 2)[0]
+    assert (kind, same, shimmed, pauses) == ("GlooCollectives", True, "HazardShimCollectives", 1)
 
 
 def test_state_of_an_unsharded_module_is_none():

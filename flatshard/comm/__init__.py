@@ -9,6 +9,7 @@
 - `nccl_shim.py`: CPU collectives that behave like asynchronous NCCL (tests).
 - `peer_failure.py`: which rank failed first, and why, for the others' errors.
 - `agreement.py`: checks that can differ per rank, agreed before any collective.
+- `exit_guard.py`: a pause at exit so that the collectives' threads finish first.
 
 Callers take the first two from here (`from flatshard import comm; comm.for_group(...)`).
 """

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from flatshard import compat
-from flatshard.comm import nccl_shim, peer_failure
+from flatshard.comm import exit_guard, nccl_shim, peer_failure
 
 
 class Traffic:
@@ -130,6 +130,7 @@ def for_group(group) -> Collectives:
         chosen = _CHOSEN[group] = {}
     shim = nccl_shim.active()
     if shim not in chosen:
+        exit_guard.install()
         if shim:
             kind = HazardShimCollectives
         elif dist.get_backend(group) == "gloo":
