@@ -201,6 +201,29 @@ def test_a_pipelined_fine_tune_resumes_without_a_pipeline(phi3, tmp_path):
     _exports_agree(tmp_path, straight, piped, phi3)
 
 
+def test_a_pipelined_moe_fine_tune_has_the_losses_of_the_run_without(mixtral, tmp_path):
+    """--hf --pp 2 of an MoE model (Mixtral): each stage routes its own layers, and the run
+    has the losses of the data-parallel one and exports its weights. Its config.json asks
+    for the load-balancing loss (output_router_logits), which flatshard leaves out of a
+    transformers model's loss (with a pipeline or without): the run says so at its start."""
+    path, _ = mixtral
+    balanced = tmp_path / "balanced"
+    balanced.mkdir()
+    config = json.loads((path / "config.json").read_text())
+    (balanced / "config.json").write_text(json.dumps({**config, "output_router_logits": True}))
+    os.symlink(path / "model.safetensors", balanced / "model.safetensors")
+    straight, piped = tmp_path / "straight", tmp_path / "piped"
+    run = [*RUN, "--global-batch", 8, "--steps", 3]  # 2 micro-batches a data-parallel rank
+    check_ok(flatshard("train", "--hf", path, *run, "--nproc", 2, "--out", straight))
+    result = check_ok(flatshard("train", "--hf", balanced, *run, "--nproc", 4, "--pp", 2,
+                                "--out", piped))  # fmt: skip
+    assert "asks for a load-balancing loss (output_router_logits, weight 0.001)" in result.stdout
+    expected, losses = ([r["loss"] for r in metrics(d)] for d in (straight, piped))
+    assert len(losses) == 3
+    assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(losses, expected))
+    _exports_agree(tmp_path, straight, piped, path)
+
+
 def _exports_agree(tmp_path, straight, other, source) -> None:
     """Both runs' checkpoints convert to the source model's tensors, equal to each other's,
     and `other`'s loads in transformers."""

@@ -85,15 +85,23 @@ def test_pipeline_stages_split_the_sequence_under_context_parallelism(tmp_path, 
 
 def test_microbatches_and_what_a_pipeline_cannot_take(tmp_path):
     """--microbatches sets the micro-batch size; layouts and features a pipeline does not
-    take yet are refused in one line that names the keys."""
+    take yet are refused in one line that names the keys; an MoE model without a
+    load-balancing loss trains through the stages."""
     run = tmp_path / "run"
     check_ok(flatshard(*RUN, "--steps", "2", "--nproc", "2", "--pp", "2", "--microbatches",
                        "4", "--pp-schedule", "gpipe", "--out", run, timeout=300))  # fmt: skip
     assert "micro_batch = 2" in (run / "config.toml").read_text()
     refused = flatshard(*RUN, "--steps", "2", "--nproc", "4", "--pp", "3")
     assert "train.pp (3) must divide world_size (4)" in one_line_error(refused)
-    refused = flatshard(*RUN, "--steps", "2", "--nproc", "2", "--pp", "2", "--model", "moe-tiny")
-    assert "train.pp (2) with a mixture-of-experts model" in one_line_error(refused)
+    moe = [*RUN, "--steps", "2", "--model", "moe-tiny"]
+    refused = one_line_error(flatshard(*moe, "--nproc", "2", "--pp", "2"))
+    assert "train.pp (2) with a mixture-of-experts model's load-balancing loss" in refused
+    assert "set model.aux_loss_coef=0" in refused
+    # without it, each stage routes its own layers: the losses of the run without a pipeline
+    moe += ["--set", "model.aux_loss_coef=0"]
+    check_ok(flatshard(*moe, "--nproc", "2", "--pp", "2", "--out", tmp_path / "moe-pp"))
+    check_ok(flatshard(*moe, "--nproc", "1", "--out", tmp_path / "moe"))
+    assert _losses(tmp_path / "moe-pp") == pytest.approx(_losses(tmp_path / "moe"), rel=1e-5)
     refused = flatshard(*RUN, "--steps", "2", "--nproc", "2", "--pp", "2", "--microbatches", "3")
     assert "train.microbatches (3) must divide" in one_line_error(refused)
 

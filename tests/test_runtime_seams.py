@@ -5,7 +5,6 @@ gather can move other bytes (here bf16) than the bucket's compute dtype."""
 from __future__ import annotations
 
 import atexit
-import time
 
 import torch
 import torch.distributed as dist
@@ -86,8 +85,7 @@ def test_gather_hook_sees_every_bucket_gather_and_can_move_other_bytes():
 
 def _chosen_collectives():
     group = dist.new_group([0, 1])
-    exit_guard._installed = False  # as in a fresh process (this worker served other tests)
-    atexit.unregister(time.sleep)
+    atexit.unregister(exit_guard.pause)  # as in a fresh process (this worker served others)
     before = atexit._ncallbacks()
     first, again = comm.for_group(group), comm.for_group(group)
     pauses = atexit._ncallbacks() - before

@@ -137,8 +137,6 @@ def _check_pipeline(config) -> None:
     if train.pp == 1:
         return
     not_yet = [
-        (config.model.preset.startswith("moe") or config.model.n_experts > 0,
-         "a mixture-of-experts model (its balancing loss)"),
         (config.data.pack, "packed conversations (data.pack)"),
         (config.sync.address, "weight sync (sync.address)"),
     ]  # fmt: skip
@@ -146,6 +144,24 @@ def _check_pipeline(config) -> None:
         if used:
             raise ConfigError(f"train.pp ({train.pp}) with {what} is not supported yet: use "
                               "one of the two")  # fmt: skip
+    moe = config.model.preset.startswith("moe") or config.model.n_experts > 0
+    if moe and config.model.aux_loss_coef > 0:
+        raise ConfigError(moe_balancing_loss_refused(train.pp, config.model.aux_loss_coef))
+
+
+def moe_balancing_loss_refused(pp: int, coef: float, hf: bool = False) -> str:
+    """Why a pipeline does not take an MoE model trained with a load-balancing loss (that
+    loss multiplies the routing counts of every stage's layers: a term no stage computes
+    alone), and how to train it without one."""
+    without = (
+        "set output_router_logits to false in the model's config.json" if hf
+        else "set model.aux_loss_coef=0"
+    )
+    return (
+        f"train.pp ({pp}) with a mixture-of-experts model's load-balancing loss (weight "
+        f"{coef:g}) is not supported yet: that loss multiplies the routing counts of every "
+        f"stage's layers; {without} (the cross-entropy alone) or train without --pp"
+    )
 
 
 def _check_sync(config) -> None:

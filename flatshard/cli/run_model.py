@@ -8,6 +8,7 @@ import torch
 
 import flatshard
 from flatshard import hf
+from flatshard.cli.config_rules import moe_balancing_loss_refused
 from flatshard.cli.errors import ConfigError
 from flatshard.cli.model import (
     activation_options,
@@ -87,10 +88,9 @@ def build_hf_pipeline(path: str, *, load: bool, device, **options) -> flatshard.
     adapter = hf.adapter_for_config(hf_config)
     with torch.device("meta"):
         whole = adapter.build(hf_config)
-    if isinstance(whole, MoE):  # its balancing loss adds the router's of every stage
-        pp = options["dims"].pp
-        raise ConfigError(f"train.pp ({pp}) with a mixture-of-experts model (its balancing "
-                          "loss) is not supported yet: use one of the two")  # fmt: skip
+    if isinstance(whole, MoE) and whole.config.aux_loss_coef > 0:
+        coef = whole.config.aux_loss_coef
+        raise ConfigError(moe_balancing_loss_refused(options["dims"].pp, coef, hf=True))
     pipe = _pipeline(whole, device=device, **options)
     adapter.allocate(pipe.model, device)
     if load:

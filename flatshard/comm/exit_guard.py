@@ -17,12 +17,14 @@ import atexit
 import time
 
 PAUSE_S = 0.1  # far longer than a thread waiting for the GIL needs, even on a loaded host
-_installed = False
+
+
+def pause() -> None:
+    """Give up the GIL for `PAUSE_S`."""
+    time.sleep(PAUSE_S)
 
 
 def install() -> None:
-    """Pause `PAUSE_S` at this process's exit (once, however often it is called)."""
-    global _installed
-    if not _installed:
-        atexit.register(time.sleep, PAUSE_S)
-        _installed = True
+    """Run `pause` at this process's exit (once, however often it is called)."""
+    atexit.unregister(pause)
+    atexit.register(pause)
