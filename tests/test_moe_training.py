@@ -95,3 +95,41 @@ def test_local_aux_loss_would_differ():
     batch's, and sharded training no longer equals one process."""
     results = run_distributed(_compare, 2, 3, aux_group=False)
     assert all(loss > 1e-5 and weights > 1e-4 for loss, weights, _ in results), results
+
+
+class _Rows:
+    """A step's data as the trainer reads it: every target labelled, or no labels at all."""
+
+    def __init__(self, tokens: torch.Tensor, labelled: bool):
+        self.tokens, self.labelled = tokens, labelled
+
+    def batch(self, first: int, count: int) -> torch.Tensor:
+        return self.tokens[first : first + count]
+
+    def labels(self, position: int, count: int):
+        return self.tokens[position : position + count, 1:] if self.labelled else None
+
+    def positions(self, first: int, count: int):
+        return None
+
+
+def test_labelled_micro_batches_weigh_the_balancing_loss_as_plain_ones():
+    """The trainer's step over 2 micro-batches of chat data whose every target is labelled
+    gives the gradients and loss of the same tokens as plain text: the load-balancing term
+    weighs 1/2 per micro-batch either way (it weighed 1 with labels, twice the weight)."""
+    from types import SimpleNamespace
+
+    from flatshard.cli.train import accumulate_gradients
+
+    cfg = MoEConfig.tiny("qwen3_moe", aux_loss_coef=AUX_COEF)
+    tokens = batches(cfg, 1)[0][:2]
+    train = SimpleNamespace(global_batch=2, micro_batch=1, zero_stage=3)
+    results = []
+    for labelled in (False, True):
+        torch.manual_seed(0)
+        model = MoE(cfg)
+        loss, _ = accumulate_gradients(model, _Rows(tokens, labelled), 0, train, 0, 1, "cpu")
+        results.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (plain, plain_grads), (chat, chat_grads) = results
+    assert abs(chat - plain) <= 1e-6 * plain
+    assert rel_diff(chat_grads, plain_grads) <= 1e-6

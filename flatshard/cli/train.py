@@ -321,8 +321,10 @@ def accumulate_gradients(model, order, position: int, train, dp_rank: int, dp_wo
             mine = first - position
             labels = step_labels[mine : mine + train.micro_batch].to(device)
             share = max(labelled, 1) / (dp_world * cp)
-            loss = training_loss(model, batch, labels=labels, divisor=share,
-                                 position_ids=positions)  # fmt: skip
+            # divided as the plain path's: an MoE's load-balancing term, which is per
+            # micro-batch, then weighs 1/accumulation there too (the tokens' sum weighs 1/share)
+            loss = training_loss(model, batch, labels=labels, divisor=share / accumulation,
+                                 position_ids=positions) / accumulation  # fmt: skip
         loss.backward()
         loss_sum += loss.detach().double()
     return loss_sum, labelled
