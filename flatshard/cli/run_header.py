@@ -118,6 +118,9 @@ def _describe_model(trainer) -> str:
         kind = own_class(trainer.model).__name__  # not fully_shard's subclass
         count = sum(p.numel() for p in trainer.model.parameters())
         line = f"model: {kind} from {trainer.config.model.hf}, {count:,} parameters"
+        config = getattr(trainer.model, "config", None)
+        if getattr(config, "output_router_logits", False) and config.router_aux_loss_coef:
+            line += f", its load-balancing loss x{config.router_aux_loss_coef:g} in the loss"
         train = trainer.config.train
         if train.lora_rank:
             trained = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
@@ -129,26 +132,11 @@ def _describe_model(trainer) -> str:
             )
             if train.qlora:
                 line += " (the adapted bases in 4-bit NF4)"
-        return line + _unadded_balancing_loss(trainer.model)
+        return line
     return (
         f"model: {_kind(model)}, {model.num_params() / 1e6:.1f}M parameters (dim "
         f"{model.dim}, {model.n_layers} layers, {model.n_heads} heads, ffn {model.ffn_dim}, "
         f"vocab {model.vocab_size})"
-    )
-
-
-def _unadded_balancing_loss(model) -> str:
-    """What a transformers MoE's config.json asks for that flatshard's loss leaves out: its
-    load-balancing loss (added by transformers' own forward with labels and
-    output_router_logits), said once at the start rather than trained without a word."""
-    config = getattr(getattr(model, "model", model), "config", None)  # a Pipeline's model
-    coef = getattr(config, "router_aux_loss_coef", 0) or 0
-    if not (getattr(config, "output_router_logits", False) and coef > 0):
-        return ""
-    return (
-        f"; note: its config.json asks for a load-balancing loss (output_router_logits, "
-        f"weight {coef:g}), which flatshard does not add to a transformers model's "
-        "cross-entropy yet (set output_router_logits to false to silence this)"
     )
 
 

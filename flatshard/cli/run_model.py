@@ -88,14 +88,26 @@ def build_hf_pipeline(path: str, *, load: bool, device, **options) -> flatshard.
     adapter = hf.adapter_for_config(hf_config)
     with torch.device("meta"):
         whole = adapter.build(hf_config)
-    if isinstance(whole, MoE) and whole.config.aux_loss_coef > 0:
-        coef = whole.config.aux_loss_coef
+    coef = _balancing_loss_weight(whole)
+    if coef > 0:
         raise ConfigError(moe_balancing_loss_refused(options["dims"].pp, coef, hf=True))
     pipe = _pipeline(whole, device=device, **options)
     adapter.allocate(pipe.model, device)
     if load:
         hf.load_pretrained(pipe.model, path, adapter=adapter, whole=whole)
     return pipe
+
+
+def _balancing_loss_weight(whole) -> float:
+    """The weight of the load-balancing loss an MoE model trains with (0: none): flatshard's
+    MoE's aux_loss_coef; a transformers MoE's router_aux_loss_coef where its config sets
+    output_router_logits."""
+    if isinstance(whole, MoE):
+        return whole.config.aux_loss_coef
+    config = getattr(whole, "config", None)
+    if not getattr(config, "output_router_logits", False):
+        return 0.0
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
 
 
 def _pipeline(whole, *, zero_stage: int, precision: str, device, dims: ParallelDims,

@@ -26,11 +26,18 @@ def next_token_loss(
     position_ids=None,
 ) -> torch.Tensor:  # fmt: skip
     """Cross-entropy of each token's prediction of the next (a transformers model's output
-    object included); see `token_loss` for `labels` and `divisor`. `position_ids` [B, T]:
-    packed documents (see `position_kwargs`)."""
+    object included; plus a transformers MoE's load-balancing loss where its config sets
+    output_router_logits); see `token_loss` for `labels` and `divisor`. `position_ids`
+    [B, T]: packed documents (see `position_kwargs`)."""
     inputs, targets, position_ids = model_inputs(model, batch, labels, position_ids)
     output = model(inputs, **position_kwargs(model, position_ids))
-    return token_loss(getattr(output, "logits", output), targets, divisor)
+    loss = token_loss(getattr(output, "logits", output), targets, divisor)
+    router_logits = getattr(output, "router_logits", None)
+    if router_logits:  # a transformers MoE whose config asks for its load-balancing loss
+        from flatshard.models.moe.loss import transformers_balancing_loss  # (moe imports us)
+
+        loss = loss + transformers_balancing_loss(model, router_logits, group)
+    return loss
 
 
 def model_inputs(model: nn.Module, batch: torch.Tensor, labels=None, position_ids=None):

@@ -45,3 +45,20 @@ def load_balancing_loss(stats: Sequence[RouterStats], group=None) -> torch.Tenso
         counts, tokens = totals[:-1].to(counts.dtype), totals[-1:].to(counts.dtype)
     fraction = counts / tokens
     return world * n_experts * (fraction * (prob_sum / tokens)).sum()
+
+
+def transformers_balancing_loss(model, router_logits, group=None) -> torch.Tensor:
+    """The weighted load-balancing loss of a transformers MoE's forward, from the gate
+    logits it returns with `output_router_logits` (one [tokens, E] tensor per MoE layer):
+    read as transformers' `load_balancing_loss_func` reads them (softmax probabilities,
+    top-k assignments, every row counting) and weighed by its `router_aux_loss_coef`, but
+    with the counts summed over `group` (default: every rank), so that sharded training
+    equals one process on the global batch as for flatshard's MoE."""
+    stats = []
+    for logits in router_logits:
+        probs = torch.softmax(logits, dim=-1)
+        chosen = torch.topk(probs, model.num_experts_per_tok, dim=-1).indices
+        counts = torch.bincount(chosen.reshape(-1), minlength=probs.shape[-1]).float()
+        stats.append(RouterStats(counts, probs.float().sum(dim=0), probs.shape[0]))
+    group = group if group is not None else dist.group.WORLD
+    return model.router_aux_loss_coef * load_balancing_loss(stats, group)
