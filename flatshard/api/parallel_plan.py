@@ -28,8 +28,9 @@ class StageParts:
     paths: the embedding (on the first stage), the blocks (a ModuleList, spread over the
     stages), the final norm and the head (on the last). `missing(path)`: what stands in for
     a part a stage lacks (default None: the model's forward skips it). `forward(stage, x,
-    first)`: the stage's forward, where the model's own cannot take the previous stage's
-    hidden states or must return its own (None: the model's, as flatshard's models do)."""
+    first, **kwargs)`: the stage's forward, where the model's own cannot take the previous
+    stage's hidden states or must return its own (None: the model's, as flatshard's models
+    do); `kwargs`: what `Pipeline.step` passes every stage (`position_ids`)."""
 
     embed: str = "embed_tokens"
     blocks: str = "layers"

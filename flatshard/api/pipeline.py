@@ -104,24 +104,27 @@ class Pipeline:
         """Whether this rank runs the last stage (it takes the targets, computes the loss)."""
         return any(stage.is_last for stage in self.stages)
 
-    def step(self, inputs=None, target=None) -> torch.Tensor:
+    def step(self, inputs=None, target=None, **stage_inputs) -> torch.Tensor:
         """Forward and backward over this data-parallel rank's batch, split into the
         micro-batches along dim 0 (every rank of the stage's pipeline calls it; `inputs`
-        are used on the first stage, `target` on the last). Gradients end on the
+        are used on the first stage, `target` on the last; `stage_inputs`, given on every
+        rank, are split alike and passed to every stage's forward by name, e.g. the
+        `position_ids` of packed documents). Gradients end on the
         parameters, reduced over the data-parallel ranks and averaged over the micro-
         batches (summed with scale_grads=False), as one process would have them. Returns
         the loss they are of (the micro-batches' losses' mean, or sum), on every rank of
         the pipeline."""
-        losses = self._run(self._step, inputs, target)
+        losses = self._run(self._step, inputs, target, stage_inputs)
         return self._to_all(losses, summed=not self.schedule.scale_grads)
 
     @torch.no_grad()
-    def evaluate(self, inputs=None, target=None) -> torch.Tensor:
+    def evaluate(self, inputs=None, target=None, **stage_inputs) -> torch.Tensor:
         """Forwards only (the schedule's `eval`), over the batch as `step` takes it: the
         sum of the micro-batches' losses, on every rank of the pipeline."""
-        return self._to_all(self._run(self.schedule.eval, inputs, target), summed=True)
+        losses = self._run(self.schedule.eval, inputs, target, stage_inputs)
+        return self._to_all(losses, summed=True)
 
-    def _run(self, run, inputs, target) -> list[torch.Tensor]:
+    def _run(self, run, inputs, target, stage_inputs: dict) -> list[torch.Tensor]:
         """The last stage's loss of each micro-batch after `run` (the schedule's step or
         eval) took the batch."""
         batch = (inputs if self.is_first else target) if self.is_first or self.is_last else None
@@ -133,7 +136,7 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         args = [inputs] if self.is_first else []
         kwargs = {"target": target, "losses": losses} if self.is_last else {}
-        run(*args, **kwargs)
+        run(*args, **kwargs, **stage_inputs)
         return losses
 
     def _to_all(self, losses: list[torch.Tensor], summed: bool) -> torch.Tensor:

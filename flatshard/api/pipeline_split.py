@@ -138,8 +138,8 @@ class _StageForward:
     def __init__(self, forward, first: bool):
         self.forward, self.first = forward, first
 
-    def __call__(self, stage: nn.Module, x):
-        return self.forward(stage, x, self.first)
+    def __call__(self, stage: nn.Module, x, **kwargs):
+        return self.forward(stage, x, self.first, **kwargs)
 
 
 def _get(model: nn.Module, path: str):

@@ -137,7 +137,6 @@ def _check_pipeline(config) -> None:
     if train.pp == 1:
         return
     not_yet = [
-        (config.data.pack, "packed conversations (data.pack)"),
         (config.sync.address, "weight sync (sync.address)"),
     ]  # fmt: skip
     for used, what in not_yet:

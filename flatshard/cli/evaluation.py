@@ -60,15 +60,12 @@ class Evaluation:
             for j, index in enumerate(indices):
                 if index < 0:  # a weightless forward: the others gather with it
                     targets[j] = IGNORE
-            inputs, targets, positions = model_inputs(
-                model,
-                batch,
-                targets.to(device),
-                self._positions(indices, device),  # packed
-            )
+            packed = self._positions(indices, device)
+            inputs, targets, positions = model_inputs(model, batch, targets.to(device), packed)
             if pipe is not None:  # every stage's rank gets the last stage's sum
                 pipe.loss_fn.divisor = 1.0
-                sums[0] += pipe.evaluate(inputs, targets).double().cpu()
+                stage_inputs = {} if packed is None else {"position_ids": packed}
+                sums[0] += pipe.evaluate(inputs, targets, **stage_inputs).double().cpu()
             else:
                 output = model(inputs, **position_kwargs(model, positions))
                 logits = getattr(output, "logits", output)  # transformers: an output object

@@ -34,16 +34,19 @@ def pipeline_gradients(pipe, order, position: int, train, dp_rank: int, dp_world
         for micro in range(accumulation)
     ]
     batch = torch.cat([order.batch(first, train.micro_batch) for first in firsts]).to(device)
+    rows = [order.positions(first, train.micro_batch) for first in firsts]
+    positions = None if rows[0] is None else torch.cat(rows).to(device)  # packed documents
     labels = None
     if labelled is not None:
         rows = [step_labels[f - position : f - position + train.micro_batch] for f in firsts]
         labels = torch.cat(rows).to(device)
     # under context parallelism this rank's part of each sequence (the stages place it)
-    inputs, targets, _ = model_inputs(pipe.model, batch, labels)
+    inputs, targets, _ = model_inputs(pipe.model, batch, labels, positions)
+    packed = {} if positions is None else {"position_ids": positions}  # to every stage
     cp = 1 if pipe.meshes.cp is None else pipe.meshes.cp.size()
     if labelled is None:
         pipe.loss_fn.divisor = float(targets.numel())  # the mean over this rank's targets
     else:
         pipe.loss_fn.divisor = max(labelled, 1) / (dp_world * cp)
-    loss = pipe.step(inputs, targets)
+    loss = pipe.step(inputs, targets, **packed)
     return loss.double(), labelled

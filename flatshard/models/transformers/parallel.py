@@ -42,15 +42,18 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def stage_forward(stage: nn.Module, x, first: bool):
+def stage_forward(stage: nn.Module, x, first: bool, position_ids=None):
     """A pipeline stage of a transformers causal LM: token ids into the first stage, the
     previous stage's hidden states (as `inputs_embeds`) into the others (under context
-    parallelism at the positions of this rank's part); out come the logits, or (norm and
-    head standing in as Identity) the hidden states."""
+    parallelism at the positions of this rank's part; packed documents at their
+    `position_ids`); out come the logits, or (norm and head standing in as Identity) the
+    hidden states."""
     inputs = {"input_ids": x} if first else {"inputs_embeds": x}
     context = getattr(stage, "context_parallel", None)
     if context is not None:  # its tokens are the CP split's: their positions
         inputs["position_ids"] = context.positions(x.shape[0], x.shape[1], x.device)
+    elif position_ids is not None:
+        inputs["position_ids"] = position_ids
     return type(stage).forward(stage, **inputs, use_cache=False).logits
 
 
