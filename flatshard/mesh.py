@@ -88,9 +88,6 @@ class ParallelDims:
                 f"{self.dp_replicate} x {self.dp_shard}{with_cp[1]} x {self.tp} = {dense} "
                 f"ranks, but world_size is {self.world_size}"
             )
-        if self.pp > 1 and self.ep > 1:
-            raise MeshError("pipeline parallelism (pp > 1) with expert parallelism (ep > 1) "
-                            "is not supported yet: use one of them")  # fmt: skip
         if self.cp > 1 and self.ep > 1:
             raise MeshError("context parallelism (cp > 1) with expert parallelism (ep > 1) is "
                             "not supported yet: use one of them")  # fmt: skip
@@ -107,8 +104,8 @@ class ParallelDims:
 
     @property
     def efsdp(self) -> int:
-        """Ranks each expert is FSDP-sharded over."""
-        return self.world_size // self.ep
+        """Ranks each expert is FSDP-sharded over (within its pipeline stage)."""
+        return self.world_size // (self.pp * self.ep)
 
     @property
     def dp(self) -> int:
@@ -124,9 +121,10 @@ class ParallelDims:
 
     @property
     def expert_grad_divide_factor(self) -> int:
-        """What an expert's gradient, summed over its `efsdp x ep` ranks (every rank), is
-        divided by: every rank (the TP ranks' copies count as the same tokens)."""
-        return self.world_size
+        """What an expert's gradient, summed over its `efsdp x ep` ranks (every rank of its
+        pipeline stage), is divided by: those ranks (the TP ranks' copies count as the same
+        tokens)."""
+        return self.world_size // self.pp
 
     def build(self, device_type: str | None = None) -> Meshes:
         """Every DeviceMesh of these degrees (on the default process group's device unless
@@ -152,7 +150,8 @@ class Meshes:
     """The named meshes of a `ParallelDims`: `world` over (dp_replicate, dp_shard, tp) (a
     dim of degree 1 included; with context parallelism (dp_replicate, dp_shard, cp, tp) and
     `dp_shard_cp` flattened; with pipeline parallelism a `pp` dim first), `experts` over
-    (efsdp, ep) when ep > 1, and `dp`, every data-parallel rank of the stage as one dim
+    (efsdp, ep) when ep > 1 (with pipeline parallelism (pp, efsdp, ep): each stage's
+    experts over its own ranks), and `dp`, every data-parallel rank of the stage as one dim
     (data loading, loss averaging)."""
 
     dims: ParallelDims
@@ -175,11 +174,16 @@ class Meshes:
             dp = world["dp_replicate", "dp_shard"]._flatten("dp")
         experts = None
         if dims.ep > 1:
-            # rank = data-parallel index x tp + TP index; an EP group: `ep` consecutive
-            # data-parallel indices at one TP index; efsdp: every other rank
-            ranks = torch.arange(dims.world_size).view(dims.dp // dims.ep, dims.ep, dims.tp)
-            ranks = ranks.permute(0, 2, 1).reshape(dims.efsdp, dims.ep)
-            experts = DeviceMesh(device_type, ranks, mesh_dim_names=("efsdp", "ep"))
+            # rank = stage x its ranks + data-parallel index x tp + TP index; an EP group:
+            # `ep` consecutive data-parallel indices at one TP index; efsdp: every other rank
+            # of the stage (each stage's experts are its own)
+            ranks = torch.arange(dims.world_size).view(dims.pp, dims.dp // dims.ep, dims.ep,
+                                                       dims.tp)  # fmt: skip
+            ranks = ranks.permute(0, 1, 3, 2).reshape(dims.pp, dims.efsdp, dims.ep)
+            names = ("pp", "efsdp", "ep")
+            if dims.pp == 1:
+                ranks, names = ranks[0], names[1:]
+            experts = DeviceMesh(device_type, ranks, mesh_dim_names=names)
         # every rank has made every group before any goes on: a rank that raised right
         # after (a bad config) and exited would take rank 0's store away from peers still
         # connecting their groups, which then print gloo's "Connection reset" traces
@@ -218,11 +222,12 @@ class Meshes:
 
     @property
     def ep(self) -> DeviceMesh | None:
+        """This rank's expert-parallel group (of its pipeline stage)."""
         return self.experts["ep"] if self.experts is not None else None
 
     @property
     def expert_fsdp(self) -> DeviceMesh | None:
-        """What `fully_shard` shards the experts over."""
+        """What `fully_shard` shards the experts over (within this rank's stage)."""
         return self.experts["efsdp"] if self.experts is not None else None
 
     @property

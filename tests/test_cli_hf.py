@@ -205,8 +205,9 @@ def test_an_moe_fine_tune_with_its_balancing_loss_and_pipelined_without(mixtral,
     """Mixtral, its config.json asking for the load-balancing loss (output_router_logits):
     2 data-parallel processes train with the losses of one process (the routing counts
     summed over the ranks), which are not those without the loss. A pipeline refuses that
-    loss in one line saying how to train without it; without it, --pp 2 has the losses of
-    data parallelism and exports its weights."""
+    loss in one line saying how to train without it; without it, --pp 2 --ep 2 (each
+    stage's experts split over its own ranks) has the losses of data parallelism and
+    exports its weights."""
     path, _ = mixtral
     balanced = tmp_path / "balanced-model"
     balanced.mkdir()
@@ -216,7 +217,8 @@ def test_an_moe_fine_tune_with_its_balancing_loss_and_pipelined_without(mixtral,
     run = [*RUN, "--global-batch", 8, "--steps", 3]  # 2 micro-batches a data-parallel rank
     losses = {}
     for name, model, nproc, more in [("balanced", balanced, 2, []), ("alone", balanced, 1, []),
-                                     ("straight", path, 2, []), ("piped", path, 4, ["--pp", 2])]:
+                                     ("straight", path, 2, []),
+                                     ("piped", path, 4, ["--pp", 2, "--ep", 2])]:
         check_ok(flatshard("train", "--hf", model, *run, "--nproc", nproc, *more,
                            "--out", tmp_path / name))  # fmt: skip
         losses[name] = [r["loss"] for r in metrics(tmp_path / name)]

@@ -85,8 +85,7 @@ def test_pipeline_stages_split_the_sequence_under_context_parallelism(tmp_path, 
 
 def test_microbatches_and_what_a_pipeline_cannot_take(tmp_path):
     """--microbatches sets the micro-batch size; layouts and features a pipeline does not
-    take yet are refused in one line that names the keys; an MoE model without a
-    load-balancing loss trains through the stages."""
+    take yet are refused in one line that names the keys."""
     run = tmp_path / "run"
     check_ok(flatshard(*RUN, "--steps", "2", "--nproc", "2", "--pp", "2", "--microbatches",
                        "4", "--pp-schedule", "gpipe", "--out", run, timeout=300))  # fmt: skip
@@ -97,13 +96,39 @@ def test_microbatches_and_what_a_pipeline_cannot_take(tmp_path):
     refused = one_line_error(flatshard(*moe, "--nproc", "2", "--pp", "2"))
     assert "train.pp (2) with a mixture-of-experts model's load-balancing loss" in refused
     assert "set model.aux_loss_coef=0" in refused
-    # without it, each stage routes its own layers: the losses of the run without a pipeline
-    moe += ["--set", "model.aux_loss_coef=0"]
-    check_ok(flatshard(*moe, "--nproc", "2", "--pp", "2", "--out", tmp_path / "moe-pp"))
-    check_ok(flatshard(*moe, "--nproc", "1", "--out", tmp_path / "moe"))
-    assert _losses(tmp_path / "moe-pp") == pytest.approx(_losses(tmp_path / "moe"), rel=1e-5)
     refused = flatshard(*RUN, "--steps", "2", "--nproc", "2", "--pp", "2", "--microbatches", "3")
     assert "train.microbatches (3) must divide" in one_line_error(refused)
+
+
+def test_moe_stages_with_expert_parallelism(tmp_path):
+    """An MoE model without a load-balancing loss at pp 2 x ep 2 (each stage's experts split
+    over its own 2 ranks, dp 2): the losses of data parallelism alone; its step-2 checkpoint
+    resumes in one process to the same losses; each stage gathers, reduces and exchanges
+    tokens as `flatshard plan` says."""
+    sizes = ["--set", "model.preset=moe-tiny", "--set", "model.aux_loss_coef=0",
+             "--set", "model.n_layers=4", "--set", "data.seq_len=32", "--set",
+             "train.micro_batch=2", "--set", "train.global_batch=8", "--set",
+             "run.sample_tokens=0"]  # fmt: skip
+    layout = ["--set", "run.nproc=4", "--set", "train.pp=2", "--set", "train.ep=2"]
+    piped, straight = tmp_path / "piped", tmp_path / "straight"
+    check_ok(flatshard("train", *sizes, *layout, "--steps", 4, "--checkpoint-interval", 2,
+                       "--out", piped, timeout=300))  # fmt: skip
+    check_ok(flatshard("train", *sizes, "--nproc", 2, "--steps", 4, "--out", straight))
+    assert _losses(piped) == pytest.approx(_losses(straight), rel=1e-5)
+    again = tmp_path / "again"  # the step-2 checkpoint alone, resumed in one process
+    (again / "checkpoints").mkdir(parents=True)
+    shutil.copy(piped / "config.toml", again)
+    name = "step-00000002"
+    shutil.copytree(piped / "checkpoints" / name, again / "checkpoints" / name)
+    check_ok(flatshard("train", "--resume", again, "--nproc", 1, "--pp", 1, "--ep", 1))
+    resumed = [r["loss"] for r in metrics(again) if r["step"] > 2]
+    assert resumed == pytest.approx(_losses(straight)[2:], rel=1e-5)
+    plan = json.loads(check_ok(flatshard("plan", *sizes, *layout, "--json")).stdout)
+    first = plan["pipeline"]["stages"][0]["communication"]
+    record = metrics(piped)[-1]
+    assert record["all_gather_bytes"] == first["all_gather"]
+    assert record["reduce_scatter_bytes"] == first["reduce_scatter"]
+    assert record["all_to_all_bytes"] == first["ep_all_to_all"] > 0
 
 
 def _sizes(*more: str) -> list[str]:

@@ -248,7 +248,9 @@ def _pipeline_plan(spec: ModelSpec, setup: Setup, hidden: int, vocab: int, muon)
     separate = needs_bucket_per_param(setup.offload)
     ranks = []
     for part in rank_parts(spec, setup, hidden, pb):
-        figures = lambda s: tuple(unit_figures(u, setup.dp_shard, separate) for u in s.units)  # noqa: E731
+        figures = lambda s: tuple(  # noqa: E731  (experts: over their stage's efsdp ranks)
+            unit_figures(u, u.shard_ranks or setup.dp_shard, separate) for u in s.units
+        )
         units = figures(part.whole)
         share = offloaded_share(part.whole.units, setup.dp_shard, setup.offload)
         by_ac = {

@@ -54,8 +54,8 @@ def check_pipeline_setup(setup) -> None:
         raise ConfigError(f"--pp-schedule {setup.pp_schedule}: use one of {', '.join(SCHEDULES)}")
     if setup.world_size % setup.pp:
         raise ConfigError(f"--pp {setup.pp} must divide --world-size {setup.world_size}")
-    if setup.hpz_group or setup.ep > 1:
-        raise ConfigError("--pp with --hpz-group or --ep is not planned yet: use one")
+    if setup.hpz_group:
+        raise ConfigError("--pp with --hpz-group is not planned yet: use one of the two")
 
 
 def bubble_fraction(setup) -> float:
@@ -209,12 +209,17 @@ def _layer_counts(spec: ModelSpec, blocks) -> list[int]:
 
 
 def _stage_units(spec: ModelSpec, blocks, first: bool, last: bool) -> tuple[UnitSpec, ...]:
-    chosen, units, start = sorted(set(blocks)), [], 0
+    """The units of `blocks` (and the ends): a run of layers cut to those it holds, the
+    experts unit after it (expert parallelism, ep_local) cut alike."""
+    chosen, units, start, held = sorted(set(blocks)), [], 0, []
     for unit in spec.units:
         if unit.is_root:
             if first if unit.embedding else last:
                 units.append(unit)
-        elif not unit.inner:
+        elif unit.inner:  # the experts of the layers just before
+            if held:
+                units.append(replace(unit, name=f"{units[-1].name} experts", count=len(held)))
+        else:
             held = [i for i in chosen if start <= i < start + unit.count]
             start += unit.count
             if held:
