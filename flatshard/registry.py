@@ -13,6 +13,7 @@ A leaf: it imports nothing of flatshard, so every layer may ask it.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 from torch import nn
@@ -113,3 +114,22 @@ def states_away_of(model: nn.Module):
 
 def _alive(ref):
     return None if ref is None else ref()
+
+
+_SHAPE_INFERENCE = [False]  # a list: read at each forward (dynamo guards on its value)
+
+
+@contextlib.contextmanager
+def shape_inference():
+    """Inside: forwards that run only so that torch learns their outputs' shapes (a pipeline
+    stage's first, on its first micro-batch or on empty tensors), which modules counting
+    what their training forwards see (MoE routers) leave out."""
+    _SHAPE_INFERENCE[0] = True
+    try:
+        yield
+    finally:
+        _SHAPE_INFERENCE[0] = False
+
+
+def in_shape_inference() -> bool:
+    return _SHAPE_INFERENCE[0]

@@ -101,11 +101,13 @@ def test_microbatches_and_what_a_pipeline_cannot_take(tmp_path):
 
 
 def test_moe_stages_with_expert_parallelism(tmp_path):
-    """An MoE model without a load-balancing loss at pp 2 x ep 2 (each stage's experts split
-    over its own 2 ranks, dp 2): the losses of data parallelism alone; its step-2 checkpoint
-    resumes in one process to the same losses; each stage gathers, reduces and exchanges
-    tokens as `flatshard plan` says."""
+    """An MoE model balanced by its routers' biases (no load-balancing loss) at pp 2 x ep 2
+    (each stage's experts split over its own 2 ranks, dp 2; each stage's routers counting
+    their own forwards, not torch's shape inference): the losses of data parallelism alone;
+    its step-2 checkpoint (the biases with it) resumes in one process to the same losses;
+    each stage gathers, reduces and exchanges tokens as `flatshard plan` says."""
     sizes = ["--set", "model.preset=moe-tiny", "--set", "model.aux_loss_coef=0",
+             "--set", "model.bias_update_speed=0.05",
              "--set", "model.n_layers=4", "--set", "data.seq_len=32", "--set",
              "train.micro_batch=2", "--set", "train.global_batch=8", "--set",
              "run.sample_tokens=0"]  # fmt: skip

@@ -433,8 +433,9 @@ def test_tensor_and_expert_parallel_moe_run_trains_like_data_parallel(tmp_path):
         (["--ep", 2, "--global-batch", 8], "train.ep > 1 needs a mixture-of-experts model"),
         (["--ep", 3, "--global-batch", 8, "--model", "moe-tiny"], "ep (3) must divide"),
         (["--tp", 2, "--ep", 4, "--model", "moe-tiny"], "train.ep (4) must divide the data"),
+        (["--set", "model.bias_update_speed=0.001"], "balances a mixture-of-experts model's"),
     ],
-    ids=["tp-world", "tp-heads", "ep-dense", "ep-world", "ep-with-tp"],
+    ids=["tp-world", "tp-heads", "ep-dense", "ep-world", "ep-with-tp", "bias-dense"],
 )
 def test_bad_parallel_degrees_are_one_line_errors_on_every_rank(tmp_path, args, expected):
     result = flatshard("train", *TINY, "--steps", 1, "--nproc", 4, "--out", tmp_path / "run", *args)

@@ -54,6 +54,18 @@ class PipelineStage(pipelining.PipelineStage):
     after the last micro-batch's backward; the schedule then divides them by the number of
     micro-batches (its `scale_grads`)."""
 
+    def _forward_metadata_inference(self, *args, **kwargs):
+        """torch's shape inference (2.12 on): the stage's forward once more, on the first
+        micro-batch (first stage) or empty tensors (the others), before the step's own; not
+        a training forward for what counts them (`registry.shape_inference`)."""
+        with registry.shape_inference():
+            return super()._forward_metadata_inference(*args, **kwargs)
+
+    def _shape_inference(self, *args, **kwargs):
+        """The same before torch 2.12."""
+        with registry.shape_inference():
+            return super()._shape_inference(*args, **kwargs)
+
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward=False):
         """torch's, with the parameters the forwards used on the modules: the zero-bubble
         schedules take each backward apart (the inputs' gradients first, the weights'

@@ -72,6 +72,7 @@ def check(config, world_size: int | None = None) -> None:
             f"data.seq_len ({config.data.seq_len}) must be a multiple of {2 * train.cp}"
         )
     _check_pipeline(config)
+    _check_bias_balancing(config)
     if world_size is not None:  # the run's whole config (a resume's merged with its own)
         _check_lora(config)
         _check_sync(config)
@@ -148,13 +149,30 @@ def _check_pipeline(config) -> None:
         raise ConfigError(moe_balancing_loss_refused(train.pp, config.model.aux_loss_coef))
 
 
+def _check_bias_balancing(config) -> None:
+    model = config.model
+    if not model.bias_update_speed:
+        return
+    if model.hf:
+        raise ConfigError(
+            "model.bias_update_speed balances the routers of flatshard's MoE (--model "
+            "moe-tiny, model.n_experts); a --hf model's routers are transformers' own"
+        )
+    if not (model.preset.startswith("moe") or model.n_experts > 0):
+        raise ConfigError(
+            "model.bias_update_speed balances a mixture-of-experts model's routers: pick one "
+            "(--model moe-tiny, or set model.n_experts)"
+        )
+
+
 def moe_balancing_loss_refused(pp: int, coef: float, hf: bool = False) -> str:
     """Why a pipeline does not take an MoE model trained with a load-balancing loss (that
     loss multiplies the routing counts of every stage's layers: a term no stage computes
     alone), and how to train it without one."""
     without = (
         "set output_router_logits to false in the model's config.json" if hf
-        else "set model.aux_loss_coef=0"
+        else "set model.aux_loss_coef=0 (and balance by the routers' biases instead: "
+        "model.bias_update_speed=0.001)"
     )
     return (
         f"train.pp ({pp}) with a mixture-of-experts model's load-balancing loss (weight "

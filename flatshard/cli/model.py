@@ -68,6 +68,7 @@ def llama_config(config: RunConfig, data_vocab_size: int) -> LlamaConfig:
             expert_ffn_dim=model.expert_ffn_dim or model.ffn_dim,
             norm_topk_prob=model.norm_topk_prob,
             aux_loss_coef=model.aux_loss_coef,
+            score_bias=model.bias_update_speed > 0,
         )
     except ValueError as error:
         raise ConfigError(f"model: {error}") from None

@@ -76,6 +76,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("model.norm_topk_prob", True, "MoE: renormalise the top-k routing weights to one"),
     Option("model.aux_loss_coef", 0.001, "MoE: weight of the load-balancing loss in the loss",
            check=_non_negative),
+    Option("model.bias_update_speed", 0.0, "MoE: DeepSeek-V3's auxiliary-loss-free balancing: "
+           "each router's correction bias moves this much a step toward its less-loaded "
+           "experts (0: off; DeepSeek-V3 trained with 0.001)", check=_non_negative),
     Option("model.hf", "", "Hugging Face model directory to fine-tune instead (config.json + "
            "safetensors; the other model.* keys are then unused)"),
     # data

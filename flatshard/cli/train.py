@@ -42,6 +42,7 @@ from flatshard.cli.schedule import learning_rate
 from flatshard.cli.stop import StopRequest
 from flatshard.cli.weight_push import WeightPush
 from flatshard.data.sequences import IGNORE, sequence_order
+from flatshard.models.moe import update_score_bias_from_counts
 from flatshard.models.registry import training_loss
 from flatshard.runtime.offload import offloaded_bytes
 
@@ -220,6 +221,11 @@ class Trainer:
         if not (math.isfinite(loss) and math.isfinite(shared["grad_norm"])):
             self._non_finite(loss, shared["grad_norm"], lr)
         self.optimizer.step()
+        if config.model.bias_update_speed:  # the routers' step counts, summed over the
+            # ranks that routed other tokens through them (this stage's dp and cp ranks)
+            meshes = self.dims.build(ranks.device.type)
+            groups = [mesh.get_group() for mesh in (meshes.dp, meshes.cp) if mesh is not None]
+            update_score_bias_from_counts(self.model, config.model.bias_update_speed, groups)
         offloads = train.offload or train.offload_dir  # (a walk over the optimizer state)
         host_bytes, disk_bytes = offloaded_bytes(self.model, self.optimizer) if offloads else (0, 0)
         self.optimizer.zero_grad(set_to_none=True)

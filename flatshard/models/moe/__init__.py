@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from flatshard.api.parallel_plan import ParallelPlan
 from flatshard.models.llama.parallel import split_context
-from flatshard.models.moe.balance import update_score_bias
+from flatshard.models.moe.balance import update_score_bias, update_score_bias_from_counts
 from flatshard.models.moe.config import MoEConfig
 from flatshard.models.moe.hf_adapter import MOE, MOE_RULES
 from flatshard.models.moe.hf_config import hf_to_moe_config, moe_config_to_hf
@@ -84,4 +84,5 @@ __all__ = [
     "parallelize_moe",
     "split_experts",
     "update_score_bias",
+    "update_score_bias_from_counts",
 ]

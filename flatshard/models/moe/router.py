@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flatshard import registry
 from flatshard.models.llama.model import INIT_STD
 from flatshard.models.moe.config import MoEConfig
 
@@ -45,16 +46,19 @@ class Router(nn.Module):
         self.routed_scaling = cfg.routed_scaling
         self.weight = nn.Parameter(torch.empty(cfg.n_experts, cfg.dim))
         if cfg.score_bias:
-            # DeepSeek-V3's auxiliary-loss-free balancing: updated outside autograd.
+            # DeepSeek-V3's auxiliary-loss-free balancing: updated outside autograd, from
+            # the assignments its training forwards counted since (balance.py)
             self.register_buffer("e_score_correction_bias", torch.empty(cfg.n_experts))
+            self.register_buffer("step_counts", torch.empty(cfg.n_experts), persistent=False)
         else:
-            self.e_score_correction_bias = None
+            self.e_score_correction_bias = self.step_counts = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, mean=0.0, std=INIT_STD)
         if self.e_score_correction_bias is not None:
             nn.init.zeros_(self.e_score_correction_bias)
+            nn.init.zeros_(self.step_counts)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, RouterStats]:
         """x (T, H) -> weights (T, k) in x's dtype, expert indices (T, k), statistics."""
@@ -72,8 +76,18 @@ class Router(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
         if self.routed_scaling != 1.0:
             weights = weights * self.routed_scaling
+        # a forward that trains counts its assignments for the bias update (balance.py):
+        # not torch's pipeline stage's shape inference (an extra forward, on empty tensors
+        # on all but the first stage); recomputed under activation checkpointing, every
+        # forward of the layer counts twice, which the update's sign does not see
+        counting = (
+            self.step_counts is not None and self.training and torch.is_grad_enabled()
+            and not registry.in_shape_inference()
+        )
         with torch.no_grad():
             counts = torch.bincount(indices.flatten(), minlength=self.n_experts).float()
+            if counting:
+                self.step_counts.add_(counts)
         stats = RouterStats(counts, probs.sum(dim=0), x.shape[0])
         return weights.to(x.dtype), indices, stats
 
