@@ -59,6 +59,10 @@ FAMILY = register(
             split_experts,
             context_parallel=split_context,
             sequence_parallel=functools.partial(parallelize_moe, sequence_parallel=True),
+            # the experts run rows by data-dependent counts (and torch._grouped_mm compiles
+            # in bf16 only): compiled blocks run them eagerly, as under EP, where they are
+            # units of their own
+            uncompiled=lambda model: [m for m in model.modules() if isinstance(m, GroupedExperts)],
         ),
         loss=moe_training_loss,
         describe=describe,
