@@ -71,6 +71,9 @@ class DistributedTimeout(DistributedError):
 # --------------------------------------------------------------------------------------------
 
 
+MAX_WORKER_THREADS = 150  # ~45 process groups' gloo threads: then a fresh pool (_crowded)
+
+
 def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, **kwargs) -> list:
     """Run fn(*args, **kwargs) on every rank of a gloo group of `world_size` processes; return
     the results in rank order.
@@ -181,7 +184,23 @@ class _Pool:
             )
 
     def healthy(self) -> bool:
-        return all(p.is_alive() for p in self.procs)
+        return all(p.is_alive() for p in self.procs) and not self._crowded()
+
+    def _crowded(self) -> bool:
+        """Whether a worker holds more than MAX_WORKER_THREADS threads (Linux; elsewhere
+        never): every process group a task makes (each mesh dim, new_group) keeps gloo
+        threads, one polling every 10 ms, for the worker's life. Left to grow, a world-4
+        worker held 287 groups and 863 threads (~400 s of CPU each over a CI run, a load
+        average of 90-500 on 2 cores); a crowded pool is replaced by a fresh one instead
+        (destroying the groups after each task would break what keeps meshes across tasks)."""
+        for proc in self.procs:
+            try:
+                threads = len(os.listdir(f"/proc/{proc.pid}/task"))
+            except OSError:
+                return False
+            if threads > MAX_WORKER_THREADS:
+                return True
+        return False
 
     def run(self, task: bytes, name: str, timeout: float) -> list:
         """Run one pickled (fn, args, kwargs) on every rank; raise on any failure."""
@@ -335,10 +354,6 @@ def _worker_main(rank, world_size, port, conn, stack_file, parent_pid) -> None:
 
         torch.set_num_threads(1)  # 2 cores shared by up to 4 (or 8) ranks
         dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size)
-        from flatshard.checkpoint.state import checkpoint_group
-
-        checkpoint_group()  # flatshard keeps this group for the process: made before any task
-        kept = _groups()
     except BaseException:
         _reply(conn, ("error", traceback.format_exc()))
         return
@@ -360,24 +375,6 @@ def _worker_main(rank, world_size, port, conn, stack_file, parent_pid) -> None:
         except BaseException:
             outcome = ("error", traceback.format_exc())
         _reply(conn, outcome)
-        _release_groups(kept)
-
-
-def _groups() -> set:
-    from torch.distributed import distributed_c10d
-
-    return set(distributed_c10d._world.pg_map)  # (torch keeps no public list of them)
-
-
-def _release_groups(kept: set) -> None:
-    """Destroy the process groups a task made (its meshes' dims, new_group): each holds gloo
-    threads, one waking every 10 ms, which the task's objects would keep to the pool's end
-    (a world-4 worker held 287 groups, 860 threads, ~30% of a core while idle, 400 s of CPU
-    each over a CI run: the host's "load" those runs saw)."""
-    import torch.distributed as dist
-
-    for group in _groups() - kept:
-        dist.destroy_process_group(group)
 
 
 def _reply(conn, outcome) -> None:
