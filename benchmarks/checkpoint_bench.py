@@ -27,13 +27,12 @@ from datetime import datetime, timezone
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import flatshard  # noqa: E402
-from benchmarks.compare import free_port  # noqa: E402
+from benchmarks.compare import free_port, start_workers, worker_queue  # noqa: E402
 from flatshard import checkpoint  # noqa: E402
 from flatshard.models import Llama, LlamaConfig  # noqa: E402
 
@@ -196,9 +195,9 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     args.dir = tempfile.mkdtemp(prefix="flatshard-ckpt-bench-")
-    queue = mp.get_context("spawn").SimpleQueue()
+    queue = worker_queue()
     port = free_port()
-    mp.spawn(worker, args=(args.world, port, args, queue), nprocs=args.world)
+    start_workers(worker, (args.world, port, args, queue), args.world)
     medians = queue.get()
     shutil.rmtree(args.dir, ignore_errors=True)
     report = render(args, medians)

@@ -94,6 +94,7 @@ from bench_report import cpu_model, cpu_vector_isa, git_revision, mem_total_gib,
 from comm_counter import COUNTER
 from mode_run import ModeRun
 
+from flatshard.comm import devices
 from flatshard.errors import MeshError
 from flatshard.models.llama import check_tp
 
@@ -174,6 +175,19 @@ def exit_worker() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def start_workers(worker, args: tuple, world: int, start_method: str | None = None) -> None:
+    """worker(rank, *args) on `world` local processes, until all end: started as flatshard's
+    launcher starts ranks (forked where that is safe, so torch is imported once, not once
+    a rank) unless `start_method` says otherwise."""
+    start_method = start_method or devices.process_start_method()
+    mp.start_processes(worker, args=args, nprocs=world, join=True, start_method=start_method)
+
+
+def worker_queue():
+    """A queue the workers of `start_workers` put their results in."""
+    return mp.get_context(devices.process_start_method()).SimpleQueue()
 
 
 def free_port() -> int:
@@ -301,13 +315,9 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "results.json")
-        mp.start_processes(
-            worker,
-            args=(args.world, free_port(), opts, result_path),
-            nprocs=args.world,
-            join=True,
-            start_method="spawn",
-        )
+        # spawned for exact memory: glibc reads MALLOC_MMAP_THRESHOLD_ as a process starts
+        start_workers(worker, (args.world, free_port(), opts, result_path), args.world,
+                      "spawn" if args.exact_memory else None)  # fmt: skip
         with open(result_path) as results:
             gathered = json.load(results)
     meta["wall_s"] = time.perf_counter() - start

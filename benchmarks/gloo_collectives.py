@@ -33,13 +33,12 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from compare import exit_worker, free_port  # noqa: E402
+from compare import exit_worker, free_port, start_workers  # noqa: E402
 
 from flatshard import comm, compat  # noqa: E402
 
@@ -151,12 +150,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     print(f"bucket: {args.elements:,} fp32 elements ({args.elements * 4 / 2**20:.1f} MiB)")
     for world in args.world:
-        mp.start_processes(
-            _worker,
-            args=(world, free_port(), args.elements, args.repeats),
-            nprocs=world,
-            start_method="spawn",
-        )
+        start_workers(_worker, (world, free_port(), args.elements, args.repeats), world)
     return 0
 
 

@@ -30,14 +30,13 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [p for p in (_ROOT, os.path.dirname(os.path.abspath(__file__))) if p not in sys.path]
 
 from comm_counter import CommCounter  # noqa: E402
-from compare import free_port  # noqa: E402
+from compare import free_port, start_workers, worker_queue  # noqa: E402
 
 import flatshard  # noqa: E402
 from flatshard import hf  # noqa: E402
@@ -153,8 +152,8 @@ def main() -> None:
     import transformers
 
     config, path = random_llama_dir(args, "hf-parallel-")
-    out = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(worker, (args.world, free_port(), args, path, out), nprocs=args.world)
+    out = worker_queue()
+    start_workers(worker, (args.world, free_port(), args, path, out), args.world)
     result = out.get()
     params = sum(
         p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters()

@@ -37,13 +37,12 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [p for p in (_ROOT, os.path.dirname(os.path.abspath(__file__))) if p not in sys.path]
 
-from compare import free_port  # noqa: E402
+from compare import free_port, start_workers, worker_queue  # noqa: E402
 from hf_parallel import random_llama_dir  # noqa: E402
 
 from flatshard import hf  # noqa: E402
@@ -214,8 +213,8 @@ def main() -> None:
     parser.add_argument("--qlora", action="store_true", help="QLoRA's modes (see above)")
     args = parser.parse_args()
     path = args.model or random_llama_dir(args, "lora-step-")[1]
-    out = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(worker, (args.world, free_port(), args, path, out), nprocs=args.world)
+    out = worker_queue()
+    start_workers(worker, (args.world, free_port(), args, path, out), args.world)
     result = out.get()
     peer, ours = (
         ("fsdp2-qlora", "flatshard-qlora") if args.qlora else ("fsdp2-peft", "flatshard-lora")

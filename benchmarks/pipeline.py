@@ -31,14 +31,13 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [p for p in (_ROOT, os.path.dirname(os.path.abspath(__file__))) if p not in sys.path]
 
 from comm_counter import CommCounter  # noqa: E402
-from compare import free_port  # noqa: E402
+from compare import free_port, start_workers, worker_queue  # noqa: E402
 
 import flatshard  # noqa: E402
 from flatshard.api.pipeline import SCHEDULES  # noqa: E402
@@ -159,8 +158,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=1)
     args = parser.parse_args()
-    out = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(worker, (args.world, free_port(), args, out), nprocs=args.world)
+    out = worker_queue()
+    start_workers(worker, (args.world, free_port(), args, out), args.world)
     result = out.get()
     model = Llama(LlamaConfig(vocab_size=257, **SIZES[args.size]))
     params = sum(p.numel() for p in model.parameters())

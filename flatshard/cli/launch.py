@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from flatshard.cli.errors import RunError, warn
-from flatshard.comm import peer_failure
+from flatshard.comm import devices, peer_failure
 from flatshard.errors import FlatShardError
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -202,16 +202,8 @@ def _call(worker: Callable, args: tuple, error_dir: str | None, leave_on_error=F
 # --- local supervisor ----------------------------------------------------------------------
 
 
-def _start_method() -> str:
-    # fork starts workers in milliseconds (torch is already imported); spawn where fork is
-    # unsafe: not Linux, or CUDA already initialised in this process.
-    if sys.platform == "linux" and not torch.cuda.is_initialized():
-        return "fork"
-    return "spawn"
-
-
 def _supervise(worker: Callable, args: tuple, nproc: int) -> int:
-    context = mp.get_context(_start_method())
+    context = mp.get_context(devices.process_start_method())
     error_dir = tempfile.mkdtemp(prefix="flatshard-errors-")
     port = _free_port()
     procs = [

@@ -7,6 +7,8 @@ same size (CUDA's caching allocator does this by itself).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.distributed as dist
 
@@ -19,6 +21,15 @@ def compute_device(device_type: str) -> torch.device:
     if device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(device_type)
+
+
+def process_start_method() -> str:
+    """How to start local worker processes: fork where it is safe (Linux, CUDA not yet
+    initialised in this process): a worker starts in milliseconds, its imports inherited;
+    spawn elsewhere (a fresh interpreter imports torch again: seconds)."""
+    if sys.platform == "linux" and not torch.cuda.is_initialized():
+        return "fork"
+    return "spawn"
 
 
 def group_device(group) -> torch.device:
