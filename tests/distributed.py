@@ -1,9 +1,10 @@
 """Run a test function on W gloo ranks (CPU processes) and collect each rank's return value.
 
-Starting a process and importing torch costs seconds, so worker processes are pooled: one pool
-per world size, created on first use, initialised once with a gloo process group and reused by
-every later test. Any failure (an exception, a hang, a dead worker) discards the pool, so a
-broken process group is never reused; the next call starts a fresh one.
+Starting a process costs seconds where it imports torch again, so workers fork from a server
+that has imported it (tests/forked_command.py), and they are pooled: one pool per world size,
+created on first use, initialised once with a gloo process group and reused by every later
+test. Any failure (an exception, a hang, a dead worker) discards the pool, so a broken process
+group is never reused; the next call starts a fresh one.
 
     from distributed import run_distributed, world_sizes
 
@@ -20,7 +21,6 @@ broken process group is never reused; the next call starts a fresh one.
 from __future__ import annotations
 
 import atexit
-import multiprocessing as mp
 import os
 import pickle
 import shutil
@@ -34,6 +34,7 @@ import traceback
 from multiprocessing.connection import wait
 
 import pytest
+from forked_command import preloaded_context
 
 __all__ = [
     "DistributedError",
@@ -53,7 +54,6 @@ GRACE_S = 3.0  # after one rank fails, how long the others get to report before 
 STARTUP_TIMEOUT_S = 180.0  # spawning + importing torch + init_process_group, all ranks
 STACK_DUMP_WAIT_S = 0.5  # time given to faulthandler to write stacks after SIGUSR1
 
-_ctx = mp.get_context("spawn")
 _pools: dict[int, _Pool] = {}
 _lock = threading.Lock()  # one task at a time: pools are not safe to share between threads
 
@@ -71,7 +71,7 @@ class DistributedTimeout(DistributedError):
 # --------------------------------------------------------------------------------------------
 
 
-MAX_WORKER_THREADS = 150  # ~45 process groups' gloo threads: then a fresh pool (_crowded)
+MAX_WORKER_THREADS = 40  # ~11 process groups' gloo threads: then a fresh pool (_crowded)
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, **kwargs) -> list:
@@ -165,8 +165,9 @@ class _Pool:
     def _spawn(self) -> None:
         port = _free_port()
         for rank in range(self.world_size):
-            parent_conn, child_conn = _ctx.Pipe()
-            proc = _ctx.Process(
+            context = preloaded_context()
+            parent_conn, child_conn = context.Pipe()
+            proc = context.Process(
                 target=_worker_main,
                 args=(rank, self.world_size, port, child_conn, self._stack_file(rank), os.getpid()),
                 name=f"flatshard-w{self.world_size}-rank{rank}",
@@ -189,10 +190,11 @@ class _Pool:
     def _crowded(self) -> bool:
         """Whether a worker holds more than MAX_WORKER_THREADS threads (Linux; elsewhere
         never): every process group a task makes (each mesh dim, new_group) keeps gloo
-        threads, one polling every 10 ms, for the worker's life. Left to grow, a world-4
-        worker held 287 groups and 863 threads (~400 s of CPU each over a CI run, a load
-        average of 90-500 on 2 cores); a crowded pool is replaced by a fresh one instead
-        (destroying the groups after each task would break what keeps meshes across tasks)."""
+        threads, one polling every 10 ms, for the worker's life (a world-4 worker's 30 groups
+        take a third of a core while idle; left to grow, one held 287 groups and used ~400 s
+        of CPU over a CI run). A fresh pool costs a fork and a gloo handshake, so a crowded
+        one is replaced. (Destroying a task's groups instead leaves DTensor's sharding caches
+        handing later tasks meshes of dead groups.)"""
         for proc in self.procs:
             try:
                 threads = len(os.listdir(f"/proc/{proc.pid}/task"))
@@ -309,7 +311,8 @@ class _Pool:
 
 
 def _die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL this worker if pytest dies (e.g. killed while a task hangs)."""
+    """Ask Linux to SIGKILL this worker if its parent, the fork server, dies: it does when
+    pytest dies (e.g. killed while a task hangs)."""
     try:
         import ctypes
 
@@ -317,7 +320,9 @@ def _die_with_parent(parent_pid: int) -> None:
         libc.prctl(1, signal.SIGKILL)  # 1 == PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return  # not Linux: workers still exit on EOF once the parent is gone
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    try:
+        os.kill(parent_pid, 0)
+    except ProcessLookupError:  # pytest died before prctl took effect
         os._exit(1)
 
 
@@ -325,8 +330,8 @@ def _worker_main(rank, world_size, port, conn, stack_file, parent_pid) -> None:
     _die_with_parent(parent_pid)
     # Ctrl-C reaches the whole process group: let the parent handle it and kill the workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # Environment first: OpenMP reads OMP_NUM_THREADS when torch loads, and code under test may
-    # read the usual launcher variables.
+    # The usual launcher variables, which code under test may read (torch is loaded already,
+    # in the fork server: its threads are set below).
     os.environ.update(
         OMP_NUM_THREADS="1",
         RANK=str(rank),

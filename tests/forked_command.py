@@ -6,7 +6,8 @@ files, its own process group (a timeout kills the ranks it started too), its own
 
 The server is multiprocessing's forkserver with those modules preloaded; it never runs a
 tensor operation itself, so the children fork from a process whose thread pools were never
-started (as `flatshard train` forks its local ranks)."""
+started (as `flatshard train` forks its local ranks). tests/distributed.py starts its gloo
+workers from it too."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ _PRELOAD = ["torch", "flatshard", "flatshard.cli.main", "flatshard.cli.train", "
 _context = None
 
 
-def _server():
+def preloaded_context():
+    """multiprocessing's forkserver context, its server having imported _PRELOAD: a Process
+    of it starts by a fork of that server (milliseconds) instead of a fresh interpreter."""
     global _context
     if _context is None:
         _context = mp.get_context("forkserver")
@@ -72,7 +75,8 @@ def run_forked(command: list[str], cwd: str, timeout: float) -> subprocess.Compl
     the server; the same result as subprocess.run(..., capture_output=True, text=True)."""
     with tempfile.TemporaryDirectory(prefix="flatshard-forked-") as tmp:
         out_path, err_path = os.path.join(tmp, "out"), os.path.join(tmp, "err")
-        proc = _server().Process(target=_child, args=(list(command), str(cwd), out_path, err_path))
+        args = (list(command), str(cwd), out_path, err_path)
+        proc = preloaded_context().Process(target=_child, args=args)
         proc.start()
         proc.join(timeout)
         if proc.exitcode is None:
