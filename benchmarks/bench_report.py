@@ -329,7 +329,7 @@ def render(summary: dict[str, dict], opts: dict, meta: dict) -> str:
         "which the single process runs at once); AdamW "
         f"(lr {LR}, weight decay {WEIGHT_DECAY}) on fp32 weights; param dtype "
         f"{opts['param_dtype']}" + (", gradients reduced in fp32" if low else ""),
-        f"- run: world {world} (gloo, CPU, spawned processes, 1 torch thread per rank); "
+        f"- run: world {world} (gloo, CPU, local processes, 1 torch thread per rank); "
         f"{opts['rounds']} rounds, {schedule}; "
         f"{summary[opts['modes'][0]]['timed_steps']} timed steps per mode; "
         f"step-0 loss {first_loss:.4f}; wall time {meta['wall_s']:.0f} s",

@@ -1,7 +1,7 @@
 """Benchmark flatshard ZeRO-3/2/1 against one process, DDP and PyTorch FSDP2 (CPU, gloo).
 
 One invocation trains the same Llama-style model, from the same seed on the same data, in
-every mode, inside one set of spawned worker processes (one gloo process group):
+every mode, inside one set of worker processes (one gloo process group):
 
     single   one process, the whole global batch (runs on rank 0; the other ranks wait)
     DDP      torch.nn.parallel.DistributedDataParallel
@@ -310,7 +310,7 @@ def main(argv=None) -> int:
         "note": args.note,
         "exact_memory": EXACT_MEMORY_MMAP_THRESHOLD if args.exact_memory else None,
     }
-    if args.exact_memory:  # read by glibc when the spawned workers start
+    if args.exact_memory:  # read by glibc as the (spawned) workers start
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(EXACT_MEMORY_MMAP_THRESHOLD)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

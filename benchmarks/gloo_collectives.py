@@ -1,5 +1,5 @@
 """Why flatshard reduce-scatters with an all-to-all and all-gathers with sends on gloo: time
-the ways to reduce-scatter and all-gather one flat bucket between spawned CPU processes.
+the ways to reduce-scatter and all-gather one flat bucket between CPU processes.
 
 gloo's `reduce_scatter_single` clones its whole input, all-reduces the clone and copies
 this rank's piece out: it sends twice the bytes a reduce-scatter needs. An all-to-all sends

@@ -1,7 +1,7 @@
 """A transformers Llama under tensor parallelism: flatshard against FSDP2 + torch TP.
 
 Both train the same `LlamaForCausalLM` (random weights saved once with save_pretrained),
-on the same data, at (dp, tp) = (world / tp, tp), inside one set of spawned gloo worker
+on the same data, at (dp, tp) = (world / tp, tp), inside one set of gloo worker
 processes:
 
     fsdp2-tp   transformers' from_pretrained on every rank (the whole checkpoint read by

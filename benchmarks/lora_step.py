@@ -3,7 +3,7 @@ flatshard against FSDP2 on the same NF4 model).
 
 Both adapt the same `LlamaForCausalLM` (random weights saved once with save_pretrained; or
 --model DIR) with rank-R adapters on every attention and MLP projection, AdamW on the
-adapters alone, on the same data, inside one set of spawned gloo worker processes:
+adapters alone, on the same data, inside one set of gloo worker processes:
 
     fsdp2-peft      transformers' from_pretrained, peft.get_peft_model, then FSDP2's
                     fully_shard of every decoder layer and the root

@@ -2,7 +2,7 @@
 
 Both split the same reference Llama into `pp` stages (`flatshard.stage_modules`: blocks
 under their whole-model names), shard each stage over its data-parallel ranks and run it
-with the same torch schedule, inside one set of spawned gloo worker processes at
+with the same torch schedule, inside one set of gloo worker processes at
 (pp, dp) = (pp, world / pp):
 
     fsdp2      torch's `fully_shard` on each stage's blocks and root, torch's `PipelineStage`

@@ -1,10 +1,11 @@
 """Each rank's measured peak memory for two steps of a pipelined reference Llama, as
-`tests/test_cli_pipeline.py` compares it with `flatshard plan --pp`: run under
-`python -m torch.distributed.run --nproc-per-node 4 tests/pipeline_peaks.py SCHEDULE DIR`
-with MALLOC_MMAP_THRESHOLD_ set (glibc returns freed blocks at once: the live peak is
-measured). Each rank writes `<pipeline rank> <bytes>` to DIR/peak-<rank>.txt, the second
-step's (the first also learns shapes and the gather order), above what the rank holds
-before it; a file each, as the ranks' printed lines interleave."""
+`tests/test_cli_pipeline.py` compares it with `flatshard plan --pp`: run as
+`torchrun --nproc-per-node 4 tests/pipeline_peaks.py SCHEDULE DIR` with
+MALLOC_MMAP_THRESHOLD_=65536 (glibc returns freed blocks at once: the live peak is
+measured; the test forks its ranks with that threshold set: forked_command.torchrun_forked).
+Each rank writes `<pipeline rank> <bytes>` to DIR/peak-<rank>.txt, the second step's (the
+first also learns shapes and the gather order), above what the rank holds before it; a file
+each, as the ranks' printed lines interleave."""
 
 from __future__ import annotations
 

@@ -24,17 +24,20 @@ def cli_env(**extra) -> dict:
     return env
 
 
-def flatshard(*args, cwd=None, timeout=180, env=None) -> subprocess.CompletedProcess:
+def flatshard(*args, cwd=None, timeout=180, env=None, exact_memory=False):
     """Run `python -m flatshard ARGS`; returns the completed process (never raises on rc).
     With the default environment the command runs in a process forked from a server that has
     already imported torch, flatshard and transformers (tests/forked_command.py): the same
-    command, without the two seconds of imports. An `env` of its own (variables read at
-    process start, such as MALLOC_MMAP_THRESHOLD_) takes a fresh interpreter."""
+    command, without the two seconds of imports; `exact_memory`: glibc returns freed blocks
+    at once (as MALLOC_MMAP_THRESHOLD_=65536 at a process's start), so measured peaks are
+    the live ones. An `env` of its own (read as a process starts: a sitecustomize) takes a
+    fresh interpreter."""
     args = [str(a) for a in args]
     if env is None:
         from forked_command import run_forked
 
-        return run_forked(["flatshard", *args], cwd=cwd or REPO_ROOT, timeout=timeout)
+        return run_forked(["flatshard", *args], cwd=cwd or REPO_ROOT, timeout=timeout,
+                          exact_memory=exact_memory)  # fmt: skip
     return subprocess.run(
         [sys.executable, "-m", "flatshard", *args],
         cwd=cwd or REPO_ROOT,

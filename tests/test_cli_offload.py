@@ -44,10 +44,9 @@ def test_plan_splits_memory_as_a_measured_run(tmp_path):
              "--set", "train.micro_batch=1", "--set", "train.global_batch=2",
              "--set", "train.offload=0.5"]  # fmt: skip
     run = tmp_path / "run"
-    env = cli_env(MALLOC_MMAP_THRESHOLD_="65536")  # the live peak, as in test_cli_train
     check_ok(
         flatshard("train", *sizes, "--steps", 2, "--out", run, "--set", "run.sample_tokens=0",
-                  *NO_SAVE, env=env)
+                  *NO_SAVE, exact_memory=True)
     )  # fmt: skip
     measured = metrics(run)[-1]
     plan = json.loads(check_ok(flatshard("plan", *sizes, "--json")).stdout)["memory"]
@@ -64,12 +63,11 @@ def test_disk_tier_takes_the_optimizer_state_out_of_memory(tmp_path):
     sizes = ["--set", "model.preset=medium", "--set", "data.seq_len=32",
              "--set", "train.micro_batch=1", "--set", "train.global_batch=2",
              "--set", "run.sample_tokens=0", *NO_SAVE]  # fmt: skip
-    env = cli_env(MALLOC_MMAP_THRESHOLD_="65536")
     plain, paged = tmp_path / "plain", tmp_path / "paged"
-    check_ok(flatshard("train", *sizes, "--steps", 2, "--out", plain, env=env))
+    check_ok(flatshard("train", *sizes, "--steps", 2, "--out", plain, exact_memory=True))
     check_ok(
         flatshard("train", *sizes, "--steps", 2, "--out", paged, "--offload-dir",
-                  tmp_path / "tier", env=env)
+                  tmp_path / "tier", exact_memory=True)
     )  # fmt: skip
     state = metrics(paged)[-1]["offload_disk_bytes"]
     drop = metrics(plain)[-1]["peak_rss_bytes"] - metrics(paged)[-1]["peak_rss_bytes"]

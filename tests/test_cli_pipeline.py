@@ -7,13 +7,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
+from forked_command import torchrun_forked
 from safetensors.torch import load_file
-from test_cli_helpers import REPO_ROOT, check_ok, cli_env, flatshard, metrics, one_line_error
+from test_cli_helpers import REPO_ROOT, check_ok, flatshard, metrics, one_line_error
 
 pytestmark = pytest.mark.slow
 
@@ -181,10 +180,8 @@ def test_each_stages_peak_is_its_plans(tmp_path, schedule):
     if schedule in closed_forms:
         assert [s["in_flight"] for s in stages] == closed_forms[schedule]
     script = os.path.join(REPO_ROOT, "tests", "pipeline_peaks.py")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", script,
-               schedule, str(tmp_path)]  # fmt: skip
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                          env=cli_env(MALLOC_MMAP_THRESHOLD_="65536"))  # fmt: skip
+    proc = torchrun_forked(script, 4, [schedule, tmp_path], cwd=REPO_ROOT, timeout=300,
+                           exact_memory=True)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     peaks = [(tmp_path / f"peak-{rank}.txt").read_text().split() for rank in range(4)]
     for rank, measured in peaks:

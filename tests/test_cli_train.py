@@ -133,12 +133,12 @@ def test_plan_matches_a_measured_run(tmp_path):
     sizes = ["--set", "model.preset=medium", "--set", "data.seq_len=32",
              "--set", "train.micro_batch=1", "--set", "train.global_batch=2"]  # fmt: skip
     run = tmp_path / "run"
-    # A fixed mmap threshold makes glibc return freed buffers at once, so the resident peak
-    # is the live peak rather than what the allocator kept cached.
-    env = cli_env(MALLOC_MMAP_THRESHOLD_="65536")
+    # exact_memory: glibc returns freed buffers at once, so the resident peak is the live
+    # peak rather than what the allocator kept cached
     check_ok(
         flatshard("train", *sizes, "--steps", 3, "--out", run, "--set", "run.sample_tokens=0",
-                  "--set", "checkpoint.interval=0", "--set", "checkpoint.at_end=false", env=env)
+                  "--set", "checkpoint.interval=0", "--set", "checkpoint.at_end=false",
+                  exact_memory=True)
     )  # fmt: skip
     measured = metrics(run)[-1]
     plan = json.loads(check_ok(flatshard("plan", *sizes, "--json")).stdout)
@@ -162,14 +162,13 @@ def test_plan_matches_measured_peaks_per_activation_checkpointing_mode(tmp_path)
     what does not grow with them (the allocator's, the kernel's counting) stays small."""
     sizes = ["--set", "model.preset=tiny", "--set", "data.seq_len=256", "--set", "run.nproc=1",
              "--set", "train.micro_batch=64", "--set", "train.global_batch=64"]  # fmt: skip
-    env = cli_env(MALLOC_MMAP_THRESHOLD_="65536")
     measured = {}
     for mode in ("none", "full", "selective"):
         run = tmp_path / mode
         check_ok(
             flatshard("train", *sizes, "--steps", 2, "--out", run, "--ac", mode,
                       "--set", "run.sample_tokens=0", "--set", "checkpoint.interval=0",
-                      "--set", "checkpoint.at_end=false", env=env)
+                      "--set", "checkpoint.at_end=false", exact_memory=True)
         )  # fmt: skip
         measured[mode] = metrics(run)[-1]["peak_mem_bytes"]
         plan = json.loads(check_ok(flatshard("plan", *sizes, "--ac", mode, "--json")).stdout)
@@ -184,13 +183,12 @@ def test_plan_matches_measured_peaks_with_sequence_and_context_parallelism(tmp_p
     the keys and values it gathers)."""
     sizes = ["--set", "model.preset=tiny", "--set", "data.seq_len=4096", "--set", "run.nproc=2",
              "--set", "train.micro_batch=4", "--set", "train.global_batch=4"]  # fmt: skip
-    env = cli_env(MALLOC_MMAP_THRESHOLD_="65536")
     for layout in (["--set", "train.tp=2", "--set", "train.sp=true"], ["--set", "train.cp=2"]):
         run = tmp_path / layout[-1].replace("=", "")
         check_ok(
             flatshard("train", *sizes, *layout, "--steps", 2, "--out", run,
                       "--set", "run.sample_tokens=0", "--set", "checkpoint.interval=0",
-                      "--set", "checkpoint.at_end=false", env=env)
+                      "--set", "checkpoint.at_end=false", exact_memory=True)
         )  # fmt: skip
         measured = metrics(run)[-1]["peak_mem_bytes"]
         plan = json.loads(check_ok(flatshard("plan", *sizes, *layout, "--json")).stdout)
