@@ -135,7 +135,6 @@ def test_mixed_precision_compiles_whole():
 
 def _frames_of(which: str) -> dict:
     torch._dynamo.reset()
-    counters.clear()
     torch.manual_seed(0)
     model = Llama(config(**CONFIG))
     if which == "fsdp2":
@@ -148,6 +147,8 @@ def _frames_of(which: str) -> dict:
             block.compile(fullgraph=True)
     else:
         flatshard.parallelize(model, flatshard.ParallelDims(dist.get_world_size()), compile=True)
+    # the training's frames: not the toolchain probe `compile=True` runs once a process
+    counters.clear()
     train(model, batches(model.config, 2), rank=dist.get_rank(), world=dist.get_world_size())
     return _dynamo_counts()
 
