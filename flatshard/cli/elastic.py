@@ -7,6 +7,7 @@ restarts are spent the command fails with the last attempt's cause."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 import uuid
@@ -38,9 +39,11 @@ def run_elastic(worker: Callable, args: tuple, sizes: list[int], max_restarts: i
     # each attempt's rank 0 serves a fresh store: workers sharing the agent's store across
     # attempts read the dead attempt's addresses and fail to connect (pytorch#135712)
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if start_method == "forkserver":  # the server imports the trainer once, for every rank
+        server = multiprocessing.get_context("forkserver")
+        server.set_forkserver_preload([worker.__module__, __name__])
     offset = 0
     for index, nproc in enumerate(sizes):
-        os.environ[ATTEMPT_OFFSET] = str(offset)  # the workers inherit it
         config = LaunchConfig(
             min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
             rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
@@ -48,7 +51,7 @@ def run_elastic(worker: Callable, args: tuple, sizes: list[int], max_restarts: i
             shutdown_timeout=10,  # a rank stuck beside a dead peer is killed, not waited for
         )  # fmt: skip
         try:
-            elastic_launch(config, _worker_main)(call, worker, args)
+            elastic_launch(config, _worker_main)(call, worker, args, offset)
             return 0
         except ChildFailedError as error:
             offset += max_restarts + 1
@@ -69,7 +72,9 @@ def run_elastic(worker: Callable, args: tuple, sizes: list[int], max_restarts: i
     return 1
 
 
-def _worker_main(call: Callable, worker: Callable, args: tuple) -> None:
+def _worker_main(call: Callable, worker: Callable, args: tuple, offset: int) -> None:
+    # passed, not inherited: a forked rank has the fork server's environment, not the agent's
+    os.environ[ATTEMPT_OFFSET] = str(offset)
     os.setpgrp()  # Ctrl-C reaches the agent only; it forwards the signal to every worker once
     code = call(worker, args, error_dir=None, leave_on_error=True)
     sys.stdout.flush()

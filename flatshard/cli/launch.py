@@ -144,15 +144,22 @@ def run(worker: Callable, args: tuple, nproc: int, max_restarts: int = 0,
         from flatshard.cli.elastic import run_elastic
 
         return run_elastic(
-            # spawn: a fork of the agent, whose rendezvous store runs threads, can deadlock
             worker, args, sizes or [nproc], max_restarts, free_port=_free_port,
-            start_method="spawn", call=_call, stopped=EXIT_STOPPED,
+            start_method=_elastic_start_method(), call=_call, stopped=EXIT_STOPPED,
             failure=failure or (lambda attempt: "see the workers' output above"),
         )  # fmt: skip
     if nproc == 1:
         _set_launcher_env(0, 1, _free_port())
         return _call(worker, args, error_dir=None)
     return _supervise(worker, args, nproc)
+
+
+def _elastic_start_method() -> str:
+    """How the elastic agent starts ranks, each attempt: forked from a server that imported
+    the trainer once (seconds saved a rank and a restart), not from the agent itself, whose
+    rendezvous store runs threads (a fork of it can deadlock); spawned where there is no
+    fork."""
+    return "forkserver" if devices.process_start_method() == "fork" else "spawn"
 
 
 def _set_launcher_env(rank: int, world: int, port: int) -> None:
