@@ -241,6 +241,7 @@ def compile_blocks(check: Check) -> dict:
     breaks = sum(counters["graph_break"].values())
     rel = _max_rel(compiled["losses"], eager["losses"])
     return {
+        "backend": check.compile_backend,
         "eager_step_s": eager["step_s"],
         "compiled_step_s": compiled["step_s"],
         "graph_breaks": breaks,

@@ -52,6 +52,11 @@ class Check:
     def __init__(self, device: torch.device, sizes: dict):
         self.device, self.sizes, self.report = device, sizes, {}
         self.cuda = device.type == "cuda"
+        # what compile=True compiles with: inductor on the GPU; the CPU dry run traces the
+        # same graphs (dynamo, AOT autograd) without inductor's C++ code generation, which
+        # the GPU never runs and which took most of the dry run's time (test_compile.py
+        # covers it)
+        self.compile_backend = "inductor" if self.cuda else "aot_eager"
 
     def model(self, size: str, seed: int = 0):
         from flatshard.models import Llama, LlamaConfig
@@ -76,6 +81,8 @@ class Check:
         device = device or self.device
         model = self.model(size)
         dims = flatshard.ParallelDims(1)
+        if options.get("compile") is True:
+            options["compile"] = self.compile_backend
         flatshard.parallelize(model, dims.build(device.type), **options)
         torch.manual_seed(0)
         flatshard.materialize(model, device)
@@ -98,7 +105,7 @@ class Check:
                 checkpoint_block(block, ac)
             fully_shard(block, mp_policy=policy)
             if compile:  # FSDP2's hooks are skipped by dynamo: whole block graphs
-                block.compile()
+                block.compile(backend=self.compile_backend)
         fully_shard(model, mp_policy=policy)
         return model
 
