@@ -104,6 +104,8 @@ def _run(command: str, cwd, places: dict, moe_model: str, dense_model: str):
     args = shlex.split(command)
     model = moe_model if "--ep" in args else dense_model
     args = [places.get(a, a.replace("path/to/model", model)) for a in args[1:]]
+    if args[0] == "sample" and "--tokens" not in args:
+        args += ["--tokens", "16"]  # a few tokens' worth of generation, not the default 200
     if args[0] == "train" and "--help-config" not in args:
         args += ["--steps", "3" if "--resume" in args else "2", "--set", "run.sample_tokens=0"]
         if "--seq-len" not in args:
