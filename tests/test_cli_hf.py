@@ -234,6 +234,69 @@ def test_an_moe_fine_tune_with_its_balancing_loss_and_pipelined_without(mixtral,
     assert "output_router_logits to false" in message, message
 
 
+def test_routers_with_a_correction_bias_balance_by_it(mixtral, tmp_path):
+    """GLM-4-MoE's routers carry DeepSeek-V3's score-correction bias, which transformers
+    never moves: with model.bias_update_speed each router counts the experts its training
+    forwards chose and its bias moves after every step. Two processes train as one (the
+    counts summed over the ranks) and as two with the experts split (--ep 2); the exported
+    biases are whole numbers of moves, the same in all three, and they changed the routing
+    (the losses of a run without them differ). A model without such routers is refused."""
+    torch.manual_seed(0)
+    config = transformers.Glm4MoeConfig(
+        vocab_size=260, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1,
+        topk_group=1, n_shared_experts=1, max_position_embeddings=64,
+    )  # fmt: skip  (two MoE layers after a dense one)
+    path = tmp_path / "glm4-moe"
+    transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(path)
+    speed, steps = 0.05, 3
+    run = [*RUN, "--global-batch", 8, "--steps", steps]
+    losses, biases = {}, {}
+    for name, nproc, more in [("two", 2, []), ("one", 1, []), ("ep", 2, ["--ep", 2]),
+                              ("fixed", 2, None)]:  # fmt: skip
+        balance = ["--set", f"model.bias_update_speed={0 if more is None else speed}"]
+        check_ok(flatshard("train", "--hf", path, *run, "--nproc", nproc, *(more or []),
+                           *balance, "--out", tmp_path / name))  # fmt: skip
+        losses[name] = [r["loss"] for r in metrics(tmp_path / name)]
+        assert main(["convert", "checkpoint-to-hf", str(tmp_path / name),
+                     str(tmp_path / f"hf-{name}")]) == 0  # fmt: skip
+        exported = load_file(tmp_path / f"hf-{name}" / "model.safetensors")
+        biases[name] = {n: t for n, t in exported.items() if n.endswith("e_score_correction_bias")}
+    assert len(biases["two"]) == 2  # the two MoE layers' routers
+    assert losses["one"] == pytest.approx(losses["two"], rel=1e-6)
+    assert losses["ep"] == pytest.approx(losses["two"], rel=1e-6)
+    for name, bias in biases["two"].items():
+        moves = bias / speed  # each step: +1, -1 or 0 (an expert at the mean load) per expert
+        assert torch.allclose(moves, moves.round(), atol=1e-4) and moves.abs().max() <= steps
+        assert moves.abs().sum() > 0, name
+        assert all(torch.allclose(biases[other][name], bias) for other in ("one", "ep"))
+        assert not biases["fixed"][name].any()
+    assert losses["fixed"][0] == pytest.approx(losses["two"][0], rel=1e-6)  # before any move
+    assert any(abs(f - b) > 1e-6 * b for f, b in zip(losses["fixed"][1:], losses["two"][1:]))
+
+    path, _ = mixtral
+    message = one_line_error(flatshard("train", "--hf", path, *run, "--set",
+                                       "model.bias_update_speed=0.001"))  # fmt: skip
+    assert "no score-correction bias" in message, message
+
+
+def test_a_fine_tune_trains_in_training_mode(mixtral, tmp_path):
+    """A transformers model comes in eval mode (as from_pretrained leaves it); the trainer
+    trains it in training mode, as transformers' Trainer does: LoRA's dropout then acts. The
+    adapters start at zero, so the first step's loss is the same with and without dropout;
+    once they have trained, the losses part (in eval mode they stayed equal)."""
+    path, _ = mixtral
+    losses = {}
+    for dropout in (0.0, 0.5):
+        out = tmp_path / f"dropout-{dropout}"
+        check_ok(flatshard("train", "--hf", path, *RUN, "--steps", 3, "--nproc", 1, "--lora", 4,
+                           "--set", f"train.lora_dropout={dropout}", "--out", out))  # fmt: skip
+        losses[dropout] = [r["loss"] for r in metrics(out)]
+    assert losses[0.5][0] == pytest.approx(losses[0.0][0], rel=1e-6)
+    assert all(abs(a - b) > 1e-6 * b for a, b in zip(losses[0.5][1:], losses[0.0][1:]))
+
+
 def _exports_agree(tmp_path, straight, other, source) -> None:
     """Both runs' checkpoints convert to the source model's tensors, equal to each other's,
     and `other`'s loads in transformers."""

@@ -80,7 +80,7 @@ OPTIONS: tuple[Option, ...] = (
            "each router's correction bias moves this much a step toward its less-loaded "
            "experts (0: off; DeepSeek-V3 trained with 0.001)", check=_non_negative),
     Option("model.hf", "", "Hugging Face model directory to fine-tune instead (config.json + "
-           "safetensors; the other model.* keys are then unused)"),
+           "safetensors; the other model.* keys but bias_update_speed are then unused)"),
     # data
     Option("data.path", "", "text file or directory, JSONL, or token memmap ('': bundled corpus)"),
     Option("data.format", "auto", "how to read data.path",

@@ -26,6 +26,7 @@ from flatshard.errors import MeshError, WrappingError
 from flatshard.mesh import ParallelDims
 from flatshard.models import LlamaConfig, MoE
 from flatshard.models.lora import init_adapters
+from flatshard.models.moe import count_transformers_routers
 
 
 def build_run_model(
@@ -50,7 +51,9 @@ def build_run_model(
         piped = dict(schedule=train.pp_schedule,
                      microbatches=train.global_batch // (train.micro_batch * dims.dp))  # fmt: skip
         if config.model.hf:
-            return build_hf_pipeline(config.model.hf, load=load, **piped, **sharding)
+            pipe = build_hf_pipeline(config.model.hf, load=load, **piped, **sharding)
+            _count_routers(config, pipe.model)
+            return pipe
         return build_pipeline(model_config, seed=train.seed, **piped, **sharding)
     if config.model.hf:
         lora = lora_spec(train.lora_rank, train.lora_alpha, train.lora_dropout,
@@ -60,6 +63,7 @@ def build_run_model(
                          nf4_bases=train.qlora, **sharding)  # fmt: skip
         if lora is not None:
             init_adapters(model, train.seed)  # a resume's checkpoint overwrites them
+        _count_routers(config, model)
     else:
         model = build_sharded(model_config, seed=train.seed, **sharding)
     chosen = {k: getattr(train, k) for k in ("quantize_weights", "quantize_grads")}
@@ -67,6 +71,17 @@ def build_run_model(
         quantized = {k: None if value == "none" else value for k, value in chosen.items()}
         model.set_comm_policy(flatshard.CommPolicy(**quantized))
     return model
+
+
+def _count_routers(config, model) -> None:
+    """model.bias_update_speed on a Hugging Face model: its routers' score-correction biases
+    (DeepSeek-V3's) move after each step, from the assignments they count."""
+    if config.model.bias_update_speed and not count_transformers_routers(model):
+        raise ConfigError(
+            f"model.bias_update_speed: {config.model.hf}'s routers have no score-correction "
+            "bias to move (DeepSeek-V3, GLM-4-MoE and dots.llm1 have one: "
+            "e_score_correction_bias); set model.bias_update_speed=0"
+        )
 
 
 def build_pipeline(cfg: LlamaConfig, *, seed: int, device, **options) -> flatshard.Pipeline:

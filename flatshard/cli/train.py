@@ -136,6 +136,10 @@ class Trainer:
         # pipeline stages (train.pp): this rank's, under the whole model's names
         self.pipe = built if isinstance(built, flatshard.Pipeline) else None
         self.model = built.model if self.pipe is not None else built
+        # a Hugging Face model comes in eval mode (as from transformers' from_pretrained):
+        # training mode, as transformers' Trainer sets it, runs its dropout, LoRA's dropout
+        # and MoE routers' jitter and counting (evaluation switches and restores it)
+        self.model.train()
         self.optimizer = make_optimizer(train, self.model)
         # what checkpoints keep besides the weights, for sampling and a complete export
         records = checkpoint_records(self.data, config.model.hf)

@@ -10,7 +10,11 @@ import torch.distributed as dist
 
 from flatshard.api.parallel_plan import ParallelPlan
 from flatshard.models.llama.parallel import split_context
-from flatshard.models.moe.balance import update_score_bias, update_score_bias_from_counts
+from flatshard.models.moe.balance import (
+    count_transformers_routers,
+    update_score_bias,
+    update_score_bias_from_counts,
+)
 from flatshard.models.moe.config import MoEConfig
 from flatshard.models.moe.hf_adapter import MOE, MOE_RULES
 from flatshard.models.moe.hf_config import hf_to_moe_config, moe_config_to_hf
@@ -89,4 +93,5 @@ __all__ = [
     "split_experts",
     "update_score_bias",
     "update_score_bias_from_counts",
+    "count_transformers_routers",
 ]
