@@ -25,7 +25,6 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -34,7 +33,7 @@ import traceback
 from multiprocessing.connection import wait
 
 import pytest
-from forked_command import preloaded_context
+from forked_command import free_port, preloaded_context
 
 __all__ = [
     "DistributedError",
@@ -121,12 +120,6 @@ def shutdown_pools() -> None:
 atexit.register(shutdown_pools)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _describe(fn) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
@@ -163,7 +156,7 @@ class _Pool:
         return os.path.join(self.stack_dir, f"rank{rank}.txt")
 
     def _spawn(self) -> None:
-        port = _free_port()
+        port = free_port()
         for rank in range(self.world_size):
             context = preloaded_context()
             parent_conn, child_conn = context.Pipe()

@@ -95,7 +95,7 @@ def torchrun_forked(script: str, nproc: int, args: list, cwd, timeout: float,
     """`torchrun --standalone --nproc-per-node NPROC SCRIPT ARGS` with each rank forked from
     the server, the launcher's variables set (RANK, WORLD_SIZE, MASTER_PORT, ...); stdout
     and stderr are the ranks' in rank order, the exit code the first failing rank's."""
-    port = _free_port()
+    port = free_port()
     ranks = [
         dict(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(nproc),
              LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -131,7 +131,8 @@ def _run_children(command: list[str], cwd, timeout: float, envs: list[dict], exa
         return subprocess.CompletedProcess(command, code, out, err)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (a rendezvous's)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
