@@ -57,8 +57,31 @@ def _distributed_pools():
 
 
 # FLATSHARD_TEST_TIMES=path: each test file's summed durations (setup, call and teardown of
-# its tests) and test count, written as JSON when the session ends (tests/README.md's table).
+# its tests), test count and how busy the machine's cores were meanwhile (a file that leaves a
+# core idle is waiting, not computing), written as JSON when the session ends (tests/README.md).
 _FILE_TIMES: dict[str, list[float]] = {}
+_FILE_TICKS: dict[str, list[int]] = {}
+
+
+def _cpu_ticks() -> tuple[int, int]:
+    """(busy, all) clock ticks of every core since boot; (0, 0) without /proc."""
+    try:
+        with open("/proc/stat") as handle:
+            fields = [int(field) for field in handle.readline().split()[1:9]]
+    except OSError:
+        return 0, 0
+    idle = fields[3] + fields[4]  # idle and iowait
+    return sum(fields) - idle, sum(fields)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item):
+    before = _cpu_ticks()
+    yield
+    after = _cpu_ticks()
+    ticks = _FILE_TICKS.setdefault(item.nodeid.split("::")[0], [0, 0])
+    ticks[0] += after[0] - before[0]
+    ticks[1] += after[1] - before[1]
 
 
 def pytest_runtest_logreport(report):
@@ -73,5 +96,8 @@ def pytest_sessionfinish(session):
         import json
 
         times = {name: {"seconds": round(s, 2), "tests": n} for name, (s, n) in _FILE_TIMES.items()}
+        for name, (busy, total) in _FILE_TICKS.items():
+            if total and name in times:
+                times[name]["busy"] = round(busy / total, 3)
         with open(path, "w") as handle:
             json.dump(times, handle, indent=1, sort_keys=True)
