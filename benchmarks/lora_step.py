@@ -12,6 +12,13 @@ adapters alone, on the same data, inside one set of gloo worker processes:
                     each rank reading only its rows of the base
     flatshard-full  the same model, every weight trained (what LoRA saves)
 
+With --tp N the LoRA modes run at (dp, tp) = (world / N, N): flatshard-lora-tp is what
+`flatshard train --hf DIR --lora R --tp N` builds (each adapter split as its base:
+flatshard/models/lora_parallel.py), fsdp2-peft-tp PEFT's model with torch's Colwise/
+RowwiseParallel on each projection's base as transformers' plan says and on the adapter
+matrix that splits with it (a column-parallel base's B, a row-parallel base's A; the other
+stays whole), then FSDP2 over the data-parallel ranks.
+
 With --qlora the modes are QLoRA's: what `flatshard train --hf DIR --lora R --qlora`
 builds (the base read whole, the adapted bases quantized to torchao's NF4, then split)
 under flatshard's fully_shard (flatshard-qlora) and under FSDP2's (fsdp2-qlora: the same
@@ -24,7 +31,7 @@ relative difference). Modes alternate step by step, the order reversed every ste
 drift of the shared machine hits all alike. Printed per rank 0: median seconds per step,
 trainable parameters, the AdamW state and gradient bytes a rank holds.
 
-    python benchmarks/lora_step.py --world 2 --rank 16 --steps 6 [--qlora]
+    python benchmarks/lora_step.py --world 2 --rank 16 --steps 6 [--qlora | --tp 2]
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ from flatshard.models.lora import (  # noqa: E402
 from flatshard.models.qlora import quantize_bases  # noqa: E402
 
 MODES = ("fsdp2-peft", "flatshard-lora", "flatshard-full")
+TP_MODES = ("fsdp2-peft-tp", "flatshard-lora-tp")
 QLORA_MODES = ("fsdp2-qlora", "flatshard-qlora", "flatshard-lora")
 
 
@@ -84,8 +92,19 @@ def qlora_model(path: str, spec: LoRASpec, fully_shard):
     return model
 
 
-def peft_model(path: str, spec: LoRASpec, ours):
-    """FSDP2 + PEFT, with the A matrices of `ours` (flatshard's) copied in."""
+def tp_lora_model(path: str, spec: LoRASpec, dims):
+    """What `flatshard train --hf DIR --lora R --tp N` builds, adapters drawn alike."""
+    from flatshard.cli.model import build_hf
+
+    model = build_hf(path, dims=dims, zero_stage=3, precision="fp32",
+                     device=torch.device("cpu"), lora=spec)  # fmt: skip
+    init_adapters(model, seed=0)
+    return model
+
+
+def peft_model(path: str, spec: LoRASpec, ours, dims=None):
+    """FSDP2 + PEFT, with the A matrices of `ours` (flatshard's) copied in; with `dims`,
+    torch's TP on each projection's base and the adapter matrix that splits with it."""
     import peft
     import transformers
     from torch.distributed.fsdp import fully_shard
@@ -102,10 +121,36 @@ def peft_model(path: str, spec: LoRASpec, ours):
                 param.copy_(a_matrices[key])
             elif ".lora_B." in name:
                 param.zero_()
+    mesh = None
+    if dims is not None:
+        meshes = dims.build()
+        _peft_tensor_parallel(model.base_model.model.model, meshes.tp)
+        mesh = meshes.fsdp
     for layer in model.base_model.model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
+
+
+def _peft_tensor_parallel(base, tp_mesh) -> None:
+    """transformers' plan on PEFT's layers: each base by its style; a column-parallel
+    base's B column-parallel (A whole: its input is whole), a row-parallel base's A
+    row-parallel (its output all-reduced, B whole)."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan = {}
+    for glob, kind in base.config.base_model_tp_plan.items():
+        if kind == "colwise":
+            plan.update({f"{glob}.base_layer": ColwiseParallel(),
+                         f"{glob}.lora_B.default": ColwiseParallel()})  # fmt: skip
+        elif kind == "rowwise":
+            plan.update({f"{glob}.base_layer": RowwiseParallel(),
+                         f"{glob}.lora_A.default": RowwiseParallel()})  # fmt: skip
+    parallelize_module(base, tp_mesh, plan)
 
 
 def _hf_a_matrices(ours) -> dict[str, torch.Tensor]:
@@ -138,29 +183,39 @@ def worker(rank: int, world: int, port: int, args, path: str, out) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     spec = LoRASpec(args.rank, 2.0 * args.rank, 0.0, DEFAULT_TARGETS)
-    runs = {}
-    ours = flatshard_model(path, spec)
-    runs["flatshard-lora"] = {"model": ours}
-    if args.qlora:
+    if args.tp > 1:
+        from flatshard.mesh import ParallelDims
+
+        dims = ParallelDims(world, tp=args.tp)
+        ours = tp_lora_model(path, spec, dims)
+        runs = {"flatshard-lora-tp": {"model": ours},
+                "fsdp2-peft-tp": {"model": peft_model(path, spec, ours, dims)}}  # fmt: skip
+    elif args.qlora:
         from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
         import flatshard
 
-        runs["fsdp2-qlora"] = {"model": qlora_model(path, spec, fsdp2_fully_shard)}
-        runs["flatshard-qlora"] = {"model": qlora_model(path, spec, flatshard.fully_shard)}
+        runs = {
+            "flatshard-lora": {"model": (ours := flatshard_model(path, spec))},
+            "fsdp2-qlora": {"model": qlora_model(path, spec, fsdp2_fully_shard)},
+            "flatshard-qlora": {"model": qlora_model(path, spec, flatshard.fully_shard)},
+        }
     else:
-        runs["fsdp2-peft"] = {"model": peft_model(path, spec, ours)}
-        runs["flatshard-full"] = {"model": flatshard_model(path, None)}
-    modes = QLORA_MODES if args.qlora else MODES
+        ours = flatshard_model(path, spec)
+        runs = {"flatshard-lora": {"model": ours},
+                "fsdp2-peft": {"model": peft_model(path, spec, ours)},
+                "flatshard-full": {"model": flatshard_model(path, None)}}  # fmt: skip
+    modes = TP_MODES if args.tp > 1 else QLORA_MODES if args.qlora else MODES
     for run in runs.values():
         trainable = [p for p in run["model"].parameters() if p.requires_grad]
         run.update(opt=torch.optim.AdamW(trainable, lr=args.lr), times=[], losses=[])
         run["trainable"] = sum(p.numel() for p in trainable)
     torch.manual_seed(1)
     vocab = ours.config.vocab_size
-    data = torch.randint(0, vocab, (args.steps, world * args.micro_batch, args.seq + 1))
+    dp, dp_rank = world // args.tp, rank // args.tp  # a TP group shares its batch
+    data = torch.randint(0, vocab, (args.steps, dp * args.micro_batch, args.seq + 1))
     for step in range(args.steps):
-        mine = data[step, rank * args.micro_batch : (rank + 1) * args.micro_batch]
+        mine = data[step, dp_rank * args.micro_batch : (dp_rank + 1) * args.micro_batch]
         order = modes if step % 2 == 0 else modes[::-1]
         for mode in order:
             run = runs[mode]
@@ -211,21 +266,28 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--qlora", action="store_true", help="QLoRA's modes (see above)")
+    parser.add_argument("--tp", type=int, default=1, help="the LoRA modes under TP (above)")
     args = parser.parse_args()
+    if args.tp > 1 and (args.qlora or args.world % args.tp):
+        parser.error("--tp N: without --qlora, and N must divide --world")
     path = args.model or random_llama_dir(args, "lora-step-")[1]
     out = worker_queue()
     start_workers(worker, (args.world, free_port(), args, path, out), args.world)
     result = out.get()
     peer, ours = (
-        ("fsdp2-qlora", "flatshard-qlora") if args.qlora else ("fsdp2-peft", "flatshard-lora")
-    )
+        ("fsdp2-peft-tp", "flatshard-lora-tp") if args.tp > 1
+        else ("fsdp2-qlora", "flatshard-qlora") if args.qlora
+        else ("fsdp2-peft", "flatshard-lora")
+    )  # fmt: skip
     reference = result[peer]
     agree = max(abs(a - b) / abs(b) for a, b in zip(result[ours]["losses"], reference["losses"]))
     kind = "QLoRA (NF4 bases)" if args.qlora else "LoRA"
+    layout = f" (dp {args.world // args.tp} x tp {args.tp})" if args.tp > 1 else ""
     print(f"{kind} rank {args.rank} (alpha {2 * args.rank}) on {', '.join(DEFAULT_TARGETS)}; "
-          f"a Llama of {_size(path) / 1e6:.1f}M parameters, world {args.world} (gloo, CPU), micro "
-          f"batch {args.micro_batch} x {args.seq} tokens, {args.steps - args.warmup} timed "
-          f"steps (median), torch {torch.__version__}; the losses agree to {agree:.1e} "
+          f"a Llama of {_size(path) / 1e6:.1f}M parameters, world {args.world}{layout} (gloo, "
+          f"CPU), micro batch {args.micro_batch} x {args.seq} tokens, "
+          f"{args.steps - args.warmup} timed steps (median), torch {torch.__version__}; the "
+          f"losses agree to {agree:.1e} "
           f"(relative, {ours} vs {peer})\n")  # fmt: skip
     print(f"| mode | s/step | vs {peer} | trainable | AdamW state MB/rank | grads MB/rank "
           "| loss first -> last |")  # fmt: skip

@@ -297,6 +297,28 @@ def test_a_fine_tune_trains_in_training_mode(mixtral, tmp_path):
     assert all(abs(a - b) > 1e-6 * b for a, b in zip(losses[0.5][1:], losses[0.0][1:]))
 
 
+def test_lora_under_tp_and_ep_trains_as_in_one_process(phi3, mixtral, tmp_path):
+    """LoRA on transformers-built families split by transformers' own plans: Phi-3's fused
+    qkv_proj and gate_up_proj adapted whole under --tp 2 (one B over the parts, split by
+    parts as its base, added before the attention gathers the fused output), Mixtral's
+    attention under --tp 2 --ep 2 (its frozen grouped experts split over EP): the losses of
+    one process."""
+    fused = ["--set", "train.lora_targets=qkv_proj,o_proj,gate_up_proj,down_proj"]
+    for source, layout, extra in (
+        (phi3, ["--nproc", 2, "--tp", 2], fused),
+        (mixtral[0], ["--nproc", 4, "--tp", 2, "--ep", 2], []),
+    ):
+        losses = []
+        for where in (["--nproc", 1], layout):
+            out = tmp_path / f"{os.path.basename(source)}-{len(losses)}"
+            check_ok(flatshard("train", "--hf", source, *RUN, "--steps", 3, "--lora", 4,
+                               "--lr", "1e-2", *extra, *where, "--out", out))  # fmt: skip
+            losses.append([r["loss"] for r in metrics(out)])
+        one, split = losses
+        assert len(one) == 3 and one[-1] != one[0]  # the adapters train
+        assert all(abs(a - b) <= 1e-6 * abs(a) for a, b in zip(one, split)), (source, losses)
+
+
 def _exports_agree(tmp_path, straight, other, source) -> None:
     """Both runs' checkpoints convert to the source model's tensors, equal to each other's,
     and `other`'s loads in transformers."""

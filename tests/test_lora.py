@@ -114,6 +114,25 @@ def test_a_resume_at_another_world_size_goes_on_as_if_never_stopped(base, runs_a
     assert all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(resumed, straight)), (resumed, straight)
 
 
+def test_lora_under_tp_sp_and_cp_trains_as_in_one_process_and_resumes_without(
+    base, runs_at, tmp_path
+):
+    """--tp 2 --sp --cp 2 at world 4: each adapter split as its base (A whole and B by rows
+    for q/k/v, by parts for the fused gate_up; A by columns and B whole for o and down), the
+    frozen norms staying frozen under sequence parallelism (torch's SequenceParallel makes
+    them trainable again); stopped at step 2 and resumed in one process: the losses of the
+    one-process run, the checkpoint the same adapters whatever the layout."""
+    path, text = base
+    run = tmp_path / "split"
+    check_ok(flatshard("train", "--hf", path, "--data", text, *TRAIN, "--nproc", 4, "--tp", 2,
+                       "--sp", "--cp", 2, "--out", run, "--set", "run.stop_at_step=2"))  # fmt: skip
+    assert run_in_process("train", "--resume", run, "--nproc", 1, "--tp", 1, "--cp", 1,
+                          "--set", "train.sp=false") == 0  # fmt: skip
+    losses, straight = ([r["loss"] for r in metrics(d)] for d in (run, runs_at[0]))
+    assert len(losses) == STEPS
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, straight)), (losses, straight)
+
+
 def test_merged_and_peft_exports_load_in_transformers_and_peft_alike(
     base, runs_at, tmp_path, capsys
 ):
@@ -178,6 +197,18 @@ def test_the_plan_counts_gradients_and_optimizer_state_of_the_adapters_only(caps
     assert plans[True]["grads"] == 4 * adapters // 8
     assert plans[False]["grads"] > 100 * plans[True]["grads"]
     assert plans[True]["params"] >= plans[False]["params"]  # the base is all still there
+    # --tp 2 (dp_shard 4): A whole and B halved for q, k, v, gate, up (column-parallel
+    # bases); A halved and B whole for o and down (row-parallel)
+    assert main(["plan", "llama3-8b", "--world-size", "8", "--lora", "16", "--tp", "2",
+                 "--json"]) == 0  # fmt: skip
+    split = json.loads(capsys.readouterr().out)["memory"]
+    colwise = r * d + d * r // 2 + 2 * (r * d + kv * r // 2) + 2 * (r * d + ffn * r // 2)
+    rowwise = (r * d // 2 + d * r) + (r * ffn // 2 + d * r)
+    assert split["grads"] == 4 * 32 * (colwise + rowwise) // 4
+    for refused, why in (("--qlora", "--qlora with --tp 2"), ("--pp", "--lora with --pp 2")):
+        extra = ["--tp", "2"] if refused == "--qlora" else ["2"]
+        assert main(["plan", "llama3-8b", "--lora", "16", refused, *extra]) == 2
+        assert why in capsys.readouterr().err
     # --qlora: the adapted bases in NF4, 4 bits a value + an int8 scale per 64 + an fp32
     # factor per 256 blocks + a mean, instead of 32 bits a value
     assert main(["plan", "llama3-8b", "--world-size", "8", "--lora", "16", "--qlora",

@@ -61,7 +61,9 @@ def parallelize(
         zero_stage=zero_stage,
     )
     if meshes.tp is not None:
+        frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
         plan.apply_tensor_parallel(model, meshes.tp, meshes.dims.sequence_parallel)
+        _keep_frozen(model, frozen)
     if meshes.cp is not None:
         plan.apply_context_parallel(model, meshes.cp)
     if meshes.ep is not None:  # experts: their own units, before their blocks'
@@ -79,3 +81,11 @@ def parallelize(
         for block in blocks:
             compile_block(block, backend, eager)
     return model
+
+
+def _keep_frozen(model: nn.Module, frozen: set[str]) -> None:
+    """Frozen parameters stay frozen: torch's `SequenceParallel` re-registers a norm's
+    weight as a new Parameter that requires gradients (LoRA's frozen norms would train)."""
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)

@@ -202,9 +202,14 @@ def _check_lora(config) -> None:
     if train.qlora and not train.lora_rank:
         raise ConfigError("train.qlora quantizes the bases LoRA adapts: set train.lora_rank "
                           "(--lora R) too")  # fmt: skip
-    if train.lora_rank and (train.tp > 1 or train.ep > 1 or train.cp > 1 or train.pp > 1):
+    if train.qlora and train.tp > 1:
         raise ConfigError(
-            "LoRA (train.lora_rank) runs data-parallel only for now: set train.tp=1, "
-            "train.cp=1, train.ep=1 and train.pp=1 (the adapters are small; ZeRO shards the "
-            "frozen base already)"
+            "train.qlora with tensor parallelism (train.tp) is not supported: NF4 bases are "
+            "quantized whole and split by rows over the data-parallel ranks; use train.tp=1 "
+            "(LoRA without train.qlora composes with TP)"
+        )
+    if train.lora_rank and train.pp > 1:
+        raise ConfigError(
+            "LoRA (train.lora_rank) with pipeline stages (train.pp) is not supported yet: set "
+            "train.pp=1 (TP, CP and EP compose with it; ZeRO shards the frozen base already)"
         )

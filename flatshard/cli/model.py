@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import flatshard
 from flatshard import hf
+from flatshard.api.parallel_plan import plan_for
 from flatshard.cli import runs
 from flatshard.cli.config import RunConfig
 from flatshard.cli.errors import ConfigError, RunError, warn
@@ -30,6 +31,7 @@ from flatshard.models.lora import (
     lora_spec_of,
     merge_adapters,
 )
+from flatshard.models.lora_parallel import lora_plan
 from flatshard.models.qlora import quantize_bases
 from flatshard.models.transformers import TRANSFORMERS, build_causal_lm, shard_decoder_layers
 
@@ -266,6 +268,7 @@ def build_hf(
                     quantize_bases(model, dims.dp_shard)
             except LoRAError as error:
                 raise ConfigError(f"train.lora_*: {error}") from None
+            return parallelize(model, plan=lora_plan(plan_for(model)))
         return parallelize(model)
 
     with _as_config_error(_degrees(dims)):

@@ -35,7 +35,8 @@ class FusedColwiseParallel(ParallelStyle):
     ranks in backward, as a column-parallel layer's must be) and its output the local
     `[gate_r, up_r]` features the row-parallel layer after it consumes -- or, with
     `gather_output`, every rank's, put back in the global order `[gate, up]` (for a model
-    that splits the output itself)."""
+    that splits the output itself). A module's `tp_local_extra(x)`, if it has one, adds
+    to the local output (LoRA adapters: flatshard/models/lora_parallel.py)."""
 
     def __init__(self, components: int = 2, gather_output: bool = False):
         super().__init__()
@@ -55,6 +56,9 @@ class FusedColwiseParallel(ParallelStyle):
         def local_forward(x):
             bias = module.bias.to_local() if module.bias is not None else None
             out = F.linear(SumGradient.apply(x, group), module.weight.to_local(), bias)
+            extra = getattr(module, "tp_local_extra", None)  # e.g. LoRA adapters' output
+            if extra is not None:
+                out = out + extra(x)
             if self.gather_output:
                 out = _GatherParts.apply(out, group, local_sizes)
             return out

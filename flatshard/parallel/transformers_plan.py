@@ -130,9 +130,12 @@ def _splits_of(style: ParallelStyle, module: nn.Module) -> dict[str, tuple[int, 
         return style.splits(module)
     if isinstance(style, FusedColwiseParallel):
         fused = dict(module.fused_components)
-        return {p: (0, tuple(int(n) for _, n in fused[p])) for p, _ in module.named_parameters()}
-    if isinstance(style, ColwiseParallel):
-        return {p: (0, ()) for p, _ in module.named_parameters()}
+        return {
+            p: (0, tuple(int(n) for _, n in fused[p]))
+            for p, _ in module.named_parameters(recurse=False)
+        }
+    if isinstance(style, ColwiseParallel):  # its own parameters (LoRA's: lora_parallel.py)
+        return {p: (0, ()) for p, _ in module.named_parameters(recurse=False)}
     if isinstance(style, RowwiseParallel):
         return {"weight": (1, ())}
     return {}  # HeadNormParallel: the same weight on every TP rank

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from flatshard.errors import ConfigError, MeshError
 from flatshard.models.llama import LLAMA_BLOCK_PLAN, tp_local_shape
+from flatshard.models.lora_parallel import adapter_base, adapter_split_dim
 from flatshard.planner.model_spec import FP32, ModelSpec, UnitSpec
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -28,11 +29,23 @@ def tp_local(spec: ModelSpec, tp: int, sp: bool = False) -> ModelSpec:
     """The model as each TP rank holds it (flatshard.parallel's plan, or the spec's own;
     `sp`: the embedding and head split by vocabulary too, the larger piece on rank 0)."""
     block_shape = spec.tp_local_shape or tp_local_shape
+    shapes = {p.name: p.shape for unit in spec.units for p in unit.params}
 
     def local_shape(name, shape, tp):
         if sp and name.endswith(("embed_tokens.weight", "lm_head.weight")):
             return (-(-shape[0] // tp), *shape[1:])
+        adapter = adapter_base(name)
+        if adapter is not None:  # a LoRA matrix: split as its base is
+            base, matrix = adapter
+            return _split(shape, adapter_split_dim(matrix, base_split_dim(base, tp)), tp)
         return block_shape(name, shape, tp)
+
+    def base_split_dim(base: str, tp: int) -> int | None:
+        if base not in shapes:  # QLoRA's NF4 base: not in the layout, and never TP-split
+            return None
+        whole = shapes[base]
+        local = block_shape(base, whole, tp)
+        return next((d for d, (a, b) in enumerate(zip(whole, local)) if a != b), None)
 
     try:
         units = tuple(
@@ -48,6 +61,10 @@ def tp_local(spec: ModelSpec, tp: int, sp: bool = False) -> ModelSpec:
     except MeshError as error:
         raise ConfigError(f"--tp {tp}: {error}") from None
     return replace(spec, units=units)
+
+
+def _split(shape: tuple[int, ...], dim: int | None, tp: int) -> tuple[int, ...]:
+    return tuple(n // tp if d == dim else n for d, n in enumerate(shape))
 
 
 def _is_expert(param) -> bool:
