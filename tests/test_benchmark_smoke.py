@@ -410,21 +410,24 @@ def test_hf_finetune_script(tmp_path):
     assert float(difference.group(1)) <= 1e-6, proc.stdout
 
 
-@pytest.mark.parametrize("qlora", [False, True])
-def test_lora_step_script(qlora):
+@pytest.mark.parametrize("mode", ["lora", "qlora", "tp"])
+def test_lora_step_script(mode):
     """benchmarks/lora_step.py at its smallest: flatshard's LoRA and FSDP2 + PEFT, given the
     same adapters, take the same steps; the adapters' state is a fraction of the full one.
     --qlora: flatshard and FSDP2 on the same NF4 model take the same steps, which differ
-    from the full-precision base's."""
+    from the full-precision base's. --tp 2: so do flatshard's and PEFT's split adapters."""
     pytest.importorskip("peft")
     tiny = ["--world", "2", "--steps", "3", "--hidden", "64", "--layers", "2", "--vocab", "256"]
-    tiny += ["--qlora"] if qlora else []
+    tiny += {"lora": [], "qlora": ["--qlora"], "tp": ["--tp", "2"]}[mode]
     proc = _script(os.path.join(ROOT, "benchmarks", "lora_step.py"), *tiny, "--seq", "16")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     agree = re.search(r"the losses agree to (\S+) \(relative", proc.stdout)
     assert agree and float(agree.group(1)) <= 1e-5, proc.stdout
     _, rows = _table(proc.stdout)
-    if qlora:
+    if mode == "tp":
+        assert rows["flatshard-lora-tp"][3] == rows["fsdp2-peft-tp"][3], proc.stdout
+        return
+    if mode == "qlora":
         assert rows["flatshard-qlora"][3] == rows["fsdp2-qlora"][3] == rows["flatshard-lora"][3]
         assert rows["flatshard-qlora"][6] != rows["flatshard-lora"][6], proc.stdout  # NF4
         return
