@@ -133,6 +133,19 @@ def test_lora_under_tp_sp_and_cp_trains_as_in_one_process_and_resumes_without(
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, straight)), (losses, straight)
 
 
+def test_lora_in_pipeline_stages_trains_as_in_one_process(base, runs_at, tmp_path):
+    """--pp 2 --tp 2 at world 4: the adapters added to the whole model before it is split
+    into stages, each stage's drawn as the whole model's (a stage holds some of them), split
+    over TP within it: the losses of the one-process run."""
+    path, text = base
+    run = tmp_path / "staged"
+    check_ok(flatshard("train", "--hf", path, "--data", text, *TRAIN, "--nproc", 4, "--pp", 2,
+                       "--tp", 2, "--out", run))  # fmt: skip
+    losses, straight = ([r["loss"] for r in metrics(d)] for d in (run, runs_at[0]))
+    assert len(losses) == STEPS
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, straight)), (losses, straight)
+
+
 def test_merged_and_peft_exports_load_in_transformers_and_peft_alike(
     base, runs_at, tmp_path, capsys
 ):
@@ -205,10 +218,9 @@ def test_the_plan_counts_gradients_and_optimizer_state_of_the_adapters_only(caps
     colwise = r * d + d * r // 2 + 2 * (r * d + kv * r // 2) + 2 * (r * d + ffn * r // 2)
     rowwise = (r * d // 2 + d * r) + (r * ffn // 2 + d * r)
     assert split["grads"] == 4 * 32 * (colwise + rowwise) // 4
-    for refused, why in (("--qlora", "--qlora with --tp 2"), ("--pp", "--lora with --pp 2")):
-        extra = ["--tp", "2"] if refused == "--qlora" else ["2"]
-        assert main(["plan", "llama3-8b", "--lora", "16", refused, *extra]) == 2
-        assert why in capsys.readouterr().err
+    for degree in ("--tp", "--pp"):
+        assert main(["plan", "llama3-8b", "--lora", "16", "--qlora", degree, "2"]) == 2
+        assert f"--qlora with {degree} 2" in capsys.readouterr().err
     # --qlora: the adapted bases in NF4, 4 bits a value + an int8 scale per 64 + an fp32
     # factor per 256 blocks + a mean, instead of 32 bits a value
     assert main(["plan", "llama3-8b", "--world-size", "8", "--lora", "16", "--qlora",
@@ -280,3 +292,7 @@ def test_nf4_bases_that_cannot_split_are_one_line_errors(base):
     lonely = one_line_error(flatshard("train", "--hf", path, "--data", text, "--qlora",
                                       "--steps", 1, "--nproc", 1))  # fmt: skip
     assert "train.qlora quantizes the bases LoRA adapts: set train.lora_rank" in lonely
+    for degree in ("tp", "pp"):
+        split = one_line_error(flatshard("train", "--hf", path, "--data", text, *TRAIN,
+                                         "--qlora", "--nproc", 2, f"--{degree}", 2))  # fmt: skip
+        assert "train.qlora with" in split and f"train.{degree}=1" in split, split

@@ -208,8 +208,9 @@ def _check_lora(config) -> None:
             "quantized whole and split by rows over the data-parallel ranks; use train.tp=1 "
             "(LoRA without train.qlora composes with TP)"
         )
-    if train.lora_rank and train.pp > 1:
+    if train.qlora and train.pp > 1:
         raise ConfigError(
-            "LoRA (train.lora_rank) with pipeline stages (train.pp) is not supported yet: set "
-            "train.pp=1 (TP, CP and EP compose with it; ZeRO shards the frozen base already)"
+            "train.qlora with pipeline stages (train.pp) is not supported: NF4 bases are "
+            "quantized from the whole model read at once; use train.pp=1 (LoRA without "
+            "train.qlora takes pipelines)"
         )

@@ -15,7 +15,6 @@ from flatshard.cli.options import BY_KEY
 from flatshard.cli.plan_text import format_plan, what_fits
 from flatshard.errors import MeshError
 from flatshard.mesh import ParallelDims
-from flatshard.models.lora_parallel import adapter_base
 from flatshard.planner import zoo
 from flatshard.planner.estimate import Setup, plan
 
@@ -240,15 +239,16 @@ LORA_TARGETS = BY_KEY["train.lora_targets"].default
 
 
 def _check_adapters(spec, values: dict) -> None:
-    """What train refuses of LoRA, refused here alike: NF4 bases under TP, LoRA in stages."""
-    if values["tp"] > 1 and any(unit.nf4 for unit in spec.units):
-        raise ConfigError(
-            f"--qlora with --tp {values['tp']}: NF4 bases are quantized whole and split by "
-            "rows over the data-parallel ranks; plan --tp 1 (LoRA without --qlora takes TP)"
-        )
-    adapters = any(adapter_base(p.name) for unit in spec.units for p in unit.params)
-    if values["pp"] > 1 and adapters:
-        raise ConfigError(f"--lora with --pp {values['pp']} is not supported yet: plan --pp 1")
+    """What train refuses of QLoRA, refused here alike: NF4 bases under TP or in stages."""
+    if not any(unit.nf4 for unit in spec.units):
+        return
+    for degree in ("tp", "pp"):
+        if values[degree] > 1:
+            raise ConfigError(
+                f"--qlora with --{degree} {values[degree]}: NF4 bases are quantized whole and "
+                f"split by rows over the data-parallel ranks; plan --{degree} 1 (LoRA "
+                "without --qlora takes it)"
+            )
 
 
 def _model_and_defaults(args):

@@ -8,6 +8,7 @@ import torch
 
 import flatshard
 from flatshard import hf
+from flatshard.api.parallel_plan import plan_for
 from flatshard.cli.config_rules import moe_balancing_loss_refused
 from flatshard.cli.errors import ConfigError
 from flatshard.cli.model import (
@@ -25,7 +26,8 @@ from flatshard.cli.pipeline_step import StepLoss
 from flatshard.errors import MeshError, WrappingError
 from flatshard.mesh import ParallelDims
 from flatshard.models import LlamaConfig, MoE
-from flatshard.models.lora import init_adapters
+from flatshard.models.lora import LoRAError, LoRASpec, add_lora, init_adapters
+from flatshard.models.lora_parallel import lora_plan
 from flatshard.models.moe import count_transformers_routers
 
 
@@ -51,7 +53,10 @@ def build_run_model(
         piped = dict(schedule=train.pp_schedule,
                      microbatches=train.global_batch // (train.micro_batch * dims.dp))  # fmt: skip
         if config.model.hf:
-            pipe = build_hf_pipeline(config.model.hf, load=load, **piped, **sharding)
+            lora = lora_spec(train.lora_rank, train.lora_alpha, train.lora_dropout,
+                             train.lora_targets)  # fmt: skip
+            pipe = build_hf_pipeline(config.model.hf, load=load, lora=lora, seed=train.seed,
+                                     **piped, **sharding)  # fmt: skip
             _count_routers(config, pipe.model)
             return pipe
         return build_pipeline(model_config, seed=train.seed, **piped, **sharding)
@@ -95,10 +100,13 @@ def build_pipeline(cfg: LlamaConfig, *, seed: int, device, **options) -> flatsha
     return pipe
 
 
-def build_hf_pipeline(path: str, *, load: bool, device, **options) -> flatshard.Pipeline:
+def build_hf_pipeline(path: str, *, load: bool, device, lora: LoRASpec | None = None,
+                      seed: int = 0, **options) -> flatshard.Pipeline:  # fmt: skip
     """The stages of the Hugging Face model at `path` this rank runs, each rank reading only
     its stages' slices of the files (load False: allocated only, a checkpoint will fill
-    them; `options`: `_pipeline`'s)."""
+    them; `options`: `_pipeline`'s). lora: adapters on the whole model before it is split
+    (drawn for `seed` as the whole model's; the base read whatever `load` says: a LoRA
+    checkpoint holds the adapters only)."""
     hf_config = hf.read_hf_config(path)
     adapter = hf.adapter_for_config(hf_config)
     with torch.device("meta"):
@@ -106,10 +114,18 @@ def build_hf_pipeline(path: str, *, load: bool, device, **options) -> flatshard.
     coef = _balancing_loss_weight(whole)
     if coef > 0:
         raise ConfigError(moe_balancing_loss_refused(options["dims"].pp, coef, hf=True))
+    if lora is not None:
+        try:
+            add_lora(whole, lora)
+        except LoRAError as error:
+            raise ConfigError(f"train.lora_*: {error}") from None
+        options["plan"] = lora_plan(plan_for(whole))
     pipe = _pipeline(whole, device=device, **options)
     adapter.allocate(pipe.model, device)
-    if load:
+    if load or lora is not None:
         hf.load_pretrained(pipe.model, path, adapter=adapter, whole=whole)
+    if lora is not None:
+        init_adapters(pipe.model, seed, whole=whole)  # a resume's checkpoint overwrites them
     return pipe
 
 
@@ -127,11 +143,13 @@ def _balancing_loss_weight(whole) -> float:
 
 def _pipeline(whole, *, zero_stage: int, precision: str, device, dims: ParallelDims,
               schedule: str, microbatches: int, hpz_group: int = 0, offload=None,
-              activations=None) -> flatshard.Pipeline:  # fmt: skip
+              activations=None, plan=None) -> flatshard.Pipeline:  # fmt: skip
     """`flatshard.pipeline` over `dims.pp` of the meta-device `whole`, each stage
-    parallelized as `build_sharded`'s model; its loss is `StepLoss` (summed over each
-    step's micro-batches)."""
+    parallelized as `build_sharded`'s model (by `plan`, default its family's); its loss is
+    `StepLoss` (summed over each step's micro-batches)."""
     stage = stage_options(zero_stage, hpz_group, offload, activations)
+    if plan is not None:
+        stage["plan"] = plan
     try:
         return flatshard.pipeline(whole, dims.build(device.type), loss_fn=StepLoss(),
                                   microbatches=microbatches, schedule=schedule,

@@ -148,18 +148,23 @@ def lora_spec_of(model: nn.Module) -> LoRASpec | None:
 
 
 @torch.no_grad()
-def init_adapters(model: nn.Module, seed: int) -> None:
+def init_adapters(model: nn.Module, seed: int, whole: nn.Module | None = None) -> None:
     """A as PEFT draws it (Kaiming-uniform, a = sqrt(5)) from a generator of `seed`, B
     zero: every rank draws the full tensors and keeps its own rows, so the values are the
-    same at any world size and layout."""
+    same at any world size and layout. whole: the model `model` holds some modules of (a
+    pipeline stage; the meta device will do), whose every adapter is drawn in turn, so a
+    stage's adapters are those of the whole model."""
     generator = torch.Generator().manual_seed(seed)
-    for _, module in sorted(adapted_modules(model).items()):
+    present = adapted_modules(model)
+    for name, module in sorted(adapted_modules(whole or model).items()):
         for part, _ in module.lora_parts:
-            a, b = module.lora_A[part].weight, module.lora_B[part].weight
-            bound = 1.0 / math.sqrt(a.shape[1])  # kaiming_uniform_(a=sqrt(5)) on (rank, in)
-            full = (torch.rand(a.shape, generator=generator) * 2 - 1) * bound
-            _fill(a, full)
-            _fill(b, torch.zeros(b.shape))
+            shape = module.lora_A[part].weight.shape
+            bound = 1.0 / math.sqrt(shape[1])  # kaiming_uniform_(a=sqrt(5)) on (rank, in)
+            full = (torch.rand(shape, generator=generator) * 2 - 1) * bound
+            if name in present:
+                a, b = present[name].lora_A[part].weight, present[name].lora_B[part].weight
+                _fill(a, full)
+                _fill(b, torch.zeros(b.shape))
 
 
 def _fill(param: torch.Tensor, full: torch.Tensor) -> None:
