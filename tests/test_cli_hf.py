@@ -238,9 +238,11 @@ def test_routers_with_a_correction_bias_balance_by_it(mixtral, tmp_path):
     """GLM-4-MoE's routers carry DeepSeek-V3's score-correction bias, which transformers
     never moves: with model.bias_update_speed each router counts the experts its training
     forwards chose and its bias moves after every step. Two processes train as one (the
-    counts summed over the ranks) and as two with the experts split (--ep 2); the exported
-    biases are whole numbers of moves, the same in all three, and they changed the routing
-    (the losses of a run without them differ). A model without such routers is refused."""
+    counts summed over the ranks), as two with the experts split (--ep 2) and as two with
+    the layers split by TP and the sequence between them (--tp 2 --sp: each MoE block sees
+    the gathered sequence, so each TP rank counts every token); the exported biases are
+    whole numbers of moves, the same in all four, and they changed the routing (the losses
+    of a run without them differ). A model without such routers is refused."""
     torch.manual_seed(0)
     config = transformers.Glm4MoeConfig(
         vocab_size=260, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
@@ -254,7 +256,7 @@ def test_routers_with_a_correction_bias_balance_by_it(mixtral, tmp_path):
     run = [*RUN, "--global-batch", 8, "--steps", steps]
     losses, biases = {}, {}
     for name, nproc, more in [("two", 2, []), ("one", 1, []), ("ep", 2, ["--ep", 2]),
-                              ("fixed", 2, None)]:  # fmt: skip
+                              ("sp", 2, ["--tp", 2, "--sp"]), ("fixed", 2, None)]:  # fmt: skip
         balance = ["--set", f"model.bias_update_speed={0 if more is None else speed}"]
         check_ok(flatshard("train", "--hf", path, *run, "--nproc", nproc, *(more or []),
                            *balance, "--out", tmp_path / name))  # fmt: skip
@@ -266,11 +268,12 @@ def test_routers_with_a_correction_bias_balance_by_it(mixtral, tmp_path):
     assert len(biases["two"]) == 2  # the two MoE layers' routers
     assert losses["one"] == pytest.approx(losses["two"], rel=1e-6)
     assert losses["ep"] == pytest.approx(losses["two"], rel=1e-6)
+    assert losses["sp"] == pytest.approx(losses["two"], rel=1e-6)
     for name, bias in biases["two"].items():
         moves = bias / speed  # each step: +1, -1 or 0 (an expert at the mean load) per expert
         assert torch.allclose(moves, moves.round(), atol=1e-4) and moves.abs().max() <= steps
         assert moves.abs().sum() > 0, name
-        assert all(torch.allclose(biases[other][name], bias) for other in ("one", "ep"))
+        assert all(torch.allclose(biases[other][name], bias) for other in ("one", "ep", "sp"))
         assert not biases["fixed"][name].any()
     assert losses["fixed"][0] == pytest.approx(losses["two"][0], rel=1e-6)  # before any move
     assert any(abs(f - b) > 1e-6 * b for f, b in zip(losses["fixed"][1:], losses["two"][1:]))

@@ -6,7 +6,11 @@ the attention and the MLP gather the sequence first (`PrepareModuleInput`) and t
 projections reduce-scatter it back (`RowwiseParallel` to `Shard(1)`); the embedding and the
 head are split by vocabulary, the head's logits gathered for the loss. The residual stream
 stays a sequence-sharded DTensor, so the model's own code sees the whole sequence's shape
-(its positions, RoPE and mask as without SP). Layers of the Llama shape only (the two norms
+(its positions, RoPE and mask as without SP). A mixture-of-experts `mlp` (one holding the
+grouped experts of `base_model_ep_plan`) takes the gathered sequence as a plain tensor --
+its router and experts, whole on every TP rank, see every token, so its routing counts are
+the same on each -- and its output is cut back to this rank's share of the sequence; its
+shared experts' TP split stays inside it. Layers of the Llama shape only (the two norms
 `input_layernorm` / `post_attention_layernorm` around `self_attn` and `mlp`); another shape,
 or tied embeddings, is refused by name.
 """
@@ -18,6 +22,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -25,22 +30,34 @@ from torch.distributed.tensor.parallel import (
 
 from flatshard.errors import MeshError
 from flatshard.parallel.tensor_parallel import require_whole_sequence_shards
-from flatshard.parallel.transformers_plan import tensor_parallel_styles
+from flatshard.parallel.transformers_plan import grouped_experts, tensor_parallel_styles
 
 _LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 _SEQUENCE = Shard(1)
+# a dense MLP: the gathered sequence as a DTensor, its down_proj reduce-scatters it back
+_MLP_BY_SEQUENCE = PrepareModuleInput(
+    input_layouts=(_SEQUENCE,), desired_input_layouts=(Replicate(),)
+)
+# an MoE block: the gathered sequence as a plain tensor, its (replicated) output cut back
+_MOE_BY_SEQUENCE = PrepareModuleInputOutput(
+    input_layouts=(_SEQUENCE,), desired_input_layouts=(Replicate(),), use_local_input=True,
+    output_layouts=(Replicate(),), desired_output_layouts=(_SEQUENCE,), use_local_output=False,
+)  # fmt: skip
 
 
 def apply_transformers_sequence_parallel(model: nn.Module, tp_mesh, layers) -> None:
     """Split a transformers causal LM over the 1-D `tp_mesh` by its own TP plan, with the
     sequence split between the blocks (`layers`: its decoder layers)."""
     _check(model, layers)
+    moe = {name.rpartition(".")[0] for name in grouped_experts(model)}  # their `mlp`s
     styles = tensor_parallel_styles(model, tp_mesh.size())
     for name, style in styles.items():
-        if type(style) is RowwiseParallel:  # o_proj, down_proj: back to the sequence split
+        in_moe = any(name.startswith(f"{block}.") for block in moe)
+        if type(style) is RowwiseParallel and not in_moe:  # o_proj, down_proj: to the split
             style = RowwiseParallel(output_layouts=_SEQUENCE, use_local_output=False)
         parallelize_module(model.get_submodule(name), tp_mesh, style)
     gather = {"hidden_states": Replicate()}
+    names = {id(module): name for name, module in model.named_modules()}
     for layer in layers:
         parallelize_module(layer, tp_mesh, {
             "input_layernorm": SequenceParallel(),
@@ -48,9 +65,7 @@ def apply_transformers_sequence_parallel(model: nn.Module, tp_mesh, layers) -> N
                 input_kwarg_layouts={"hidden_states": _SEQUENCE}, desired_input_kwarg_layouts=gather
             ),
             "post_attention_layernorm": SequenceParallel(),
-            "mlp": PrepareModuleInput(
-                input_layouts=(_SEQUENCE,), desired_input_layouts=(Replicate(),)
-            ),
+            "mlp": _MOE_BY_SEQUENCE if f"{names[id(layer)]}.mlp" in moe else _MLP_BY_SEQUENCE,
         })  # fmt: skip
     base = model.base_model
     require_whole_sequence_shards(base.embed_tokens, tp_mesh.size())
