@@ -185,11 +185,16 @@ def _check_sync(config) -> None:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise ConfigError(f"sync.address {address!r}: give it as host:port (--sync-to)")
-    if config.train.lora_rank:
+    if config.train.qlora:
         raise ConfigError(
-            "sync.address with LoRA (train.lora_rank): weight sync sends the weights the "
-            "run holds, not the base with the adapters merged; sync without LoRA, or export "
-            "(flatshard convert checkpoint-to-hf) for now"
+            "sync.address with QLoRA (train.qlora): its bases are NF4, and weight sync sends "
+            "full-precision weights with the adapters merged; sync a LoRA run without "
+            "train.qlora, or export (flatshard convert checkpoint-to-hf)"
+        )
+    if config.train.lora_rank and config.sync.names != "hf":
+        raise ConfigError(
+            "sync.address with LoRA (train.lora_rank) sends the weights with the adapters "
+            f"merged, by their Hugging Face names: set sync.names=hf (not {config.sync.names!r})"
         )
 
 

@@ -48,6 +48,10 @@ class SendPlan:
     announcement: dict  # the tensors' shapes and dtypes, and the outputs cut from them
     routes: dict[int, Route] = field(default_factory=dict)
     syncs: int = 0
+    # {weight name: its update as a function of a block} of modules whose weight the model
+    # computes with is more than the parameter (LoRA's base + scale * B @ A), made anew
+    # every sync (a collective); empty for most models
+    updates: Callable[[], dict[str, Callable]] = dict
 
 
 def make_plan(model: nn.Module, names: str, rank: int, number: int) -> SendPlan:
@@ -67,12 +71,33 @@ def make_plan(model: nn.Module, names: str, rank: int, number: int) -> SendPlan:
         order, tensors = model_order(model)
         outputs = [(key, first, None) for key, first, _ in order]
         current = lambda: model_order(model)[1]  # noqa: E731
+    # Hugging Face names hold no adapters: a LoRA model's weights go out merged ("model"
+    # names send its parameters as they are, adapters apart, to a model built alike)
+    updated = [] if names != "hf" else [
+        name for name, module in model.named_modules() if hasattr(module, "weight_update")
+    ]  # fmt: skip
     pieces = [piece for name, t in tensors.items() for piece, *_ in pieces_of(name, t, rank)]
     announcement = {
         "tensors": {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()},
         "outputs": outputs,
     }
-    return SendPlan(number, current, pieces, announcement)
+    return SendPlan(number, current, pieces, announcement, updates=functools.partial(
+        _weight_updates, model, sorted(updated)))  # fmt: skip
+
+
+def _weight_updates(model: nn.Module, modules: list[str]) -> dict[str, Callable]:
+    """{weight name: its update} of `modules` (in the same order on every rank)."""
+    return {f"{name}.weight": model.get_submodule(name).weight_update() for name in modules}
+
+
+class Rewritten:
+    """What a piece recomputed at every sync (a weight with its update merged) counts as
+    written by: a new version every time, so a delta sync always sends it."""
+
+    ticks = 0
+
+    def __init__(self, source: torch.Tensor):
+        self.source = source
 
 
 def make_route(plan: SendPlan, request: dict[str, Wanted], written, wire, bucket_bytes) -> Route:
@@ -108,8 +133,13 @@ def current_values(plan: SendPlan, rank: int) -> tuple[list[torch.Tensor], list[
     """Each piece's value and the tensor whose version counter its writes bump, read from
     the tensors as they are now (a module may swap its parameters' local tensors)."""
     pieces, values, written = [], [], []
+    updates = plan.updates()
     for name, tensor in plan.tensors().items():
+        update = updates.get(name)
         for piece, value, bumped in pieces_of(name, tensor, rank):
+            if update is not None:
+                value = value + update(piece.offsets, piece.shape).to(value)
+                bumped = Rewritten(bumped)
             pieces.append(piece)
             values.append(value)
             written.append(bumped)
@@ -121,8 +151,12 @@ def current_values(plan: SendPlan, rank: int) -> tuple[list[torch.Tensor], list[
     return values, written
 
 
-def version_of(tensor: torch.Tensor) -> tuple[int, int]:
-    """What changes when a piece is written: its storage, and autograd's version counter."""
+def version_of(tensor: torch.Tensor | Rewritten) -> tuple[int, int]:
+    """What changes when a piece is written: its storage, and autograd's version counter
+    (a new count for a piece recomputed at every sync)."""
+    if isinstance(tensor, Rewritten):
+        Rewritten.ticks += 1
+        return tensor.source.untyped_storage().data_ptr(), -Rewritten.ticks
     return tensor.untyped_storage().data_ptr(), tensor._version
 
 

@@ -57,7 +57,8 @@ def sync_weights(
 ) -> SyncStats:
     """Stream `model`'s full weights to the receivers of `group` (`receive_weights` there).
     Every trainer rank calls it. `names`: "hf" (Hugging Face names and layout, as
-    `save_pretrained` writes them) or "model" (the state dict's keys). `wire`: "bf16",
+    `save_pretrained` writes them; a LoRA model's projections with their adapters merged,
+    recomputed at every sync) or "model" (the state dict's keys, adapters apart). `wire`: "bf16",
     "fp16", "fp32", "fp8" (e4m3 with one fp32 scale per row) or None (each tensor's own
     dtype: bitwise). `delta`: send only the buckets written since the last sync (and all
     of them every `full_every` syncs). `version` (default: the sync's count from 1) lets

@@ -74,6 +74,37 @@ class LoRAMixin:
         return weight + torch.cat(update, dim=0).to(weight.dtype) * self.lora_spec.scale
 
 
+    @torch.no_grad()
+    def weight_update(self):
+        """What the adapters add to this module's weight, as a function of a block of it
+        ((row, column) offsets and shape, in the whole weight): scale * B @ A, a fused
+        projection's parts stacked by rows. The adapters are gathered whole first: a
+        collective, so every rank calls it for the same modules in the same order (weight
+        sync streams the merged weights of a LoRA run this way)."""
+        parts, start = [], 0
+        for part, rows in self.lora_parts:
+            a, b = (_whole(self.lora_A[part].weight), _whole(self.lora_B[part].weight))
+            parts.append((start, b, a))
+            start += rows
+        scale = self.lora_spec.scale
+
+        def block(offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+            (row, column), (rows, columns) = offsets, shape
+            out = torch.zeros(shape, dtype=parts[0][1].dtype, device=parts[0][1].device)
+            for first, b, a in parts:
+                low, high = max(row, first), min(row + rows, first + b.shape[0])
+                if low < high:
+                    a_cols = a[:, column : column + columns]
+                    out[low - row : high - row] = b[low - first : high - first] @ a_cols
+            return out * scale
+
+        return block
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 _CLASSES: dict[type, type] = {}
 
 
