@@ -22,7 +22,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_a_receiver_holds_the_runs_weights_after_every_step(tmp_path):
+def _train_and_receive(tmp_path, trainers: int, *train_args):
+    """`flatshard train --hf` of a tiny Llama on `trainers` processes with `train_args`,
+    syncing after every step to `flatshard receive` beside it: (the run, the model the
+    receiver saved, the model it started from, the run's export), once both ended."""
     model_dir = tmp_path / "model"
     make_llama_dir(model_dir)
     (tmp_path / "my.txt").write_text("Every rank holds whole rows of every parameter. " * 300)
@@ -31,7 +34,7 @@ def test_a_receiver_holds_the_runs_weights_after_every_step(tmp_path):
 
     def receive():
         received["result"] = flatshard(
-            "receive", "--address", address, "--hf", model_dir, "--trainers", 2,
+            "receive", "--address", address, "--hf", model_dir, "--trainers", trainers,
             "--out", tmp_path / "received", timeout=300,
         )  # fmt: skip
 
@@ -39,20 +42,30 @@ def test_a_receiver_holds_the_runs_weights_after_every_step(tmp_path):
     thread.start()
     run = tmp_path / "run"
     check_ok(flatshard(
-        "train", "--hf", model_dir, "--data", tmp_path / "my.txt", "--steps", 3, "--nproc", 2,
-        "--seq-len", 32, "--micro-batch", 2, "--global-batch", 4, "--sync-to", address,
+        "train", "--hf", model_dir, "--data", tmp_path / "my.txt", "--steps", 3,
+        "--nproc", trainers, "--seq-len", 32, "--micro-batch", 2, "--sync-to", address,
         "--out", run, "--set", "run.sample_tokens=0", "--set", "run.log_interval=1",
-        timeout=300,
+        *train_args, timeout=300,
     ))  # fmt: skip
     thread.join(timeout=120)
     out = check_ok(received["result"]).stdout
-    assert out.count("tensors,") == 3 and "the run ended after 3 update(s)" in out, out
-    assert all(record["sync_bytes"] > 0 for record in metrics(run))
+    assert "the run ended after 3 update(s)" in out, out
     check_ok(flatshard("convert", "checkpoint-to-hf", run, tmp_path / "export"))
-    exported = load_file(tmp_path / "export" / "model.safetensors")
     held = load_file(tmp_path / "received" / "model.safetensors")
     original = load_file(model_dir / "model.safetensors")
+    exported = load_file(tmp_path / "export" / "model.safetensors")
     assert set(held) == set(exported)
+    return run, held, original, exported
+
+
+@pytest.mark.parametrize("layout", ["dp2", "pp2"])
+def test_a_receiver_holds_the_runs_weights_after_every_step(tmp_path, layout):
+    """Every step's weights reach the receiver; at the end it holds the run's export
+    bitwise. In pipeline stages (--pp 2) each stage's ranks send their own tensors (rank 0
+    announces every stage's)."""
+    more = ["--global-batch", 4] if layout == "dp2" else ["--global-batch", 4, "--pp", 2]
+    run, held, original, exported = _train_and_receive(tmp_path, 2, *more)
+    assert all(record["sync_bytes"] > 0 for record in metrics(run))
     for name, value in exported.items():
         assert torch.equal(held[name], value), name
     assert not torch.equal(held["lm_head.weight"], original["lm_head.weight"])  # it trained
@@ -60,41 +73,15 @@ def test_a_receiver_holds_the_runs_weights_after_every_step(tmp_path):
 
 def test_a_lora_run_syncs_its_weights_with_the_adapters_merged(tmp_path):
     """A LoRA run (--lora 4 at dp 2 x tp 2: the adapters sharded, and split as their
-    bases) streams the base
-    with the adapters merged: after the first full sync a delta sync sends the adapted
-    projections only (every step moves their adapters; the frozen rest never changes), and
-    the receiver ends holding what the run's merged export holds."""
-    model_dir = tmp_path / "model"
-    make_llama_dir(model_dir)
-    (tmp_path / "my.txt").write_text("Every rank holds whole rows of every parameter. " * 300)
-    address = f"127.0.0.1:{_free_port()}"
-    received = {}
-
-    def receive():
-        received["result"] = flatshard(
-            "receive", "--address", address, "--hf", model_dir, "--trainers", 4,
-            "--out", tmp_path / "received", timeout=300,
-        )  # fmt: skip
-
-    thread = threading.Thread(target=receive)
-    thread.start()
-    run = tmp_path / "run"
-    check_ok(flatshard(
-        "train", "--hf", model_dir, "--data", tmp_path / "my.txt", "--steps", 3, "--nproc", 4,
-        "--tp", 2, "--lora", 4, "--lr", "1e-2", "--seq-len", 32, "--micro-batch", 2,
-        "--global-batch", 4, "--sync-to", address, "--out", run, "--set",
-        "run.sample_tokens=0", "--set", "run.log_interval=1", timeout=300,
-    ))  # fmt: skip
-    thread.join(timeout=120)
-    out = check_ok(received["result"]).stdout
-    assert "the run ended after 3 update(s)" in out, out
+    bases) streams the base with the adapters merged: after the first full sync a delta
+    sync sends the adapted projections only (every step moves their adapters; the frozen
+    rest never changes), and the receiver ends holding what the run's merged export
+    holds."""
+    run, held, original, exported = _train_and_receive(
+        tmp_path, 4, "--tp", 2, "--lora", 4, "--lr", "1e-2", "--global-batch", 4
+    )
     sent = [record["sync_bytes"] for record in metrics(run)]
     assert 0 < sent[1] == sent[2] < sent[0] / 2, sent  # deltas: the adapted projections
-    check_ok(flatshard("convert", "checkpoint-to-hf", run, tmp_path / "export"))
-    exported = load_file(tmp_path / "export" / "model.safetensors")
-    held = load_file(tmp_path / "received" / "model.safetensors")
-    original = load_file(model_dir / "model.safetensors")
-    assert set(held) == set(exported)
     for name, value in exported.items():  # a block of B @ A against the whole product
         assert torch.allclose(held[name], value, rtol=0, atol=1e-6), name
     q = "model.layers.0.self_attn.q_proj.weight"

@@ -137,13 +137,6 @@ def _check_pipeline(config) -> None:
     train = config.train
     if train.pp == 1:
         return
-    not_yet = [
-        (config.sync.address, "weight sync (sync.address)"),
-    ]  # fmt: skip
-    for used, what in not_yet:
-        if used:
-            raise ConfigError(f"train.pp ({train.pp}) with {what} is not supported yet: use "
-                              "one of the two")  # fmt: skip
     moe = config.model.preset.startswith("moe") or config.model.n_experts > 0
     if moe and config.model.aux_loss_coef > 0:
         raise ConfigError(moe_balancing_loss_refused(train.pp, config.model.aux_loss_coef))

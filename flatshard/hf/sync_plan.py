@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -77,12 +78,29 @@ def make_plan(model: nn.Module, names: str, rank: int, number: int) -> SendPlan:
         name for name, module in model.named_modules() if hasattr(module, "weight_update")
     ]  # fmt: skip
     pieces = [piece for name, t in tensors.items() for piece, *_ in pieces_of(name, t, rank)]
-    announcement = {
+    announcement = _whole_model({
         "tensors": {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()},
         "outputs": outputs,
-    }
+    })  # fmt: skip
     return SendPlan(number, current, pieces, announcement, updates=functools.partial(
         _weight_updates, model, sorted(updated)))  # fmt: skip
+
+
+def _whole_model(announcement: dict) -> dict:
+    """The tensors and outputs of every trainer rank (a pipeline stage holds some of the
+    model's; rank 0 announces them all), in rank order: a collective of the trainers."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return announcement
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, announcement)
+    tensors, outputs, named = {}, [], set()
+    for one in every:
+        tensors.update(one["tensors"])
+        for output in one["outputs"]:
+            if output[0] not in named:
+                named.add(output[0])
+                outputs.append(output)
+    return {"tensors": tensors, "outputs": outputs}
 
 
 def _weight_updates(model: nn.Module, modules: list[str]) -> dict[str, Callable]:
