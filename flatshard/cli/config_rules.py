@@ -138,8 +138,14 @@ def _check_pipeline(config) -> None:
     if train.pp == 1:
         return
     moe = config.model.preset.startswith("moe") or config.model.n_experts > 0
-    if moe and config.model.aux_loss_coef > 0:
-        raise ConfigError(moe_balancing_loss_refused(train.pp, config.model.aux_loss_coef))
+    if moe and config.model.aux_loss_coef > 0 and train.cp > 1:
+        raise ConfigError(
+            f"train.pp ({train.pp}) and train.cp ({train.cp}) with a mixture-of-experts "
+            f"model's load-balancing loss (weight {config.model.aux_loss_coef:g}) is not "
+            "supported yet: its routing counts are summed over the data-parallel ranks "
+            "only; drop one of the two, or set model.aux_loss_coef=0 (and balance by the "
+            "routers' biases: model.bias_update_speed=0.001)"
+        )
 
 
 def _check_bias_balancing(config) -> None:
@@ -155,19 +161,15 @@ def _check_bias_balancing(config) -> None:
         )
 
 
-def moe_balancing_loss_refused(pp: int, coef: float, hf: bool = False) -> str:
-    """Why a pipeline does not take an MoE model trained with a load-balancing loss (that
-    loss multiplies the routing counts of every stage's layers: a term no stage computes
-    alone), and how to train it without one."""
-    without = (
-        "set output_router_logits to false in the model's config.json" if hf
-        else "set model.aux_loss_coef=0 (and balance by the routers' biases instead: "
-        "model.bias_update_speed=0.001)"
-    )
+def moe_balancing_loss_refused(pp: int, coef: float) -> str:
+    """Why a pipeline does not take a transformers MoE trained with a load-balancing loss
+    (that loss multiplies the routing counts of every stage's layers; flatshard's MoE hands
+    them on between stages, transformers' does not), and how to train it without one."""
     return (
-        f"train.pp ({pp}) with a mixture-of-experts model's load-balancing loss (weight "
-        f"{coef:g}) is not supported yet: that loss multiplies the routing counts of every "
-        f"stage's layers; {without} (the cross-entropy alone) or train without --pp"
+        f"train.pp ({pp}) with a transformers mixture-of-experts model's load-balancing "
+        f"loss (weight {coef:g}) is not supported yet: that loss multiplies the routing "
+        "counts of every stage's layers; set output_router_logits to false in the model's "
+        "config.json (the cross-entropy alone) or train without --pp"
     )
 
 

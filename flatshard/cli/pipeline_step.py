@@ -8,18 +8,32 @@ from __future__ import annotations
 import torch
 
 from flatshard.data.sequences import IGNORE
+from flatshard.models.moe import load_balancing_loss
+from flatshard.models.moe.router import RouterStats
 from flatshard.models.registry import model_inputs, token_loss
 
 
 class StepLoss:
     """The schedule's loss of one micro-batch: its summed cross-entropy over `divisor`
-    (set per step: every labelled target of the step weighs alike)."""
+    (set per step: every labelled target of the step weighs alike); for an MoE trained with
+    the load-balancing loss (`balance`), the last stage's output is `(logits, router
+    totals)` and the loss adds that micro-batch's balancing term, weighed as
+    `accumulate_gradients` weighs it (1 / the micro-batches)."""
 
     def __init__(self):
         self.divisor = 1.0
+        self.balance = None  # (weight, micro-batches, data-parallel group) of the MoE term
 
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return token_loss(logits, targets, self.divisor)
+    def __call__(self, output, targets: torch.Tensor) -> torch.Tensor:
+        if not isinstance(output, tuple):
+            return token_loss(output, targets, self.divisor)
+        logits, totals = output
+        loss = token_loss(logits, targets, self.divisor)
+        if self.balance is None or not torch.is_grad_enabled():  # evaluation: tokens only
+            return loss
+        weight, microbatches, group = self.balance
+        stats = [RouterStats.from_totals(totals)]
+        return loss + weight * load_balancing_loss(stats, group) / microbatches
 
 
 def pipeline_gradients(pipe, order, position: int, train, dp_rank: int, dp_world: int,

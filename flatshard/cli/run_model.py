@@ -94,7 +94,12 @@ def build_pipeline(cfg: LlamaConfig, *, seed: int, device, **options) -> flatsha
     for `seed` (`options`: `_pipeline`'s)."""
     with torch.device("meta"):
         whole = reference_model(cfg)
+    balancing = getattr(cfg, "aux_loss_coef", 0.0)
+    if balancing > 0:  # every stage hands on its routers' totals (MoE.forward)
+        whole.carries_router_totals = True
     pipe = _pipeline(whole, device=device, **options)
+    if balancing > 0:
+        pipe.loss_fn.balance = (balancing, pipe.microbatches, pipe.meshes.dp.get_group())
     torch.manual_seed(seed)
     flatshard.materialize(pipe.model, device, replay=whole)
     return pipe
@@ -113,7 +118,7 @@ def build_hf_pipeline(path: str, *, load: bool, device, lora: LoRASpec | None = 
         whole = adapter.build(hf_config)
     coef = _balancing_loss_weight(whole)
     if coef > 0:
-        raise ConfigError(moe_balancing_loss_refused(options["dims"].pp, coef, hf=True))
+        raise ConfigError(moe_balancing_loss_refused(options["dims"].pp, coef))
     if lora is not None:
         try:
             add_lora(whole, lora)

@@ -35,7 +35,7 @@ from flatshard.models.moe.expert_compute import (
     grouped_mm_supported,
     routed_experts,
 )
-from flatshard.models.moe.router import Router, RouterStats
+from flatshard.models.moe.router import Router, RouterStats, router_totals_after
 
 
 class GroupedExperts(nn.Module):
@@ -155,10 +155,16 @@ class MoE(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(
-        self, tokens: torch.Tensor, *, return_router_stats: bool = False, cache=None,
-        position_ids=None,
+        self, tokens: torch.Tensor, router_totals: torch.Tensor | None = None, *,
+        return_router_stats: bool = False, cache=None, position_ids=None,
     ):  # fmt: skip
-        """`cache`, `position_ids`: as Llama's (flatshard.models.KVCache; packed documents)."""
+        """`cache`, `position_ids`: as Llama's (flatshard.models.KVCache; packed documents).
+
+        A pipeline stage of a model trained with the load-balancing loss
+        (`carries_router_totals`) returns `(output, router_totals)`: the totals it was
+        handed by the stage before (none on the first) plus its own layers' (`router_totals`:
+        counts, probability sums and tokens: `router_totals_after`), so the last stage holds
+        every layer's and the loss's gradient flows back through them to every router."""
         cos, sin = rope_at(self.config, tokens, cache, position_ids)
         mask = attention_mask(self, position_ids)
         h = tokens if self.embed_tokens is None else self.embed_tokens(tokens)  # see Llama
@@ -171,4 +177,6 @@ class MoE(nn.Module):
         if cache is not None:
             cache.length += tokens.shape[1]
         logits = h if self.lm_head is None else self.lm_head(self.norm(h))
+        if getattr(self, "carries_router_totals", False):
+            return logits, router_totals_after(router_totals, stats, self.config.n_experts, h)
         return (logits, tuple(stats)) if return_router_stats else logits

@@ -34,6 +34,25 @@ class RouterStats(NamedTuple):
     prob_sum: torch.Tensor
     tokens: int
 
+    @staticmethod
+    def from_totals(totals: torch.Tensor) -> RouterStats:
+        """The statistics `router_totals_after` summed into one tensor."""
+        n_experts = (totals.numel() - 1) // 2
+        counts = totals[:n_experts].detach()
+        return RouterStats(counts, totals[n_experts:-1], int(totals[-1].item()))
+
+
+def router_totals_after(totals: torch.Tensor | None, stats, n_experts: int, like: torch.Tensor
+                        ) -> torch.Tensor:  # fmt: skip
+    """`totals` (`[counts, prob_sum, tokens]` of the layers before, float32; None: none)
+    plus those of `stats` (RouterStats of more layers): what a pipeline stage hands on."""
+    if totals is None:
+        totals = torch.zeros(2 * n_experts + 1, dtype=torch.float32, device=like.device)
+    for stat in stats:
+        tokens = torch.tensor([float(stat.tokens)], device=totals.device)
+        totals = totals + torch.cat([stat.counts.detach().float(), stat.prob_sum.float(), tokens])
+    return totals
+
 
 class Router(nn.Module):
     """`weight (E, H)` scores each token against each expert."""
