@@ -204,10 +204,10 @@ def test_a_pipelined_fine_tune_resumes_without_a_pipeline(phi3, tmp_path):
 def test_an_moe_fine_tune_with_its_balancing_loss_and_pipelined_without(mixtral, tmp_path):
     """Mixtral, its config.json asking for the load-balancing loss (output_router_logits):
     2 data-parallel processes train with the losses of one process (the routing counts
-    summed over the ranks), which are not those without the loss. A pipeline refuses that
-    loss in one line saying how to train without it; without it, --pp 2 --ep 2 (each
-    stage's experts split over its own ranks) has the losses of data parallelism and
-    exports its weights."""
+    summed over the ranks), which are not those without the loss; so do 2 pipeline stages
+    (each handing on its routers' totals, the last computing the term). Without it, --pp 2
+    --ep 2 (each stage's experts split over its own ranks) has the losses of data
+    parallelism and exports its weights."""
     path, _ = mixtral
     balanced = tmp_path / "balanced-model"
     balanced.mkdir()
@@ -217,6 +217,7 @@ def test_an_moe_fine_tune_with_its_balancing_loss_and_pipelined_without(mixtral,
     run = [*RUN, "--global-batch", 8, "--steps", 3]  # 2 micro-batches a data-parallel rank
     losses = {}
     for name, model, nproc, more in [("balanced", balanced, 2, []), ("alone", balanced, 1, []),
+                                     ("staged", balanced, 2, ["--pp", 2]),
                                      ("straight", path, 2, []),
                                      ("piped", path, 4, ["--pp", 2, "--ep", 2])]:
         check_ok(flatshard("train", "--hf", model, *run, "--nproc", nproc, *more,
@@ -224,13 +225,15 @@ def test_an_moe_fine_tune_with_its_balancing_loss_and_pipelined_without(mixtral,
         losses[name] = [r["loss"] for r in metrics(tmp_path / name)]
         assert len(losses[name]) == 3
     assert losses["balanced"] == pytest.approx(losses["alone"], rel=1e-6)
+    assert losses["staged"] == pytest.approx(losses["alone"], rel=1e-6)
     assert losses["piped"] == pytest.approx(losses["straight"], rel=1e-6)
     # the term weighs 0.001 x ~2 (experts' imbalance): above the runs' rounding, below 1%
     assert all(1e-5 < b - s < 1e-2 * s for b, s in zip(losses["balanced"], losses["straight"]))
     _exports_agree(tmp_path, tmp_path / "straight", tmp_path / "piped", path)
-
-    message = one_line_error(flatshard("train", "--hf", balanced, *run, "--nproc", 2, "--pp", 2))
-    assert "load-balancing loss (weight 0.001)" in message, message
+    # under CP the counts would miss the other CP ranks' tokens: refused, saying how to go on
+    message = one_line_error(flatshard("train", "--hf", balanced, *run, "--nproc", 4, "--pp", 2,
+                                       "--cp", 2))  # fmt: skip
+    assert "load-balancing loss (router_aux_loss_coef 0.001" in message, message
     assert "output_router_logits to false" in message, message
 
 

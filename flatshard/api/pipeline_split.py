@@ -138,8 +138,9 @@ class _StageForward:
     def __init__(self, forward, first: bool):
         self.forward, self.first = forward, first
 
-    def __call__(self, stage: nn.Module, x, **kwargs):
-        return self.forward(stage, x, self.first, **kwargs)
+    def __call__(self, stage: nn.Module, x, *carried, **kwargs):
+        """`carried`: what the stage before handed on beside its hidden states."""
+        return self.forward(stage, x, self.first, *carried, **kwargs)
 
 
 def _get(model: nn.Module, path: str):

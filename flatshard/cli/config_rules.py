@@ -161,18 +161,6 @@ def _check_bias_balancing(config) -> None:
         )
 
 
-def moe_balancing_loss_refused(pp: int, coef: float) -> str:
-    """Why a pipeline does not take a transformers MoE trained with a load-balancing loss
-    (that loss multiplies the routing counts of every stage's layers; flatshard's MoE hands
-    them on between stages, transformers' does not), and how to train it without one."""
-    return (
-        f"train.pp ({pp}) with a transformers mixture-of-experts model's load-balancing "
-        f"loss (weight {coef:g}) is not supported yet: that loss multiplies the routing "
-        "counts of every stage's layers; set output_router_logits to false in the model's "
-        "config.json (the cross-entropy alone) or train without --pp"
-    )
-
-
 def _check_sync(config) -> None:
     address = config.sync.address
     if not address:

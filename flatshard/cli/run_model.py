@@ -9,7 +9,6 @@ import torch
 import flatshard
 from flatshard import hf
 from flatshard.api.parallel_plan import plan_for
-from flatshard.cli.config_rules import moe_balancing_loss_refused
 from flatshard.cli.errors import ConfigError
 from flatshard.cli.model import (
     activation_options,
@@ -117,8 +116,16 @@ def build_hf_pipeline(path: str, *, load: bool, device, lora: LoRASpec | None = 
     with torch.device("meta"):
         whole = adapter.build(hf_config)
     coef = _balancing_loss_weight(whole)
-    if coef > 0:
-        raise ConfigError(moe_balancing_loss_refused(options["dims"].pp, coef))
+    if coef > 0:  # every stage hands on its routers' totals (stage_forward)
+        if options["dims"].cp > 1:
+            raise ConfigError(
+                f"train.pp and train.cp ({options['dims'].cp}) with {path}'s load-balancing "
+                f"loss (router_aux_loss_coef {coef:g}, output_router_logits) is not "
+                "supported yet: its routing counts are summed over the data-parallel ranks "
+                "only; drop one of the two, or set output_router_logits to false in its "
+                "config.json"
+            )
+        whole.carries_router_totals = True
     if lora is not None:
         try:
             add_lora(whole, lora)
@@ -126,6 +133,8 @@ def build_hf_pipeline(path: str, *, load: bool, device, lora: LoRASpec | None = 
             raise ConfigError(f"train.lora_*: {error}") from None
         options["plan"] = lora_plan(plan_for(whole))
     pipe = _pipeline(whole, device=device, **options)
+    if coef > 0:
+        pipe.loss_fn.balance = (coef, pipe.microbatches, pipe.meshes.dp.get_group())
     adapter.allocate(pipe.model, device)
     if load or lora is not None:
         hf.load_pretrained(pipe.model, path, adapter=adapter, whole=whole)

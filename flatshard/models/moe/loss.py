@@ -54,11 +54,18 @@ def transformers_balancing_loss(model, router_logits, group=None) -> torch.Tenso
     top-k assignments, every row counting) and weighed by its `router_aux_loss_coef`, but
     with the counts summed over `group` (default: every rank), so that sharded training
     equals one process on the global batch as for flatshard's MoE."""
+    stats = transformers_router_stats(model, router_logits)
+    group = group if group is not None else dist.group.WORLD
+    return model.router_aux_loss_coef * load_balancing_loss(stats, group)
+
+
+def transformers_router_stats(model, router_logits) -> list[RouterStats]:
+    """Each layer's routing from the gate logits a transformers MoE returns, read as
+    transformers' `load_balancing_loss_func` reads them."""
     stats = []
     for logits in router_logits:
         probs = torch.softmax(logits, dim=-1)
         chosen = torch.topk(probs, model.num_experts_per_tok, dim=-1).indices
         counts = torch.bincount(chosen.reshape(-1), minlength=probs.shape[-1]).float()
         stats.append(RouterStats(counts, probs.float().sum(dim=0), probs.shape[0]))
-    group = group if group is not None else dist.group.WORLD
-    return model.router_aux_loss_coef * load_balancing_loss(stats, group)
+    return stats

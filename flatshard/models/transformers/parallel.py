@@ -11,6 +11,8 @@ from flatshard.api.parallel_plan import ParallelPlan, StageParts, register_plan
 from flatshard.api.parallelize import parallelize
 from flatshard.hf.errors import HFConfigError
 from flatshard.mesh import ParallelDims
+from flatshard.models.moe.loss import transformers_router_stats
+from flatshard.models.moe.router import router_totals_after
 from flatshard.models.transformers.context_parallel import split_context
 from flatshard.parallel.transformers_plan import (
     apply_transformers_expert_parallel,
@@ -42,19 +44,27 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def stage_forward(stage: nn.Module, x, first: bool, position_ids=None):
+def stage_forward(stage: nn.Module, x, first: bool, router_totals=None, position_ids=None):
     """A pipeline stage of a transformers causal LM: token ids into the first stage, the
     previous stage's hidden states (as `inputs_embeds`) into the others (under context
     parallelism at the positions of this rank's part; packed documents at their
     `position_ids`); out come the logits, or (norm and head standing in as Identity) the
-    hidden states."""
+    hidden states. An MoE trained with its load-balancing loss (`carries_router_totals`)
+    also hands on the routing totals it was given plus its own layers' (as flatshard's MoE
+    does: `router_totals_after`)."""
     inputs = {"input_ids": x} if first else {"inputs_embeds": x}
     context = getattr(stage, "context_parallel", None)
     if context is not None:  # its tokens are the CP split's: their positions
         inputs["position_ids"] = context.positions(x.shape[0], x.shape[1], x.device)
     elif position_ids is not None:
         inputs["position_ids"] = position_ids
-    return type(stage).forward(stage, **inputs, use_cache=False).logits
+    output = type(stage).forward(stage, **inputs, use_cache=False)
+    if not getattr(stage, "carries_router_totals", False):
+        return output.logits
+    stats = transformers_router_stats(stage, output.router_logits or ())
+    names = ("num_local_experts", "num_experts", "n_routed_experts")  # by family
+    experts = next(getattr(stage.config, n) for n in names if hasattr(stage.config, n))
+    return output.logits, router_totals_after(router_totals, stats, experts, output.logits)
 
 
 # a causal LM's parts (`model.embed_tokens`, `model.layers`, `model.norm`, `lm_head`, as
