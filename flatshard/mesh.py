@@ -169,6 +169,8 @@ class Meshes:
         world = init_device_mesh(device_type, shape, mesh_dim_names=names)
         if dims.cp > 1:  # the parameters' shard dim: dp_shard x cp as one
             world["dp_shard", "cp"]._flatten("dp_shard_cp")
+            # the ranks of a stage holding other tokens (`token_ranks`)
+            world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
         dp = world["dp_shard"]
         if dims.dp_replicate > 1:
             dp = world["dp_replicate", "dp_shard"]._flatten("dp")
@@ -198,6 +200,13 @@ class Meshes:
         if self.dims.dp_replicate > 1:
             return self.world["dp_replicate", shard]
         return self.world[shard]
+
+    @property
+    def token_ranks(self) -> DeviceMesh:
+        """The ranks of this rank's pipeline stage that hold other tokens of the step: the
+        data-parallel ones, and the context-parallel ones splitting each sequence (what a
+        sum over the step's tokens, such as an MoE's routing counts, reduces over)."""
+        return self.world["dp_cp"] if self.dims.cp > 1 else self.dp
 
     @property
     def cp(self) -> DeviceMesh | None:

@@ -71,7 +71,6 @@ def check(config, world_size: int | None = None) -> None:
             f"train.cp ({train.cp}) splits each sequence into {2 * train.cp} equal chunks: "
             f"data.seq_len ({config.data.seq_len}) must be a multiple of {2 * train.cp}"
         )
-    _check_pipeline(config)
     _check_bias_balancing(config)
     if world_size is not None:  # the run's whole config (a resume's merged with its own)
         _check_lora(config)
@@ -131,21 +130,6 @@ def with_microbatches(config, world_size: int):
             f"--global-batch {dp * train.microbatches * max(1, train.global_batch // share)}"
         )
     return config.replace(train__micro_batch=train.global_batch // (dp * train.microbatches))
-
-
-def _check_pipeline(config) -> None:
-    train = config.train
-    if train.pp == 1:
-        return
-    moe = config.model.preset.startswith("moe") or config.model.n_experts > 0
-    if moe and config.model.aux_loss_coef > 0 and train.cp > 1:
-        raise ConfigError(
-            f"train.pp ({train.pp}) and train.cp ({train.cp}) with a mixture-of-experts "
-            f"model's load-balancing loss (weight {config.model.aux_loss_coef:g}) is not "
-            "supported yet: its routing counts are summed over the data-parallel ranks "
-            "only; drop one of the two, or set model.aux_loss_coef=0 (and balance by the "
-            "routers' biases: model.bias_update_speed=0.001)"
-        )
 
 
 def _check_bias_balancing(config) -> None:

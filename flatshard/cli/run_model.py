@@ -98,7 +98,8 @@ def build_pipeline(cfg: LlamaConfig, *, seed: int, device, **options) -> flatsha
         whole.carries_router_totals = True
     pipe = _pipeline(whole, device=device, **options)
     if balancing > 0:
-        pipe.loss_fn.balance = (balancing, pipe.microbatches, pipe.meshes.dp.get_group())
+        tokens = pipe.meshes.token_ranks.get_group()  # every rank holding other tokens
+        pipe.loss_fn.balance = (balancing, pipe.microbatches, tokens)
     torch.manual_seed(seed)
     flatshard.materialize(pipe.model, device, replay=whole)
     return pipe
@@ -117,14 +118,6 @@ def build_hf_pipeline(path: str, *, load: bool, device, lora: LoRASpec | None = 
         whole = adapter.build(hf_config)
     coef = _balancing_loss_weight(whole)
     if coef > 0:  # every stage hands on its routers' totals (stage_forward)
-        if options["dims"].cp > 1:
-            raise ConfigError(
-                f"train.pp and train.cp ({options['dims'].cp}) with {path}'s load-balancing "
-                f"loss (router_aux_loss_coef {coef:g}, output_router_logits) is not "
-                "supported yet: its routing counts are summed over the data-parallel ranks "
-                "only; drop one of the two, or set output_router_logits to false in its "
-                "config.json"
-            )
         whole.carries_router_totals = True
     if lora is not None:
         try:
@@ -134,7 +127,8 @@ def build_hf_pipeline(path: str, *, load: bool, device, lora: LoRASpec | None = 
         options["plan"] = lora_plan(plan_for(whole))
     pipe = _pipeline(whole, device=device, **options)
     if coef > 0:
-        pipe.loss_fn.balance = (coef, pipe.microbatches, pipe.meshes.dp.get_group())
+        tokens = pipe.meshes.token_ranks.get_group()  # every rank holding other tokens
+        pipe.loss_fn.balance = (coef, pipe.microbatches, tokens)
     adapter.allocate(pipe.model, device)
     if load or lora is not None:
         hf.load_pretrained(pipe.model, path, adapter=adapter, whole=whole)

@@ -316,6 +316,15 @@ def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
     return ((document[:, :, None] == document[:, None, :]) & causal).unsqueeze(1)
 
 
+def stage_positions(model: nn.Module, tokens: torch.Tensor, position_ids):
+    """`position_ids`, or a pipeline stage's under context parallelism (it takes none: its
+    tokens are the CP split's, at the positions of this rank's part)."""
+    context = getattr(model, "context_parallel", None)
+    if context is not None and position_ids is None and getattr(model, "pipeline_stage", 0):
+        return context.positions(tokens.shape[0], tokens.shape[1], tokens.device)
+    return position_ids
+
+
 class Llama(nn.Module):
     """Decoder-only language model: tokens [B, T] -> logits [B, T, vocab_size]."""
 
@@ -342,10 +351,7 @@ class Llama(nn.Module):
         keys and values join it (generation feeds each new token alone). `position_ids`
         [B, T] (as transformers takes them): each token's position in its document; where
         they restart, a new document begins that attends only to itself (packed data)."""
-        context = getattr(self, "context_parallel", None)
-        if context is not None and position_ids is None and getattr(self, "pipeline_stage", 0):
-            # a pipeline stage takes no positions: its tokens are the CP split's
-            position_ids = context.positions(tokens.shape[0], tokens.shape[1], tokens.device)
+        position_ids = stage_positions(self, tokens, position_ids)
         cos, sin = rope_at(self.config, tokens, cache, position_ids)
         mask = attention_mask(self, position_ids)
         # a pipeline stage (flatshard.parallel.pipeline) holds some of the parts: a later

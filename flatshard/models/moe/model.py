@@ -27,6 +27,7 @@ from flatshard.models.llama.model import (
     attention_extras,
     attention_mask,
     indexed_layers,
+    stage_positions,
 )
 from flatshard.models.llama.rope import rope_at
 from flatshard.models.moe.config import MoEConfig
@@ -165,6 +166,7 @@ class MoE(nn.Module):
         handed by the stage before (none on the first) plus its own layers' (`router_totals`:
         counts, probability sums and tokens: `router_totals_after`), so the last stage holds
         every layer's and the loss's gradient flows back through them to every router."""
+        position_ids = stage_positions(self, tokens, position_ids)
         cos, sin = rope_at(self.config, tokens, cache, position_ids)
         mask = attention_mask(self, position_ids)
         h = tokens if self.embed_tokens is None else self.embed_tokens(tokens)  # see Llama
