@@ -212,7 +212,8 @@ def worker(rank: int, world: int, port: int, args, path: str, out) -> None:
         run["trainable"] = sum(p.numel() for p in trainable)
     torch.manual_seed(1)
     vocab = ours.config.vocab_size
-    dp, dp_rank = world // args.tp, rank // args.tp  # a TP group shares its batch
+    # a TP group shares its batch; TP is the innermost mesh dim (flatshard/mesh.py)
+    dp, dp_rank = world // args.tp, rank // args.tp
     data = torch.randint(0, vocab, (args.steps, dp * args.micro_batch, args.seq + 1))
     for step in range(args.steps):
         mine = data[step, dp_rank * args.micro_batch : (dp_rank + 1) * args.micro_batch]

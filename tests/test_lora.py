@@ -218,9 +218,9 @@ def test_the_plan_counts_gradients_and_optimizer_state_of_the_adapters_only(caps
     colwise = r * d + d * r // 2 + 2 * (r * d + kv * r // 2) + 2 * (r * d + ffn * r // 2)
     rowwise = (r * d // 2 + d * r) + (r * ffn // 2 + d * r)
     assert split["grads"] == 4 * 32 * (colwise + rowwise) // 4
-    for degree in ("--tp", "--pp"):
+    for degree in ("--tp", "--pp", "--cp"):
         assert main(["plan", "llama3-8b", "--lora", "16", "--qlora", degree, "2"]) == 2
-        assert f"--qlora with {degree} 2" in capsys.readouterr().err
+        assert f"--qlora with {degree} > 1 is not supported" in capsys.readouterr().err
     # --qlora: the adapted bases in NF4, 4 bits a value + an int8 scale per 64 + an fp32
     # factor per 256 blocks + a mean, instead of 32 bits a value
     assert main(["plan", "llama3-8b", "--world-size", "8", "--lora", "16", "--qlora",
@@ -292,7 +292,8 @@ def test_nf4_bases_that_cannot_split_are_one_line_errors(base):
     lonely = one_line_error(flatshard("train", "--hf", path, "--data", text, "--qlora",
                                       "--steps", 1, "--nproc", 1))  # fmt: skip
     assert "train.qlora quantizes the bases LoRA adapts: set train.lora_rank" in lonely
-    for degree in ("tp", "pp"):
+    for degree in ("tp", "pp", "cp"):
         split = one_line_error(flatshard("train", "--hf", path, "--data", text, *TRAIN,
                                          "--qlora", "--nproc", 2, f"--{degree}", 2))  # fmt: skip
-        assert "train.qlora with" in split and f"train.{degree}=1" in split, split
+        assert f"train.qlora with train.{degree} > 1" in split, split
+        assert f"set train.{degree} to 1" in split, split

@@ -94,7 +94,7 @@ class ParallelPlan:
                     "parallelism: pass parallelize(..., plan=flatshard.ParallelPlan("
                     "sequence_parallel=...)) or leave it out"
                 )
-            _apply(self.sequence_parallel, model, tp_mesh)
+            apply_mesh_plan(self.sequence_parallel, model, tp_mesh)
             return
         if self.tensor_parallel is None:
             raise MeshError(
@@ -102,7 +102,7 @@ class ParallelPlan:
                 "plan: pass parallelize(..., plan=flatshard.ParallelPlan(tensor_parallel="
                 "{'layers.*.attn.q_proj': ColwiseParallel(), ...})) or use tp=1"
             )
-        _apply(self.tensor_parallel, model, tp_mesh)
+        apply_mesh_plan(self.tensor_parallel, model, tp_mesh)
 
     def apply_context_parallel(self, model: nn.Module, cp_mesh: DeviceMesh) -> None:
         if self.context_parallel is None:
@@ -148,7 +148,8 @@ def plan_for(model: nn.Module) -> ParallelPlan:
     return ParallelPlan()
 
 
-def _apply(plan: MeshPlan, model: nn.Module, tp_mesh: DeviceMesh) -> None:
+def apply_mesh_plan(plan: MeshPlan, model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """A plan's TP (or SP) part on `model`: a `parallelize_module` plan, or a function."""
     if isinstance(plan, dict):
         parallelize_module(model, tp_mesh, plan)
     else:

@@ -165,6 +165,15 @@ def _check_sync(config) -> None:
         )
 
 
+def qlora_refused(degree: str, qlora: str) -> str:
+    """Why QLoRA does not take `degree` (a key or flag), for train and plan alike."""
+    return (
+        f"{qlora} with {degree} > 1 is not supported: its NF4 bases are quantized from the "
+        f"whole model read at once and split by whole rows and scale groups over the "
+        f"data-parallel ranks only; set {degree} to 1 (LoRA without {qlora} takes it)"
+    )
+
+
 def _check_lora(config) -> None:
     train = config.train
     if train.lora_rank and not config.model.hf:
@@ -174,15 +183,6 @@ def _check_lora(config) -> None:
     if train.qlora and not train.lora_rank:
         raise ConfigError("train.qlora quantizes the bases LoRA adapts: set train.lora_rank "
                           "(--lora R) too")  # fmt: skip
-    if train.qlora and train.tp > 1:
-        raise ConfigError(
-            "train.qlora with tensor parallelism (train.tp) is not supported: NF4 bases are "
-            "quantized whole and split by rows over the data-parallel ranks; use train.tp=1 "
-            "(LoRA without train.qlora composes with TP)"
-        )
-    if train.qlora and train.pp > 1:
-        raise ConfigError(
-            "train.qlora with pipeline stages (train.pp) is not supported: NF4 bases are "
-            "quantized from the whole model read at once; use train.pp=1 (LoRA without "
-            "train.qlora takes pipelines)"
-        )
+    for degree in ("tp", "pp", "cp"):
+        if train.qlora and getattr(train, degree) > 1:
+            raise ConfigError(qlora_refused(f"train.{degree}", "train.qlora"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 from flatshard.cli import config as run_config
+from flatshard.cli.config_rules import qlora_refused
 from flatshard.cli.errors import ConfigError, warn
 from flatshard.cli.model import lora_spec
 from flatshard.cli.options import BY_KEY
@@ -239,16 +240,12 @@ LORA_TARGETS = BY_KEY["train.lora_targets"].default
 
 
 def _check_adapters(spec, values: dict) -> None:
-    """What train refuses of QLoRA, refused here alike: NF4 bases under TP or in stages."""
+    """What train refuses of QLoRA, refused here alike: NF4 bases under TP, CP or stages."""
     if not any(unit.nf4 for unit in spec.units):
         return
-    for degree in ("tp", "pp"):
+    for degree in ("tp", "pp", "cp"):
         if values[degree] > 1:
-            raise ConfigError(
-                f"--qlora with --{degree} {values[degree]}: NF4 bases are quantized whole and "
-                f"split by rows over the data-parallel ranks; plan --{degree} 1 (LoRA "
-                "without --qlora takes it)"
-            )
+            raise ConfigError(qlora_refused(f"--{degree}", "--qlora"))
 
 
 def _model_and_defaults(args):

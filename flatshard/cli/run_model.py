@@ -48,20 +48,17 @@ def build_run_model(
         activations=activation_options(train.ac, train.compile),
     )
     warn_eager_selective(train, device)
+    lora = lora_spec(train.lora_rank, train.lora_alpha, train.lora_dropout, train.lora_targets)
     if dims.pp > 1:  # the stages this rank runs, with the whole model's weights
         piped = dict(schedule=train.pp_schedule,
                      microbatches=train.global_batch // (train.micro_batch * dims.dp))  # fmt: skip
         if config.model.hf:
-            lora = lora_spec(train.lora_rank, train.lora_alpha, train.lora_dropout,
-                             train.lora_targets)  # fmt: skip
             pipe = build_hf_pipeline(config.model.hf, load=load, lora=lora, seed=train.seed,
                                      **piped, **sharding)  # fmt: skip
             _count_routers(config, pipe.model)
             return pipe
         return build_pipeline(model_config, seed=train.seed, **piped, **sharding)
     if config.model.hf:
-        lora = lora_spec(train.lora_rank, train.lora_alpha, train.lora_dropout,
-                         train.lora_targets)  # fmt: skip
         # a LoRA run's checkpoints hold its adapters: the base is read from its files anyway
         model = build_hf(config.model.hf, load=load or lora is not None, lora=lora,
                          nf4_bases=train.qlora, **sharding)  # fmt: skip
@@ -118,7 +115,7 @@ def build_hf_pipeline(path: str, *, load: bool, device, lora: LoRASpec | None = 
         whole = adapter.build(hf_config)
     coef = _balancing_loss_weight(whole)
     if coef > 0:  # every stage hands on its routers' totals (stage_forward)
-        whole.carries_router_totals = True
+        whole.carries_router_totals = _experts_of(whole, path)
     if lora is not None:
         try:
             add_lora(whole, lora)
@@ -135,6 +132,19 @@ def build_hf_pipeline(path: str, *, load: bool, device, lora: LoRASpec | None = 
     if lora is not None:
         init_adapters(pipe.model, seed, whole=whole)  # a resume's checkpoint overwrites them
     return pipe
+
+
+def _experts_of(whole, path: str) -> int:
+    """How many experts a transformers MoE routes to (its config names it by family)."""
+    names = ("num_local_experts", "num_experts", "n_routed_experts")
+    found = [getattr(whole.config, name) for name in names if hasattr(whole.config, name)]
+    if not found:
+        raise ConfigError(
+            f"{path}: config.json asks for a load-balancing loss (output_router_logits) but "
+            f"names its experts by none of {', '.join(names)}; set output_router_logits to "
+            "false to train it in pipeline stages"
+        )
+    return int(found[0])
 
 
 def _balancing_loss_weight(whole) -> float:

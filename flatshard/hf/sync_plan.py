@@ -87,12 +87,16 @@ def make_plan(model: nn.Module, names: str, rank: int, number: int) -> SendPlan:
 
 
 def _whole_model(announcement: dict) -> dict:
-    """The tensors and outputs of every trainer rank (a pipeline stage holds some of the
-    model's; rank 0 announces them all), in rank order: a collective of the trainers."""
+    """On rank 0, the tensors and outputs of every trainer rank (a pipeline stage holds
+    some of the model's; rank 0 announces them all), in rank order: a collective of the
+    trainers (the default group's ranks, as `weight_sync_group` numbers them)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return announcement
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, announcement)
+    rank = dist.get_rank()
+    every: list | None = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(announcement, every, dst=0)
+    if rank != 0:
+        return announcement  # only rank 0 sends it
     tensors, outputs, named = {}, [], set()
     for one in every:
         tensors.update(one["tensors"])
@@ -108,14 +112,14 @@ def _weight_updates(model: nn.Module, modules: list[str]) -> dict[str, Callable]
     return {f"{name}.weight": model.get_submodule(name).weight_update() for name in modules}
 
 
+@dataclass(frozen=True)
 class Rewritten:
     """What a piece recomputed at every sync (a weight with its update merged) counts as
-    written by: a new version every time, so a delta sync always sends it."""
+    written by: its source tensor, and the sync's number as its version, so a delta sync
+    always sends it."""
 
-    ticks = 0
-
-    def __init__(self, source: torch.Tensor):
-        self.source = source
+    source: torch.Tensor
+    sync: int
 
 
 def make_route(plan: SendPlan, request: dict[str, Wanted], written, wire, bucket_bytes) -> Route:
@@ -157,7 +161,7 @@ def current_values(plan: SendPlan, rank: int) -> tuple[list[torch.Tensor], list[
         for piece, value, bumped in pieces_of(name, tensor, rank):
             if update is not None:
                 value = value + update(piece.offsets, piece.shape).to(value)
-                bumped = Rewritten(bumped)
+                bumped = Rewritten(bumped, plan.syncs)
             pieces.append(piece)
             values.append(value)
             written.append(bumped)
@@ -173,8 +177,7 @@ def version_of(tensor: torch.Tensor | Rewritten) -> tuple[int, int]:
     """What changes when a piece is written: its storage, and autograd's version counter
     (a new count for a piece recomputed at every sync)."""
     if isinstance(tensor, Rewritten):
-        Rewritten.ticks += 1
-        return tensor.source.untyped_storage().data_ptr(), -Rewritten.ticks
+        return tensor.source.untyped_storage().data_ptr(), -1 - tensor.sync
     return tensor.untyped_storage().data_ptr(), tensor._version
 
 

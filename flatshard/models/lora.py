@@ -66,13 +66,8 @@ class LoRAMixin:
 
     def merged_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """`weight` (this module's full base weight) with the adapters folded in."""
-        update = [
-            self.lora_B[part].weight.detach() @ self.lora_A[part].weight.detach()
-            for part, _ in self.lora_parts
-        ]
-        update = [u.full_tensor() if isinstance(u, DTensor) else u for u in update]
-        return weight + torch.cat(update, dim=0).to(weight.dtype) * self.lora_spec.scale
-
+        update = self.weight_update()((0,) * weight.dim(), tuple(weight.shape))
+        return weight + update.to(weight.dtype)
 
     @torch.no_grad()
     def weight_update(self):
@@ -102,6 +97,7 @@ class LoRAMixin:
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole of a sharded tensor (a collective), or a plain one as it is."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
@@ -169,6 +165,23 @@ def add_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
     return adapted
 
 
+def adapter_base(name: str) -> tuple[str, str] | None:
+    """(its base weight's name, "lora_A" or "lora_B") of an adapter parameter's name
+    (`...q_proj.lora_B.default.weight`); None for any other parameter."""
+    for matrix in ("lora_A", "lora_B"):
+        head, found, _ = name.partition(f".{matrix}.")
+        if found:
+            return f"{head}.weight", matrix
+    return None
+
+
+def adapter_split_dim(matrix: str, base_dim: int | None) -> int | None:
+    """The dim tensor parallelism splits an adapter matrix along ("lora_A": rank x in,
+    "lora_B": out x rank), given the dim its base weight splits along (None: whole): the
+    base's input features split A's, its output features B's."""
+    return {("lora_A", 1): 1, ("lora_B", 0): 0}.get((matrix, base_dim))
+
+
 def adapted_modules(model: nn.Module) -> dict[str, LoRAMixin]:
     return {name: m for name, m in model.named_modules() if isinstance(m, LoRAMixin)}
 
@@ -187,7 +200,7 @@ def init_adapters(model: nn.Module, seed: int, whole: nn.Module | None = None) -
     stage's adapters are those of the whole model."""
     generator = torch.Generator().manual_seed(seed)
     present = adapted_modules(model)
-    for name, module in sorted(adapted_modules(whole or model).items()):
+    for name, module in sorted(adapted_modules(model if whole is None else whole).items()):
         for part, _ in module.lora_parts:
             shape = module.lora_A[part].weight.shape
             bound = 1.0 / math.sqrt(shape[1])  # kaiming_uniform_(a=sqrt(5)) on (rank, in)
@@ -235,8 +248,7 @@ def peft_adapter(model: nn.Module, base_path: str) -> tuple[dict[str, torch.Tens
             target = hf_module[key].removesuffix(".weight")
             targets.add(target.rsplit(".", 1)[-1])
             for kind, layers in (("lora_A", module.lora_A), ("lora_B", module.lora_B)):
-                weight = layers[part].weight.detach()
-                weight = weight.full_tensor() if isinstance(weight, DTensor) else weight
+                weight = _whole(layers[part].weight.detach())
                 tensors[f"base_model.model.{target}.{kind}.weight"] = weight.contiguous()
     config = {
         "peft_type": "LORA",

@@ -22,12 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from flatshard.api.parallel_plan import ParallelPlan
+from flatshard.api.parallel_plan import ParallelPlan, apply_mesh_plan
 from flatshard.errors import MeshError
-from flatshard.models.lora import PLAIN, adapted_modules
+from flatshard.models.lora import PLAIN, adapted_modules, adapter_split_dim
 from flatshard.parallel.tensor_parallel import SumGradient, split_by_parts
 
 
@@ -43,10 +42,7 @@ def lora_plan(plan: ParallelPlan) -> ParallelPlan:
             modules = adapted_modules(model)
             aside = {name: (m._modules.pop("lora_A"), m._modules.pop("lora_B"))
                      for name, m in modules.items()}  # fmt: skip
-            if isinstance(mesh_plan, dict):
-                parallelize_module(model, tp_mesh, mesh_plan)
-            else:
-                mesh_plan(model, tp_mesh)
+            apply_mesh_plan(mesh_plan, model, tp_mesh)
             for name, module in modules.items():
                 module.lora_A, module.lora_B = aside[name]
                 split_adapters(name, module, tp_mesh)
@@ -58,23 +54,6 @@ def lora_plan(plan: ParallelPlan) -> ParallelPlan:
         tensor_parallel=with_adapters(plan.tensor_parallel),
         sequence_parallel=with_adapters(plan.sequence_parallel),
     )
-
-
-def adapter_split_dim(matrix: str, base_dim: int | None) -> int | None:
-    """The dim TP splits an adapter matrix along ("lora_A": rank x in, "lora_B": out x
-    rank), given the dim its base weight splits along (None: whole): the base's input
-    features split A's, its output features B's."""
-    return {("lora_A", 1): 1, ("lora_B", 0): 0}.get((matrix, base_dim))
-
-
-def adapter_base(name: str) -> tuple[str, str] | None:
-    """(its base weight's name, "lora_A" or "lora_B") of an adapter parameter's name
-    (`...q_proj.lora_B.default.weight`); None for any other parameter."""
-    for matrix in ("lora_A", "lora_B"):
-        head, found, _ = name.partition(f".{matrix}.")
-        if found:
-            return f"{head}.weight", matrix
-    return None
 
 
 def split_adapters(name: str, module: nn.Module, tp_mesh) -> None:
@@ -113,16 +92,15 @@ def _split_fused(module: nn.Module, parts: list[str], tp_mesh) -> None:
     group = tp_mesh.get_group()
 
     def local_delta(x: torch.Tensor) -> torch.Tensor:
-        """This rank's `[a_r, b_r, ...]` adapter output. The input gradient through A is
-        whole on every rank (A(x)'s gradient summed over the TP ranks first, each rank's B
-        columns giving a part of it), so A's gradient is whole too."""
+        """This rank's `[a_r, b_r, ...]` adapter output. Each rank's B columns give a part
+        of A's gradient: summed over the TP ranks, so the A every rank holds stays one (a
+        rank's own dropout mask included); x's part joins the base's sum."""
         spec = module.lora_spec
         x = F.dropout(x, spec.dropout, module.training) if spec.dropout else x
         deltas = []
         for part in parts:
-            hidden = F.linear(x, module.lora_A[part].weight.to_local())
-            hidden = SumGradient.apply(hidden, group)
-            deltas.append(F.linear(hidden, module.lora_B[part].weight.to_local()))
+            a = SumGradient.apply(module.lora_A[part].weight.to_local(), group)
+            deltas.append(F.linear(F.linear(x, a), module.lora_B[part].weight.to_local()))
         delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=-1)
         return delta * spec.scale
 

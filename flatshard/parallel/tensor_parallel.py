@@ -13,10 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import (
-    ParallelStyle,
-)
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInputOutput
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.nn.utils.stateless import _reparametrize_module
 
@@ -36,7 +34,8 @@ class FusedColwiseParallel(ParallelStyle):
     `[gate_r, up_r]` features the row-parallel layer after it consumes -- or, with
     `gather_output`, every rank's, put back in the global order `[gate, up]` (for a model
     that splits the output itself). A module's `tp_local_extra(x)`, if it has one, adds
-    to the local output (LoRA adapters: flatshard/models/lora_parallel.py)."""
+    to the local output before any gather; x's gradient, its part of it included, is
+    summed over the TP ranks (LoRA adapters: flatshard/models/lora_parallel.py)."""
 
     def __init__(self, components: int = 2, gather_output: bool = False):
         super().__init__()
@@ -55,9 +54,10 @@ class FusedColwiseParallel(ParallelStyle):
 
         def local_forward(x):
             bias = module.bias.to_local() if module.bias is not None else None
-            out = F.linear(SumGradient.apply(x, group), module.weight.to_local(), bias)
+            x = SumGradient.apply(x, group)
+            out = F.linear(x, module.weight.to_local(), bias)
             extra = getattr(module, "tp_local_extra", None)  # e.g. LoRA adapters' output
-            if extra is not None:
+            if extra is not None:  # of x, whose gradient is summed over the TP ranks
                 out = out + extra(x)
             if self.gather_output:
                 out = _GatherParts.apply(out, group, local_sizes)
@@ -88,6 +88,17 @@ def split_by_parts(module: nn.Module, name: str, sizes: list[int], device_mesh) 
         local, device_mesh, [placement], run_check=False, shape=param.shape, stride=param.stride()
     )
     module.register_parameter(name, nn.Parameter(sharded, param.requires_grad))
+
+
+def moe_by_sequence() -> ParallelStyle:
+    """An MoE block under sequence parallelism: it takes the gathered sequence as a plain
+    tensor (its router and experts, whole on every TP rank, see every token, so its routing
+    is the same on each) and hands on this rank's share of its (replicated) output."""
+    return PrepareModuleInputOutput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+        output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),),
+        use_local_output=False,
+    )  # fmt: skip
 
 
 class HeadNormParallel(ParallelStyle):

@@ -22,14 +22,13 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
-    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
 from flatshard.errors import MeshError
-from flatshard.parallel.tensor_parallel import require_whole_sequence_shards
+from flatshard.parallel.tensor_parallel import moe_by_sequence, require_whole_sequence_shards
 from flatshard.parallel.transformers_plan import grouped_experts, tensor_parallel_styles
 
 _LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
@@ -38,11 +37,6 @@ _SEQUENCE = Shard(1)
 _MLP_BY_SEQUENCE = PrepareModuleInput(
     input_layouts=(_SEQUENCE,), desired_input_layouts=(Replicate(),)
 )
-# an MoE block: the gathered sequence as a plain tensor, its (replicated) output cut back
-_MOE_BY_SEQUENCE = PrepareModuleInputOutput(
-    input_layouts=(_SEQUENCE,), desired_input_layouts=(Replicate(),), use_local_input=True,
-    output_layouts=(Replicate(),), desired_output_layouts=(_SEQUENCE,), use_local_output=False,
-)  # fmt: skip
 
 
 def apply_transformers_sequence_parallel(model: nn.Module, tp_mesh, layers) -> None:
@@ -65,7 +59,7 @@ def apply_transformers_sequence_parallel(model: nn.Module, tp_mesh, layers) -> N
                 input_kwarg_layouts={"hidden_states": _SEQUENCE}, desired_input_kwarg_layouts=gather
             ),
             "post_attention_layernorm": SequenceParallel(),
-            "mlp": _MOE_BY_SEQUENCE if f"{names[id(layer)]}.mlp" in moe else _MLP_BY_SEQUENCE,
+            "mlp": moe_by_sequence() if f"{names[id(layer)]}.mlp" in moe else _MLP_BY_SEQUENCE,
         })  # fmt: skip
     base = model.base_model
     require_whole_sequence_shards(base.embed_tokens, tp_mesh.size())

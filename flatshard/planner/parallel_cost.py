@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from flatshard.errors import ConfigError, MeshError
 from flatshard.models.llama import LLAMA_BLOCK_PLAN, tp_local_shape
-from flatshard.models.lora_parallel import adapter_base, adapter_split_dim
+from flatshard.models.lora import adapter_base, adapter_split_dim
 from flatshard.planner.model_spec import FP32, ModelSpec, UnitSpec
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -41,7 +41,7 @@ def tp_local(spec: ModelSpec, tp: int, sp: bool = False) -> ModelSpec:
         return block_shape(name, shape, tp)
 
     def base_split_dim(base: str, tp: int) -> int | None:
-        if base not in shapes:  # QLoRA's NF4 base: not in the layout, and never TP-split
+        if base not in shapes:  # a base the layout does not hold (QLoRA's NF4 ones)
             return None
         whole = shapes[base]
         local = block_shape(base, whole, tp)

@@ -6,7 +6,6 @@ from __future__ import annotations
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import (
     PrepareModuleInput,
-    PrepareModuleInputOutput,
     RowwiseParallel,
     parallelize_module,
 )
@@ -21,6 +20,7 @@ from flatshard.models.llama.parallel import (
     style,
 )
 from flatshard.parallel import ExpertParallel
+from flatshard.parallel.tensor_parallel import moe_by_sequence
 
 
 def parallelize_moe(model, tp_mesh, sequence_parallel: bool = False) -> None:
@@ -58,13 +58,7 @@ def _mlp_by_sequence(dense: bool) -> dict:
             ),
             "mlp.down_proj": RowwiseParallel(output_layouts=SEQUENCE),
         }  # fmt: skip
-    return {
-        "mlp": PrepareModuleInputOutput(
-            input_layouts=(SEQUENCE,), desired_input_layouts=(Replicate(),),
-            use_local_input=True, output_layouts=(Replicate(),),
-            desired_output_layouts=(SEQUENCE,),
-        )
-    }  # fmt: skip
+    return {"mlp": moe_by_sequence()}
 
 
 def split_experts(model, ep_mesh) -> list:

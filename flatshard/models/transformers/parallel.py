@@ -49,9 +49,9 @@ def stage_forward(stage: nn.Module, x, first: bool, router_totals=None, position
     previous stage's hidden states (as `inputs_embeds`) into the others (under context
     parallelism at the positions of this rank's part; packed documents at their
     `position_ids`); out come the logits, or (norm and head standing in as Identity) the
-    hidden states. An MoE trained with its load-balancing loss (`carries_router_totals`)
-    also hands on the routing totals it was given plus its own layers' (as flatshard's MoE
-    does: `router_totals_after`)."""
+    hidden states. An MoE trained with its load-balancing loss (`carries_router_totals`:
+    its experts' number) also hands on the routing totals it was given plus its own
+    layers' (as flatshard's MoE does: `router_totals_after`)."""
     inputs = {"input_ids": x} if first else {"inputs_embeds": x}
     context = getattr(stage, "context_parallel", None)
     if context is not None:  # its tokens are the CP split's: their positions
@@ -59,11 +59,10 @@ def stage_forward(stage: nn.Module, x, first: bool, router_totals=None, position
     elif position_ids is not None:
         inputs["position_ids"] = position_ids
     output = type(stage).forward(stage, **inputs, use_cache=False)
-    if not getattr(stage, "carries_router_totals", False):
+    experts = getattr(stage, "carries_router_totals", 0)
+    if not experts:
         return output.logits
     stats = transformers_router_stats(stage, output.router_logits or ())
-    names = ("num_local_experts", "num_experts", "n_routed_experts")  # by family
-    experts = next(getattr(stage.config, n) for n in names if hasattr(stage.config, n))
     return output.logits, router_totals_after(router_totals, stats, experts, output.logits)
 
 
