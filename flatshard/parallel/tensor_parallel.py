@@ -90,14 +90,16 @@ def split_by_parts(module: nn.Module, name: str, sizes: list[int], device_mesh) 
     module.register_parameter(name, nn.Parameter(sharded, param.requires_grad))
 
 
-def moe_by_sequence() -> ParallelStyle:
+def moe_by_sequence(local_output: bool) -> ParallelStyle:
     """An MoE block under sequence parallelism: it takes the gathered sequence as a plain
     tensor (its router and experts, whole on every TP rank, see every token, so its routing
-    is the same on each) and hands on this rank's share of its (replicated) output."""
+    is the same on each) and hands on this rank's share of its (replicated) output: a plain
+    tensor (`local_output`, for a residual stream of plain tensors) or a `Shard(1)`
+    DTensor."""
     return PrepareModuleInputOutput(
         input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
         output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),),
-        use_local_output=False,
+        use_local_output=local_output,
     )  # fmt: skip
 
 

@@ -53,13 +53,14 @@ def apply_transformers_sequence_parallel(model: nn.Module, tp_mesh, layers) -> N
     gather = {"hidden_states": Replicate()}
     names = {id(module): name for name, module in model.named_modules()}
     for layer in layers:
+        is_moe = f"{names[id(layer)]}.mlp" in moe  # its residual stream: Shard(1) DTensors
         parallelize_module(layer, tp_mesh, {
             "input_layernorm": SequenceParallel(),
             "self_attn": PrepareModuleInput(
                 input_kwarg_layouts={"hidden_states": _SEQUENCE}, desired_input_kwarg_layouts=gather
             ),
             "post_attention_layernorm": SequenceParallel(),
-            "mlp": moe_by_sequence() if f"{names[id(layer)]}.mlp" in moe else _MLP_BY_SEQUENCE,
+            "mlp": moe_by_sequence(local_output=False) if is_moe else _MLP_BY_SEQUENCE,
         })  # fmt: skip
     base = model.base_model
     require_whole_sequence_shards(base.embed_tokens, tp_mesh.size())

@@ -58,7 +58,7 @@ def _mlp_by_sequence(dense: bool) -> dict:
             ),
             "mlp.down_proj": RowwiseParallel(output_layouts=SEQUENCE),
         }  # fmt: skip
-    return {"mlp": moe_by_sequence()}
+    return {"mlp": moe_by_sequence(local_output=True)}
 
 
 def split_experts(model, ep_mesh) -> list:
