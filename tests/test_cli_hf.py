@@ -293,10 +293,12 @@ def test_a_fine_tune_trains_in_training_mode(mixtral, tmp_path):
     for dropout in (0.0, 0.5):
         out = tmp_path / f"dropout-{dropout}"
         check_ok(flatshard("train", "--hf", path, *RUN, "--steps", 3, "--nproc", 1, "--lora", 4,
-                           "--set", f"train.lora_dropout={dropout}", "--out", out))  # fmt: skip
+                           "--lr", "1e-2", "--set", f"train.lora_dropout={dropout}",
+                           "--out", out))  # fmt: skip
         losses[dropout] = [r["loss"] for r in metrics(out)]
     assert losses[0.5][0] == pytest.approx(losses[0.0][0], rel=1e-6)
-    assert all(abs(a - b) > 1e-6 * b for a, b in zip(losses[0.5][1:], losses[0.0][1:]))
+    # lr 1e-2: the losses part by ~1e-3 (at the default lr by ~1e-6, too close to rounding to tell)
+    assert all(abs(a - b) > 1e-4 * b for a, b in zip(losses[0.5][1:], losses[0.0][1:]))
 
 
 def test_lora_under_tp_and_ep_trains_as_in_one_process(phi3, mixtral, tmp_path):
