@@ -171,14 +171,22 @@ def test_interop_with_fsdp2(tmp_path, writer, reader, save_world, load_world):
 def _async_save(path, staging_bytes):
     from flatshard.checkpoint import rank_file
 
+    write_wave = rank_file.write_wave
     if staging_bytes < checkpoint.DEFAULT_STAGING_BYTES:  # slow writes: the next optimizer
-        write_wave = rank_file.write_wave  # step comes before the last wave is copied
+        # step comes before the last wave is copied
 
         def slow(*args):
             time.sleep(0.2)
             return write_wave(*args)
 
         rank_file.write_wave = slow
+    try:
+        return _async_saves(path, staging_bytes)
+    finally:  # the pool's workers run later tests: they must write at full speed
+        rank_file.write_wave = write_wave
+
+
+def _async_saves(path, staging_bytes):
     cfg = config()
     model = shard(build_model(cfg))
     optimizer = adamw(model.parameters())
