@@ -201,6 +201,41 @@ def test_a_pipelined_fine_tune_resumes_without_a_pipeline(phi3, tmp_path):
     _exports_agree(tmp_path, straight, piped, phi3)
 
 
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    """A Llama whose head is its embedding (tie_word_embeddings, as SmolLM2, Llama-3.2-1B,
+    Qwen2.5-0.5B and Gemma have it): no lm_head.weight on disk."""
+    torch.manual_seed(2)
+    config = transformers.LlamaConfig(
+        vocab_size=260, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("tied")
+    transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(path)
+    return path
+
+
+def test_a_tied_model_trains_in_pipeline_stages_and_resumes_at_any_layout(tied, tmp_path):
+    """Tied embeddings under --pp 2 (world 4, dp 2): the first stage owns the weight, the
+    last receives it each step and sends its gradient back. Stopped at step 2, resumed in
+    one process, stopped at 3, resumed in stages again: the losses of an uninterrupted
+    data-parallel run, and the same export (no lm_head.weight, as the model's own)."""
+    straight, piped = tmp_path / "straight", tmp_path / "piped"
+    run = [*RUN, "--global-batch", 8, "--steps", 4, "--lr", "1e-2"]
+    check_ok(flatshard("train", "--hf", tied, *run, "--nproc", 2, "--out", straight))
+    check_ok(flatshard("train", "--hf", tied, *run, "--nproc", 4, "--pp", 2, "--out", piped,
+                       "--set", "run.stop_at_step=2"))  # fmt: skip
+    check_ok(flatshard("train", "--resume", piped, "--nproc", 1, "--pp", 1,
+                       "--set", "run.stop_at_step=3"))  # fmt: skip
+    resumed = check_ok(flatshard("train", "--resume", piped, "--nproc", 4, "--pp", 2))
+    assert "resuming from step 3" in resumed.stdout
+    expected, losses = ([r["loss"] for r in metrics(d)] for d in (straight, piped))
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.1  # lr 1e-2: it learns
+    assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(losses, expected))
+    _exports_agree(tmp_path, straight, piped, tied)
+
+
 def test_an_moe_fine_tune_with_its_balancing_loss_and_pipelined_without(mixtral, tmp_path):
     """Mixtral, its config.json asking for the load-balancing loss (output_router_logits):
     2 data-parallel processes train with the losses of one process (the routing counts

@@ -22,12 +22,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train_and_receive(tmp_path, trainers: int, *train_args):
-    """`flatshard train --hf` of a tiny Llama on `trainers` processes with `train_args`,
-    syncing after every step to `flatshard receive` beside it: (the run, the model the
-    receiver saved, the model it started from, the run's export), once both ended."""
+def _train_and_receive(tmp_path, trainers: int, *train_args, **sizes):
+    """`flatshard train --hf` of a tiny Llama (`sizes`: its config's) on `trainers`
+    processes with `train_args`, syncing after every step to `flatshard receive` beside it:
+    (the run, the model the receiver saved, the model it started from, the run's export),
+    once both ended."""
     model_dir = tmp_path / "model"
-    make_llama_dir(model_dir)
+    make_llama_dir(model_dir, **sizes)
     (tmp_path / "my.txt").write_text("Every rank holds whole rows of every parameter. " * 300)
     address = f"127.0.0.1:{_free_port()}"
     received = {}
@@ -58,17 +59,21 @@ def _train_and_receive(tmp_path, trainers: int, *train_args):
     return run, held, original, exported
 
 
-@pytest.mark.parametrize("layout", ["dp2", "pp2"])
+@pytest.mark.parametrize("layout", ["dp2", "pp2", "pp2-tied"])
 def test_a_receiver_holds_the_runs_weights_after_every_step(tmp_path, layout):
     """Every step's weights reach the receiver; at the end it holds the run's export
     bitwise. In pipeline stages (--pp 2) each stage's ranks send their own tensors (rank 0
-    announces every stage's)."""
+    announces every stage's); a tied embedding goes from the first stage, once."""
     more = ["--global-batch", 4] if layout == "dp2" else ["--global-batch", 4, "--pp", 2]
-    run, held, original, exported = _train_and_receive(tmp_path, 2, *more)
+    tied = layout.endswith("tied")
+    run, held, original, exported = _train_and_receive(tmp_path, 2, *more,
+                                                       tie_word_embeddings=tied)  # fmt: skip
     assert all(record["sync_bytes"] > 0 for record in metrics(run))
     for name, value in exported.items():
         assert torch.equal(held[name], value), name
-    assert not torch.equal(held["lm_head.weight"], original["lm_head.weight"])  # it trained
+    head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    assert ("lm_head.weight" in held) is not tied
+    assert not torch.equal(held[head], original[head])  # it trained
 
 
 def test_a_lora_run_syncs_its_weights_with_the_adapters_merged(tmp_path):

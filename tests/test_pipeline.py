@@ -32,13 +32,14 @@ def _loss(logits, target):
 
 
 def _pipelined(schedule: str, pp: int, tp: int, zero_stage: int, microbatches: int,
-               offload: float = 0.0):  # fmt: skip
+               offload: float = 0.0, tied: bool = False):  # fmt: skip
     """(per step: the whole batch's loss, the reference's; the largest weight difference).
     Asserts every unit is sharded again after each step (ZeRO-2/3). `offload`: that share of
-    each rank's optimizer on the host (flatshard.OffloadPolicy)."""
+    each rank's optimizer on the host (flatshard.OffloadPolicy). `tied`: the embedding and
+    the head share one weight (the first stage's; the last stage's head receives it)."""
     dims = flatshard.ParallelDims(dist.get_world_size(), pp=pp, tp=tp)
     per_rank = 1 if schedule in ("gpipe", "1f1b") else 2
-    cfg = config(n_layers=max(4, pp * per_rank), ffn_dim=48)  # 48: TP splits it
+    cfg = config(n_layers=max(4, pp * per_rank), ffn_dim=48, tie_embeddings=tied)  # 48: TP
     whole = build_model(cfg)
     reference = copy.deepcopy(whole)
     reference_optimizer = adamw(reference.parameters())
@@ -69,7 +70,8 @@ def _pipelined(schedule: str, pp: int, tp: int, zero_stage: int, microbatches: i
     worst = max(((v - theirs[k]).norm() / theirs[k].norm()).item() for k, v in ours.items())
     held = torch.tensor([len(ours)])
     dist.all_reduce(held)  # every parameter is on some stage: a copy on each dp x tp rank
-    assert held.item() == dist.get_world_size() // pp * len(theirs), held.item()
+    # (a tied weight on the first stage only, under the embedding's name)
+    assert held.item() == dist.get_world_size() // pp * (len(theirs) - tied), held.item()
     return losses, worst
 
 
@@ -86,11 +88,14 @@ CASES = [  # schedule, pp, tp, ZeRO stage, micro-batches, offload (dp: what pp a
     ("zbv", 2, 1, 3, 4),  # V-shaped: rank r runs stages r and 3 - r
     ("dualpipev", 2, 1, 2, 4),
     ("1f1b", 2, 1, 3, 4, 0.5),  # half of each rank's optimizer stepped on the host
+    ("1f1b", 2, 1, 3, 4, 0.0, True),  # tied embeddings: the head's gradient sent back
+    ("interleaved-1f1b", 2, 1, 2, 2, 0.0, True),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[
-    f"{c[0]}-pp{c[1]}-tp{c[2]}-zero{c[3]}" + (f"-offload{c[5]}" if len(c) > 5 else "")
+    f"{c[0]}-pp{c[1]}-tp{c[2]}-zero{c[3]}" + (f"-offload{c[5]}" if len(c) > 5 and c[5] else "")
+    + ("-tied" if len(c) > 6 else "")
     for c in CASES
 ])  # fmt: skip
 def test_a_pipelined_run_equals_one_process(case):

@@ -28,6 +28,7 @@ from flatshard import compat, registry
 from flatshard.api.parallel_plan import plan_for
 from flatshard.api.parallelize import parallelize
 from flatshard.api.pipeline_split import assign_blocks, stage_view, stages_part
+from flatshard.api.pipeline_tie import TiedWeight
 from flatshard.errors import MeshError
 from flatshard.mesh import Meshes, ParallelDims
 from flatshard.runtime import hooks
@@ -99,10 +100,11 @@ class Pipeline:
     them with `loss_fn`. `step(inputs, target)` runs one step's forwards and backwards,
     `evaluate(inputs, target)` its forwards only."""
 
-    def __init__(self, model, modules, stages, schedule, meshes: Meshes, microbatches, loss_fn):
+    def __init__(self, model, modules, stages, schedule, meshes: Meshes, microbatches, loss_fn,
+                 tied: TiedWeight | None = None):  # fmt: skip
         self.model, self.modules, self.stages = model, modules, stages
         self.schedule, self.meshes, self.microbatches = schedule, meshes, microbatches
-        self.loss_fn = loss_fn
+        self.loss_fn, self.tied = loss_fn, tied
         # the last stage's outputs (the logits of every micro-batch) are not ours to return
         self._step = functools.partial(schedule.step, **compat.pipeline_step_options(schedule.step))
 
@@ -126,13 +128,19 @@ class Pipeline:
         batches (summed with scale_grads=False), as one process would have them. Returns
         the loss they are of (the micro-batches' losses' mean, or sum), on every rank of
         the pipeline."""
+        if self.tied is not None:
+            self.tied.send_weight(train=True)
         losses = self._run(self._step, inputs, target, stage_inputs)
+        if self.tied is not None:
+            self.tied.return_gradient(self.microbatches if self.schedule.scale_grads else 1)
         return self._to_all(losses, summed=not self.schedule.scale_grads)
 
     @torch.no_grad()
     def evaluate(self, inputs=None, target=None, **stage_inputs) -> torch.Tensor:
         """Forwards only (the schedule's `eval`), over the batch as `step` takes it: the
         sum of the micro-batches' losses, on every rank of the pipeline."""
+        if self.tied is not None:
+            self.tied.send_weight(train=False)
         losses = self._run(self.schedule.eval, inputs, target, stage_inputs)
         return self._to_all(losses, summed=True)
 
@@ -204,7 +212,7 @@ def pipeline(
         if per_rank != 2:
             raise MeshError(f"schedule {schedule!r} runs two stages a rank (a V)")
         mine = [rank, num_stages - 1 - rank]
-    part = stages_part(model, num_stages, mine)
+    part = stages_part(model, num_stages, mine, untie=True)
     ranges = assign_blocks(len(plan_blocks(model)), num_stages)
     views = [part] if len(mine) == 1 else [
         stage_view(part, ranges[i], i == 0, i == num_stages - 1) for i in mine
@@ -219,7 +227,10 @@ def pipeline(
         part.context_parallel = context
     runner = kind(stages if multi else stages[0], n_microbatches=microbatches, loss_fn=loss_fn,
                   scale_grads=scale_grads)  # fmt: skip
-    return Pipeline(part, views, stages, runner, meshes, microbatches, loss_fn)
+    tie = getattr(part, "tied_across_stages", None)
+    last_rank = (num_stages - 1) % pp  # the pipeline rank of the last stage
+    tied = None if tie is None else TiedWeight(tie, part, meshes.pp.get_group(), last_rank)
+    return Pipeline(part, views, stages, runner, meshes, microbatches, loss_fn, tied)
 
 
 def plan_blocks(model: nn.Module) -> list[nn.Module]:

@@ -11,6 +11,7 @@ import types
 from torch import nn
 
 from flatshard.api.parallel_plan import StageParts, plan_for
+from flatshard.api.pipeline_tie import drop_head_weight, untie_across_stages
 from flatshard.errors import WrappingError
 
 
@@ -50,8 +51,12 @@ def stage_modules(model: nn.Module, num_stages: int, stage: int) -> nn.Module:
     return stages_part(model, num_stages, [stage])
 
 
-def stages_part(model: nn.Module, num_stages: int, mine: list[int]) -> nn.Module:
-    """A copy of `model` with the blocks (and ends) of the stages `mine`, one module."""
+def stages_part(model: nn.Module, num_stages: int, mine: list[int], untie: bool = False
+                ) -> nn.Module:  # fmt: skip
+    """A copy of `model` with the blocks (and ends) of the stages `mine`, one module.
+    untie: an embedding and head sharing one weight are split too (the first stage's part
+    owns it, the last's head holds none: `flatshard.pipeline` moves it each step);
+    otherwise such a model is refused."""
     parts = _parts_of(model)
     blocks = _blocks(model, parts)
     if not 1 <= num_stages <= len(blocks) or not all(0 <= s < num_stages for s in mine):
@@ -60,11 +65,16 @@ def stages_part(model: nn.Module, num_stages: int, mine: list[int]) -> nn.Module
             "stages must number between 1 and the blocks, and each be one of them"
         )
     embed, head = _get(model, parts.embed), _get(model, parts.head)
+    tie = None
     if num_stages > 1 and embed is not None and head is not None and embed.weight is head.weight:
-        raise WrappingError(
-            "the embedding and the output head share one weight, but pipeline stages put "
-            "them on the first and the last stage: untie them (tie_embeddings=False)"
-        )
+        if not untie:
+            raise WrappingError(
+                "the embedding and the output head share one weight, but pipeline stages "
+                "put them on the first and the last stage: split it with flatshard.pipeline "
+                "(which moves the weight between them each step), or untie them "
+                "(tie_embeddings=False)"
+            )
+        tie = untie_across_stages(model, parts.embed, parts.head, mine, num_stages - 1)
     ranges = assign_blocks(len(blocks), num_stages)
     # one copy of what the pieces share (a transformers model's config, which its layers
     # read their attention implementation from): one memo for every copy
@@ -73,7 +83,12 @@ def stages_part(model: nn.Module, num_stages: int, mine: list[int]) -> nn.Module
     ends = {parts.embed: 0 in mine, parts.norm: num_stages - 1 in mine}
     ends[parts.head] = num_stages - 1 in mine
     kept = {path: copy.deepcopy(_get(model, path), memo) for path, keep in ends.items() if keep}
-    return _assemble(model, parts, held, kept, memo)
+    stage = _assemble(model, parts, held, kept, memo)
+    if tie is not None:  # the first stage owns the weight; the last receives it each step
+        stage.tied_across_stages = tie
+        if not tie.first:
+            drop_head_weight(_get(stage, parts.head))
+    return stage
 
 
 def stage_view(part: nn.Module, blocks: range, first: bool, last: bool) -> nn.Module:

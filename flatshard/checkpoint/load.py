@@ -27,6 +27,7 @@ from flatshard.checkpoint.state import (
     rank_and_world,
     restore_stateful,
     set_rng_state,
+    tied_aliases,
 )
 from flatshard.dtensor import plain_state
 from flatshard.dtensor.sharded_param import stored_shape
@@ -100,6 +101,8 @@ def load(
     with warnings.catch_warnings():  # no_dist's "assuming ... a single process": not so
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         dcp.load(state, storage_reader=reader, no_dist=True)
+    for alias in tied_aliases(model):  # loaded through the name it stands for
+        state["model"].pop(alias, None)
     # trainable_only: the frozen parameters are not in the state, not missing from it
     options = StateDictOptions(strict=not skipped and not trainable_only,
                                ignore_frozen_params=trainable_only)  # fmt: skip

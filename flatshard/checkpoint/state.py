@@ -70,10 +70,21 @@ def app_state(model, optimizer, extra: dict, trainable_only: bool = False) -> di
         state = {"model": model_state, "optim": optim_state}
     else:
         state = {"model": get_model_state_dict(model, options=options)}
+    for alias, name in tied_aliases(model).items():  # a tied weight under both its names
+        if name in state["model"]:
+            state["model"][alias] = state["model"][name]
     if extra:
         # DCP only expands Stateful objects at the top level: expand ours here
         state["extra"] = {name: _expand(value) for name, value in extra.items()}
     return state
+
+
+def tied_aliases(model) -> dict[str, str]:
+    """{name: the name it stands for} of weights a pipeline stage holds for two names (the
+    first stage's embedding, tied to the last stage's head): one process's checkpoint names
+    both, and so does a pipeline's."""
+    tie = getattr(model, "tied_across_stages", None)
+    return tie.aliases() if tie is not None else {}
 
 
 def _all_stages_groups(optim_state: dict) -> None:
