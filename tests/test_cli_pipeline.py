@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from forked_command import torchrun_forked
 from safetensors.torch import load_file
 from test_cli_helpers import REPO_ROOT, check_ok, flatshard, metrics, one_line_error
@@ -156,17 +157,19 @@ def _sizes(*more: str) -> list[str]:
     return [arg for pair in pairs for arg in ("--set", pair)]
 
 
-@pytest.mark.parametrize("zero,schedule,cp", [(1, "gpipe", 1), (2, "gpipe", 1), (3, "gpipe", 1),
-                                              (3, "interleaved-1f1b", 1), (3, "zbv", 1),
-                                              (3, "1f1b", 2)])  # fmt: skip
-def test_pipelined_bytes_per_step_equal_the_plan(tmp_path, zero, schedule, cp):
+@pytest.mark.parametrize("zero,schedule,cp,tied", [
+    (1, "gpipe", 1, False), (2, "gpipe", 1, False), (3, "gpipe", 1, False),
+    (3, "interleaved-1f1b", 1, False), (3, "zbv", 1, False), (3, "1f1b", 2, True),
+])  # fmt: skip
+def test_pipelined_bytes_per_step_equal_the_plan(tmp_path, zero, schedule, cp, tied):
     """Each stage gathers and reduces as `flatshard plan --pp` says (rank 0's stages, whose
     bytes the run's metrics hold), from the second step on (the first learns the order);
     with two stages a rank too (torch's schedule unshards each stage's root once a step),
-    and with each stage's units sharded over its CP ranks (pp 2 x cp 2)."""
+    and with each stage's units sharded over its CP ranks (pp 2 x cp 2), there with tied
+    embeddings (the first stage's embedding a unit of its own, its weight sent on)."""
     sizes = _sizes("data.seq_len=32", "train.micro_batch=2", "train.global_batch=16",
                    f"train.zero_stage={zero}", f"train.pp_schedule={schedule}",
-                   f"train.cp={cp}")  # fmt: skip
+                   f"train.cp={cp}", f"model.tie_embeddings={str(tied).lower()}")  # fmt: skip
     run = tmp_path / "run"
     check_ok(flatshard("train", *sizes, "--steps", 2, "--out", run, "--set",
                        "run.sample_tokens=0", timeout=300))  # fmt: skip
@@ -176,6 +179,12 @@ def test_pipelined_bytes_per_step_equal_the_plan(tmp_path, zero, schedule, cp):
     record = metrics(run)[-1]
     assert record["all_gather_bytes"] == first["all_gather"]
     assert record["reduce_scatter_bytes"] == first["reduce_scatter"]
+    saved = dcp.FileSystemReader(run / "checkpoints" / "step-00000002").read_metadata()
+    entries = saved.state_dict_metadata
+    assert "model.lm_head.weight" in entries  # tied or not: both names, as in one process
+    weight = entries["model.embed_tokens.weight"].size.numel() * 4  # moved in fp32
+    # a tied weight: gathered by the first stage, its gradient summed there
+    assert first.get("tied_embedding", 0) == (2 * weight if tied else 0)
 
 
 PEAK_SCHEDULES = ["1f1b", "interleaved-1f1b", "zbv"] + [  # the other code paths of these

@@ -22,6 +22,7 @@ from flatshard.api.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 from flatshard.api.pipeline import V_SHAPED
 from flatshard.api.pipeline_split import assign_blocks
 from flatshard.errors import ConfigError
+from flatshard.planner.activations import FP32
 from flatshard.planner.model_spec import ModelSpec, UnitSpec
 
 SCHEDULES = tuple(PIPELINE_SCHEDULES)
@@ -43,6 +44,13 @@ class RankPart:
     # bytes held at the peak besides the in-flight activations: the loss's backward on the
     # last stage; with two stages a rank, all else the walk of torch's action list finds
     transient: int
+    # a tied embedding (api/pipeline_tie.py): the bytes it holds through the step (the last
+    # stage: the weight received and its gradient; the first: the weight gathered to send,
+    # then the gradient received), the bytes its collectives move (the first stage's
+    # all-gather of the weight and all-reduce of the gradient) and what it sends on
+    tied_held: int = 0
+    tied_collectives: int = 0
+    tied_sent: int = 0
 
 
 def stages_per_rank(schedule: str) -> int:
@@ -73,6 +81,12 @@ def bubble_fraction(setup) -> float:
 
 def rank_parts(spec: ModelSpec, setup, hidden: int, activation_bytes: int) -> list[RankPart]:
     """Every pipeline rank's part of `spec` under `setup` (grad_accum: the micro-batches)."""
+    tied = tied_embedding(spec)
+    if tied is not None and setup.pp_schedule in _V_SHAPED:
+        raise ConfigError(
+            f"--pp-schedule {setup.pp_schedule} runs the first and the last stage on one rank "
+            f"apart, and {spec.name} ties its embedding to its head: pick another schedule"
+        )
     v = stages_per_rank(setup.pp_schedule)
     stages = setup.pp * v
     if spec.n_layers < stages:
@@ -80,6 +94,7 @@ def rank_parts(spec: ModelSpec, setup, hidden: int, activation_bytes: int) -> li
             f"--pp {setup.pp} with {setup.pp_schedule} makes {stages} stages of "
             f"{spec.n_layers} blocks: use fewer stages"
         )
+    whole_tied = tied.numel * FP32 if tied is not None else 0  # moved in fp32
     blocks = assign_blocks(spec.n_layers, stages)
     # what a stage sends on: its activations for this rank's tokens (its CP part)
     boundary = setup.micro_batch * setup.seq_len // setup.cp * hidden * activation_bytes
@@ -102,8 +117,18 @@ def rank_parts(spec: ModelSpec, setup, hidden: int, activation_bytes: int) -> li
                                  activation_bytes)  # fmt: skip
         if held is not None:
             in_flight, transient = held[0], tokens * held[1]
+        first, last = 0 in mine, stages - 1 in mine
+        held_tied = collectives = 0
+        if first and whole_tied:
+            held_tied = whole_tied
+            shards = setup.dp_shard * setup.dp_replicate
+            collectives = whole_tied * 2 if shards > 1 else 0  # gathered, gradient summed
+        elif last and whole_tied:  # the weight and its gradient, the gradient sent in fp32
+            held_tied = 2 * tied.numel * activation_bytes
+            held_tied += whole_tied if activation_bytes != FP32 else 0
         parts.append(RankPart(rank, specs, together, in_flight,
-                              sends * setup.grad_accum * boundary, transient))  # fmt: skip
+                              sends * setup.grad_accum * boundary, transient, held_tied,
+                              collectives, whole_tied if first or last else 0))  # fmt: skip
     return parts
 
 
@@ -208,12 +233,31 @@ def _layer_counts(spec: ModelSpec, blocks) -> list[int]:
     return counts
 
 
+def tied_embedding(spec: ModelSpec):
+    """The embedding's ParamInfo where a root unit holds it as the head too (tied: no
+    `lm_head.weight` anywhere), else None."""
+    names = {p.name: p for u in spec.units for p in u.params}
+    embed = names.get("embed_tokens.weight")
+    tied = embed is not None and "lm_head.weight" not in names
+    held_by_root = any(u.is_root and not u.embedding and embed in u.params for u in spec.units)
+    return embed if tied and held_by_root else None
+
+
 def _stage_units(spec: ModelSpec, blocks, first: bool, last: bool) -> tuple[UnitSpec, ...]:
     """The units of `blocks` (and the ends): a run of layers cut to those it holds, the
-    experts unit after it (expert parallelism, ep_local) cut alike."""
+    experts unit after it (expert parallelism, ep_local) cut alike. A root holding a tied
+    embedding is split: the embedding (a unit of its own) on the first stage, the rest on
+    the last (which receives the weight each step: `RankPart.tied_held`)."""
     chosen, units, start, held = sorted(set(blocks)), [], 0, []
+    tied = tied_embedding(spec)
     for unit in spec.units:
-        if unit.is_root:
+        if unit.is_root and tied is not None and tied in unit.params:
+            rest = tuple(p for p in unit.params if p is not tied)
+            if first:
+                units.append(UnitSpec("embed_tokens", (tied,), is_root=True, embedding=True))
+            if last and rest:
+                units.append(replace(unit, params=rest))
+        elif unit.is_root:
             if first if unit.embedding else last:
                 units.append(unit)
         elif unit.inner:  # the experts of the layers just before
