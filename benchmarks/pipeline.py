@@ -17,7 +17,15 @@ reversed every step) so a drift of the shared machine hits all alike. Printed pe
 count them); the losses of the two pipelines must agree (their largest relative
 difference).
 
+With `--tied` the model's head is its embedding (as SmolLM2's, Llama-3.2-1B's): flatshard's
+first stage owns the weight and sends it to the last stage each step, its gradient coming
+back (api/pipeline_tie.py). torch's stage split has no such tie, so the FSDP2 peer runs the
+model untied (the head a copy of the embedding: the usual workaround, more parameters and
+other losses after the first step); flatshard's pipeline must then agree with the same tied
+model without a pipeline.
+
     python benchmarks/pipeline.py --world 4 --pp 2 --schedule 1f1b --steps 6
+    python benchmarks/pipeline.py --world 4 --pp 2 --schedule 1f1b --steps 6 --tied
 """
 
 from __future__ import annotations
@@ -75,14 +83,18 @@ def worker(rank: int, world: int, port: int, args, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    cfg = LlamaConfig(vocab_size=257, max_seq_len=args.seq, **SIZES[args.size])
+    cfg = LlamaConfig(vocab_size=257, max_seq_len=args.seq, tie_embeddings=args.tied,
+                      **SIZES[args.size])  # fmt: skip
     torch.manual_seed(0)
     whole = Llama(cfg)
     dims = flatshard.ParallelDims(world, pp=args.pp)
     meshes = dims.build()
     counter = CommCounter()
     counter.install()
-    stage, schedule, runner = fsdp2_pipeline(copy.deepcopy(whole), dims, args)
+    peer = copy.deepcopy(whole)
+    if args.tied:  # torch's stages cannot share it: the head a copy of its own
+        peer.lm_head.weight = torch.nn.Parameter(peer.embed_tokens.weight.detach().clone())
+    stage, schedule, runner = fsdp2_pipeline(peer, dims, args)
     pipe = flatshard.pipeline(copy.deepcopy(whole), dims, loss_fn=loss_fn,
                               microbatches=args.microbatches, schedule=args.schedule)  # fmt: skip
     flat = flatshard.parallelize(copy.deepcopy(whole), flatshard.ParallelDims(world))
@@ -157,20 +169,25 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--tied", action="store_true", help="the head is the embedding")
     args = parser.parse_args()
     out = worker_queue()
     start_workers(worker, (args.world, free_port(), args, out), args.world)
     result = out.get()
-    model = Llama(LlamaConfig(vocab_size=257, **SIZES[args.size]))
+    model = Llama(LlamaConfig(vocab_size=257, tie_embeddings=args.tied, **SIZES[args.size]))
     params = sum(p.numel() for p in model.parameters())
-    ours, theirs = result["flatshard"]["losses"], result["fsdp2"]["losses"]
+    # tied: the peer trains another (untied) model; flatshard's pipeline against its own
+    # tied model without one
+    other = "no pipeline" if args.tied else "fsdp2"
+    ours, theirs = result["flatshard"]["losses"], result[other]["losses"]
     agree = max(abs(a - b) / abs(b) for a, b in zip(ours, theirs))
     dp = args.world // args.pp
-    print(f"reference Llama {args.size} ({params / 1e6:.1f}M parameters), world {args.world} = "
-          f"pp {args.pp} x dp {dp}, {args.schedule}, {args.microbatches} micro-batches of "
-          f"{args.micro_batch} x {args.seq} tokens per data-parallel rank, {args.steps} timed "
-          f"steps (median), torch {torch.__version__}, gloo; the pipelines' losses agree to "
-          f"{agree:.1e} (relative)\n")  # fmt: skip
+    tie = ", tied embeddings (the FSDP2 peer untied)" if args.tied else ""
+    print(f"reference Llama {args.size} ({params / 1e6:.1f}M parameters{tie}), world "
+          f"{args.world} = pp {args.pp} x dp {dp}, {args.schedule}, {args.microbatches} "
+          f"micro-batches of {args.micro_batch} x {args.seq} tokens per data-parallel rank, "
+          f"{args.steps} timed steps (median), torch {torch.__version__}, gloo; flatshard's "
+          f"pipeline and {other}'s losses agree to {agree:.1e} (relative)\n")  # fmt: skip
     print("Bytes per step on rank 0 (the first stage; `no pipeline`: every block on every "
           "rank); isend: flatshard's collectives on gloo, the stages' activations.\n")  # fmt: skip
     print("| mode | s/step | vs FSDP2 pipeline | all-gather MB | isend MB | reduce-scatter MB "

@@ -436,12 +436,15 @@ def test_lora_step_script(mode):
     assert 0 < state["flatshard-lora"] < state["flatshard-full"] / 2, proc.stdout
 
 
-def test_pipeline_script():
+@pytest.mark.parametrize("tied", [False, True])
+def test_pipeline_script(tied):
     """benchmarks/pipeline.py at its smallest: flatshard's pipeline stages train as FSDP2's
-    under the same torch schedule (their losses agree), beside the run without a pipeline."""
+    under the same torch schedule (their losses agree), beside the run without a pipeline;
+    with --tied, as that tied run (FSDP2's stages train the model untied)."""
     script = os.path.join(ROOT, "benchmarks", "pipeline.py")
-    proc = _script(script, "--size", "tiny", "--steps", "2", "--seq", "16")
+    proc = _script(script, "--size", "tiny", "--steps", "2", "--seq", "16", *["--tied"] * tied)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert ("and no pipeline's losses" in proc.stdout) is tied, proc.stdout
     agree = re.search(r"losses agree to (\S+) \(relative\)", proc.stdout)
     assert agree and float(agree.group(1)) <= 1e-5, proc.stdout
     _, rows = _table(proc.stdout)
