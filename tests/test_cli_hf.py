@@ -322,18 +322,22 @@ def test_a_fine_tune_trains_in_training_mode(mixtral, tmp_path):
     """A transformers model comes in eval mode (as from_pretrained leaves it); the trainer
     trains it in training mode, as transformers' Trainer does: LoRA's dropout then acts. The
     adapters start at zero, so the first step's loss is the same with and without dropout;
-    once they have trained, the losses part (in eval mode they stayed equal)."""
+    once they have trained, the losses part (in eval mode they stayed equal). The masks come
+    from train.seed: the same run again has the same losses (it once drew from an unseeded
+    generator, different every run)."""
     path, _ = mixtral
     losses = {}
-    for dropout in (0.0, 0.5):
+    for dropout in (0.0, 0.5, "0.5 again"):
         out = tmp_path / f"dropout-{dropout}"
+        rate = str(dropout).split()[0]
         check_ok(flatshard("train", "--hf", path, *RUN, "--steps", 3, "--nproc", 1, "--lora", 4,
-                           "--lr", "1e-2", "--set", f"train.lora_dropout={dropout}",
+                           "--lr", "1e-2", "--set", f"train.lora_dropout={rate}",
                            "--out", out))  # fmt: skip
         losses[dropout] = [r["loss"] for r in metrics(out)]
+    assert losses["0.5 again"] == losses[0.5]
     assert losses[0.5][0] == pytest.approx(losses[0.0][0], rel=1e-6)
     # lr 1e-2: the losses part by ~1e-3 (at the default lr by ~1e-6, too close to rounding to tell)
-    assert all(abs(a - b) > 1e-4 * b for a, b in zip(losses[0.5][1:], losses[0.0][1:]))
+    assert all(abs(a - b) > 1e-4 * b for a, b in zip(losses[0.5][1:], losses[0.0][1:])), losses
 
 
 def test_lora_under_tp_and_ep_trains_as_in_one_process(phi3, mixtral, tmp_path):

@@ -140,6 +140,9 @@ class Trainer:
         # training mode, as transformers' Trainer sets it, runs its dropout, LoRA's dropout
         # and MoE routers' jitter and counting (evaluation switches and restores it)
         self.model.train()
+        # the run's random draws (dropout) from its seed, the same on every rank (TP ranks
+        # then drop the same features); a resume restores the checkpoint's RNG state
+        torch.manual_seed(train.seed)
         self.optimizer = make_optimizer(train, self.model)
         # what checkpoints keep besides the weights, for sampling and a complete export
         records = checkpoint_records(self.data, config.model.hf)
