@@ -19,6 +19,7 @@ does not split.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -218,6 +219,18 @@ class Meshes:
         """The pipeline-parallel mesh: this rank and the ranks holding the other stages
         (None without pipeline parallelism)."""
         return self.world["pp"] if self.dims.pp > 1 else None
+
+    @functools.cached_property
+    def pp_apart(self) -> dist.ProcessGroup | None:
+        """This rank's pipeline (the ranks of `pp`) as a process group of its own, for what
+        goes between stages outside torch's schedule (a tied embedding's weight and
+        gradient), which must not pair with the schedule's own messages on `pp`'s group. A
+        collective: every rank builds it, on first use."""
+        if self.pp is None:
+            return None
+        pipelines = self.world.mesh.reshape(self.dims.pp, -1).T.tolist()  # one per row
+        mine, _ = dist.new_subgroups_by_enumeration(pipelines)
+        return mine
 
     @property
     def pp_rank(self) -> int:

@@ -94,6 +94,10 @@ def test_microbatches_and_what_a_pipeline_cannot_take(tmp_path):
     assert "train.pp (3) must divide world_size (4)" in one_line_error(refused)
     refused = flatshard(*RUN, "--steps", "2", "--nproc", "2", "--pp", "2", "--microbatches", "3")
     assert "train.microbatches (3) must divide" in one_line_error(refused)
+    # torch's eval cannot run a V-shaped schedule: refused before the run, not mid-way
+    refused = flatshard(*RUN, "--steps", "2", "--nproc", "2", "--pp", "2", "--pp-schedule",
+                        "zbv", "--eval", "0.25")  # fmt: skip
+    assert "torch's V-shaped schedules cannot" in one_line_error(refused)
 
 
 def test_moe_stages_train_with_the_load_balancing_loss(tmp_path):

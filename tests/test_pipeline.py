@@ -90,6 +90,8 @@ CASES = [  # schedule, pp, tp, ZeRO stage, micro-batches, offload (dp: what pp a
     ("1f1b", 2, 1, 3, 4, 0.5),  # half of each rank's optimizer stepped on the host
     ("1f1b", 2, 1, 3, 4, 0.0, True),  # tied embeddings: the head's gradient sent back
     ("interleaved-1f1b", 2, 1, 2, 2, 0.0, True),
+    ("zbv", 2, 1, 3, 4, 0.0, True),  # rank 0 runs both ends: the weight handed over in place
+    ("interleaved-zb", 2, 1, 3, 4, 0.0, True),  # the head's weight gradient taken apart
 ]
 
 

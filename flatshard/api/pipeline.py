@@ -27,7 +27,7 @@ from torch.distributed.pipelining import schedules
 from flatshard import compat, registry
 from flatshard.api.parallel_plan import plan_for
 from flatshard.api.parallelize import parallelize
-from flatshard.api.pipeline_split import assign_blocks, stage_view, stages_part
+from flatshard.api.pipeline_split import assign_blocks, stage_view, stages_part, ties_ends
 from flatshard.api.pipeline_tie import TiedWeight
 from flatshard.errors import MeshError
 from flatshard.mesh import Meshes, ParallelDims
@@ -47,6 +47,7 @@ rank, the others two (stage i on rank i % pp; the V-shaped zbv and dualpipev: ra
 stages r and 2 pp - 1 - r). The zero-bubble ones (interleaved-zb, zbv, dualpipev) compute
 each backward's input gradients first and its weight gradients later."""
 V_SHAPED = ("zbv", "dualpipev")
+V_SHAPED_CLASSES = tuple(SCHEDULES[name] for name in V_SHAPED)
 
 
 class PipelineStage(pipelining.PipelineStage):
@@ -67,16 +68,27 @@ class PipelineStage(pipelining.PipelineStage):
         with registry.shape_inference():
             return super()._shape_inference(*args, **kwargs)
 
+    # modules whose `weight` is lent to this stage for a step, not a parameter of it (the
+    # last stage's head under tied embeddings: pipeline_tie.py)
+    lent: tuple[nn.Module, ...] = ()
+
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward=False):
         """torch's, with the parameters the forwards used on the modules: the zero-bubble
         schedules take each backward apart (the inputs' gradients first, the weights'
-        later) and find the weights among `submod.parameters()`."""
+        later) and find the weights among `submod.parameters()` (a lent weight among them
+        for the while)."""
         units = registry.units_below(self.submod)
         for unit in units:
             unit.register("unsharded")
+        lent = [m for m in self.lent if isinstance(m.weight, torch.Tensor)
+                and m.weight.requires_grad]  # fmt: skip
+        for module in lent:
+            module._parameters["weight"] = module.weight
         try:
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         finally:
+            for module in lent:
+                del module._parameters["weight"]
             for unit in units:
                 unit.register("sharded")
 
@@ -138,7 +150,13 @@ class Pipeline:
     @torch.no_grad()
     def evaluate(self, inputs=None, target=None, **stage_inputs) -> torch.Tensor:
         """Forwards only (the schedule's `eval`), over the batch as `step` takes it: the
-        sum of the micro-batches' losses, on every rank of the pipeline."""
+        sum of the micro-batches' losses, on every rank of the pipeline. Not under the
+        V-shaped schedules, whose actions torch's `eval` cannot run."""
+        if isinstance(self.schedule, V_SHAPED_CLASSES):
+            raise MeshError(
+                f"{type(self.schedule).__name__} cannot run forwards only (torch's eval "
+                "of a V-shaped schedule fails): evaluate with a pipeline of another schedule"
+            )
         if self.tied is not None:
             self.tied.send_weight(train=False)
         losses = self._run(self.schedule.eval, inputs, target, stage_inputs)
@@ -212,6 +230,8 @@ def pipeline(
         if per_rank != 2:
             raise MeshError(f"schedule {schedule!r} runs two stages a rank (a V)")
         mine = [rank, num_stages - 1 - rank]
+    # a tied embedding moves outside the schedule, on a group of its own (a collective)
+    side = meshes.pp_apart if ties_ends(model) else None
     part = stages_part(model, num_stages, mine, untie=True)
     ranges = assign_blocks(len(plan_blocks(model)), num_stages)
     views = [part] if len(mine) == 1 else [
@@ -229,7 +249,11 @@ def pipeline(
                   scale_grads=scale_grads)  # fmt: skip
     tie = getattr(part, "tied_across_stages", None)
     last_rank = (num_stages - 1) % pp  # the pipeline rank of the last stage
-    tied = None if tie is None else TiedWeight(tie, part, meshes.pp.get_group(), last_rank)
+    policy = parallelize_options.get("mp_policy")
+    compute = policy.param_dtype if policy is not None else None
+    tied = None if tie is None else TiedWeight(tie, part, side, last_rank, device, compute)
+    if tied is not None and tied.head is not None:
+        stages[mine.index(num_stages - 1)].lent = (tied.head,)
     return Pipeline(part, views, stages, runner, meshes, microbatches, loss_fn, tied)
 
 

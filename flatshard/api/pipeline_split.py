@@ -64,9 +64,8 @@ def stages_part(model: nn.Module, num_stages: int, mine: list[int], untie: bool 
             f"cannot make stages {mine} of {num_stages} from {len(blocks)} blocks: the "
             "stages must number between 1 and the blocks, and each be one of them"
         )
-    embed, head = _get(model, parts.embed), _get(model, parts.head)
     tie = None
-    if num_stages > 1 and embed is not None and head is not None and embed.weight is head.weight:
+    if num_stages > 1 and ties_ends(model):
         if not untie:
             raise WrappingError(
                 "the embedding and the output head share one weight, but pipeline stages "
@@ -86,9 +85,17 @@ def stages_part(model: nn.Module, num_stages: int, mine: list[int], untie: bool 
     stage = _assemble(model, parts, held, kept, memo)
     if tie is not None:  # the first stage owns the weight; the last receives it each step
         stage.tied_across_stages = tie
-        if not tie.first:
+        if tie.last:
             drop_head_weight(_get(stage, parts.head))
     return stage
+
+
+def ties_ends(model: nn.Module) -> bool:
+    """Whether the model's embedding and output head share one weight (as its plan's
+    `StageParts` names them)."""
+    parts = _parts_of(model)
+    embed, head = _get(model, parts.embed), _get(model, parts.head)
+    return embed is not None and head is not None and embed.weight is head.weight
 
 
 def stage_view(part: nn.Module, blocks: range, first: bool, last: bool) -> nn.Module:

@@ -7,7 +7,8 @@ parameter for the head: each step it receives the whole weight from the first st
 its pipeline (a plain tensor that requires gradients), and after the step's backwards sends
 the head's gradient back, where it joins the embedding's gradient as one process's tied
 weight would have it: summed over the data-parallel ranks, divided as flatshard divides the
-others, and averaged over the micro-batches with them.
+others, and averaged over the micro-batches with them. A rank running both ends (the
+V-shaped schedules' first rank) hands the weight and the gradient over in place.
 """
 
 from __future__ import annotations
@@ -20,19 +21,19 @@ from torch import nn
 
 from flatshard import registry
 from flatshard.dtensor.sharded_param import local_data, shard_spec
-from flatshard.errors import WrappingError
 
 
 @dataclass(frozen=True)
 class TiedAcrossStages:
     """The embedding's and the head's weight names (`model.embed_tokens.weight`,
-    `lm_head.weight`), the weight's shape and dtype, and which end this rank's part holds."""
+    `lm_head.weight`), the weight's shape and dtype, and which ends this rank's part holds."""
 
     embed: str
     head: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     first: bool
+    last: bool
     trainable: bool  # False: frozen (LoRA), no gradient comes back
 
     def aliases(self) -> dict[str, str]:
@@ -44,20 +45,13 @@ class TiedAcrossStages:
 
 def untie_across_stages(model: nn.Module, embed: str, head: str, mine: list[int], last: int):
     """The tie of `model` (whole, before it is split: `embed` and `head` the modules'
-    paths) for the stages `mine` of `last + 1`: None if this rank holds neither end; raises
-    if it holds both apart (a V-shaped schedule's first rank)."""
+    paths) for the stages `mine` of `last + 1`; None if this rank holds neither end."""
     first_here, last_here = 0 in mine, last in mine
-    if first_here and last_here:
-        raise WrappingError(
-            "the embedding and the output head share one weight, and this schedule runs the "
-            "first and the last stage on one rank apart: pick a schedule that does not (not "
-            "zbv or dualpipev), or untie them (tie_embeddings=False)"
-        )
     if not first_here and not last_here:
         return None
     weight = model.get_submodule(embed).weight
     return TiedAcrossStages(f"{embed}.weight", f"{head}.weight", tuple(weight.shape),
-                            weight.dtype, first_here, weight.requires_grad)  # fmt: skip
+                            weight.dtype, first_here, last_here, weight.requires_grad)  # fmt: skip
 
 
 def drop_head_weight(head: nn.Module) -> None:
@@ -68,29 +62,38 @@ def drop_head_weight(head: nn.Module) -> None:
 
 class TiedWeight:
     """Moves the tied weight to the last stage and its gradient back, around each step of
-    `pipeline` (`Pipeline.step`, `Pipeline.evaluate`)."""
+    `pipeline` (`Pipeline.step`, `Pipeline.evaluate`). `compute_dtype`: the dtype the
+    stages compute in (mixed precision's param_dtype; None: the weight's own)."""
 
-    def __init__(self, tie: TiedAcrossStages, part: nn.Module, pp_group, last_pp_rank: int):
-        self.tie, self.part = tie, part
+    def __init__(self, tie: TiedAcrossStages, part: nn.Module, pp_group, last_pp_rank: int,
+                 device: torch.device, compute_dtype: torch.dtype | None = None):  # fmt: skip
+        """`pp_group`: this rank's pipeline, a group torch's schedule does not use;
+        `device`: the stages' (their parameters may still be on the meta device)."""
+        self.tie, self.compute_dtype, self.group = tie, compute_dtype, pp_group
         ranks = dist.get_process_group_ranks(pp_group)
-        self.peer = ranks[last_pp_rank] if tie.first else ranks[0]
-        module = tie.embed if tie.first else tie.head
-        self.module = part.get_submodule(module.rpartition(".")[0])
+        # the rank holding the other end (None: this one holds both)
+        self.peer = None if tie.first and tie.last else ranks[last_pp_rank if tie.first else 0]
+        owner = lambda name: part.get_submodule(name.rpartition(".")[0])  # noqa: E731
+        self.embed = owner(tie.embed) if tie.first else None
+        self.head = owner(tie.head) if tie.last else None
+        self.device = device
 
     def send_weight(self, train: bool) -> None:
         """Before a step: the first stage sends the weight as it is now, the last receives
         it as its head's (requiring gradients when `train`)."""
+        whole = None
         if self.tie.first:
-            whole = self.module.weight.full_tensor()  # a collective of the first stage
-            dist.send(whole.contiguous(), self.peer)
+            with torch.no_grad():
+                whole = self.embed.weight.full_tensor()  # a collective of the first stage
+            if self.peer is not None:
+                dist.send(whole.contiguous(), self.peer, group=self.group)
+        if not self.tie.last:
             return
-        unit = registry.unit_of(self.part)
-        device = next(self.part.parameters()).device
-        received = torch.empty(self.tie.shape, dtype=self.tie.dtype, device=device)
-        dist.recv(received, self.peer)
-        compute = unit.mp_policy.param_dtype if unit is not None else None
-        weight = received if compute is None else received.to(compute)
-        self.module.weight = weight.requires_grad_(train and self.tie.trainable)
+        if whole is None:
+            whole = torch.empty(self.tie.shape, dtype=self.tie.dtype, device=self.device)
+            dist.recv(whole, self.peer, group=self.group)
+        weight = whole if self.compute_dtype is None else whole.to(self.compute_dtype)
+        self.head.weight = weight.requires_grad_(train and self.tie.trainable)
 
     def return_gradient(self, microbatches: int) -> None:
         """After a step's backwards: the last stage sends the head's gradient (this rank's
@@ -99,22 +102,27 @@ class TiedWeight:
         what the schedule divided by, 1 if it did not)."""
         if not self.tie.trainable:
             return
+        grad = None
+        if self.tie.last:
+            grad = self.head.weight.grad
+            grad = torch.zeros_like(self.head.weight) if grad is None else grad
+            grad = grad.to(self.tie.dtype)
+            self.head.weight.grad = None
+            if self.peer is not None:
+                dist.send(grad.contiguous(), self.peer, group=self.group)
         if not self.tie.first:
-            grad = self.module.weight.grad
-            grad = torch.zeros_like(self.module.weight) if grad is None else grad
-            dist.send(grad.to(self.tie.dtype).contiguous(), self.peer)
-            self.module.weight.grad = None
             return
-        param = self.module.weight
-        unit = registry.unit_of(self.module)
-        received = torch.empty(self.tie.shape, dtype=self.tie.dtype, device=param.device)
-        dist.recv(received, self.peer)
+        if grad is None:
+            grad = torch.empty(self.tie.shape, dtype=self.tie.dtype, device=self.device)
+            dist.recv(grad, self.peer, group=self.group)
+        param = self.embed.weight
+        unit, _ = registry.managed_of(param)
         # summed where flatshard sums the embedding's own: over its shards and replicas
         for group in (unit.mesh.shard_group, unit.mesh.replicate_group):
             if group is not None:
-                dist.all_reduce(received, group=group)
-        received.div_(unit.grads.divide_factor * microbatches)
-        piece = shard_spec(param).piece_of(received)
+                dist.all_reduce(grad, group=group)
+        grad.div_(unit.grads.divide_factor * microbatches)
+        piece = shard_spec(param).piece_of(grad)
         if param.grad is None:
             param.grad = param.detach().clone()
             local_data(param.grad).zero_()

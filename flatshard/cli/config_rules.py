@@ -3,6 +3,7 @@ number of processes when a run starts) and the run's degrees of parallelism from
 
 from __future__ import annotations
 
+from flatshard.api.pipeline import V_SHAPED
 from flatshard.cli.errors import ConfigError
 from flatshard.errors import MeshError
 from flatshard.mesh import ParallelDims
@@ -72,6 +73,12 @@ def check(config, world_size: int | None = None) -> None:
             f"data.seq_len ({config.data.seq_len}) must be a multiple of {2 * train.cp}"
         )
     _check_bias_balancing(config)
+    if train.pp > 1 and config.data.eval and train.pp_schedule in V_SHAPED:
+        raise ConfigError(
+            f"data.eval runs the held-out batches through the schedule's forwards only, "
+            f"which torch's V-shaped schedules cannot (train.pp_schedule="
+            f"{train.pp_schedule}): pick 1f1b or interleaved-1f1b, or drop data.eval"
+        )
     if world_size is not None:  # the run's whole config (a resume's merged with its own)
         _check_lora(config)
         _check_sync(config)

@@ -82,11 +82,6 @@ def bubble_fraction(setup) -> float:
 def rank_parts(spec: ModelSpec, setup, hidden: int, activation_bytes: int) -> list[RankPart]:
     """Every pipeline rank's part of `spec` under `setup` (grad_accum: the micro-batches)."""
     tied = tied_embedding(spec)
-    if tied is not None and setup.pp_schedule in _V_SHAPED:
-        raise ConfigError(
-            f"--pp-schedule {setup.pp_schedule} runs the first and the last stage on one rank "
-            f"apart, and {spec.name} ties its embedding to its head: pick another schedule"
-        )
     v = stages_per_rank(setup.pp_schedule)
     stages = setup.pp * v
     if spec.n_layers < stages:
@@ -119,16 +114,17 @@ def rank_parts(spec: ModelSpec, setup, hidden: int, activation_bytes: int) -> li
             in_flight, transient = held[0], tokens * held[1]
         first, last = 0 in mine, stages - 1 in mine
         held_tied = collectives = 0
-        if first and whole_tied:
+        if first and whole_tied:  # the weight gathered whole, then the gradient summed
             held_tied = whole_tied
             shards = setup.dp_shard * setup.dp_replicate
-            collectives = whole_tied * 2 if shards > 1 else 0  # gathered, gradient summed
-        elif last and whole_tied:  # the weight and its gradient, the gradient sent in fp32
-            held_tied = 2 * tied.numel * activation_bytes
+            collectives = whole_tied * 2 if shards > 1 else 0
+        if last and whole_tied:  # the weight and its gradient, the gradient in fp32 to send
+            held_tied += 2 * tied.numel * activation_bytes
             held_tied += whole_tied if activation_bytes != FP32 else 0
+        sent = whole_tied if first != last else 0  # a V's first rank: both ends, in place
         parts.append(RankPart(rank, specs, together, in_flight,
                               sends * setup.grad_accum * boundary, transient, held_tied,
-                              collectives, whole_tied if first or last else 0))  # fmt: skip
+                              collectives, sent))  # fmt: skip
     return parts
 
 
