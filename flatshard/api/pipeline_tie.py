@@ -85,13 +85,9 @@ class TiedWeight:
         if self.tie.first:
             with torch.no_grad():
                 whole = self.embed.weight.full_tensor()  # a collective of the first stage
-            if self.peer is not None:
-                dist.send(whole.contiguous(), self.peer, group=self.group)
-        if not self.tie.last:
-            return
+        whole = self._hand_over(whole, to_last=True)
         if whole is None:
-            whole = torch.empty(self.tie.shape, dtype=self.tie.dtype, device=self.device)
-            dist.recv(whole, self.peer, group=self.group)
+            return
         weight = whole if self.compute_dtype is None else whole.to(self.compute_dtype)
         self.head.weight = weight.requires_grad_(train and self.tie.trainable)
 
@@ -108,13 +104,9 @@ class TiedWeight:
             grad = torch.zeros_like(self.head.weight) if grad is None else grad
             grad = grad.to(self.tie.dtype)
             self.head.weight.grad = None
-            if self.peer is not None:
-                dist.send(grad.contiguous(), self.peer, group=self.group)
-        if not self.tie.first:
-            return
+        grad = self._hand_over(grad, to_last=False)
         if grad is None:
-            grad = torch.empty(self.tie.shape, dtype=self.tie.dtype, device=self.device)
-            dist.recv(grad, self.peer, group=self.group)
+            return
         param = self.embed.weight
         unit, _ = registry.managed_of(param)
         # summed where flatshard sums the embedding's own: over its shards and replicas
@@ -127,3 +119,16 @@ class TiedWeight:
             param.grad = param.detach().clone()
             local_data(param.grad).zero_()
         local_data(param.grad).add_(piece.to(param.grad.dtype))
+
+    def _hand_over(self, held: torch.Tensor | None, to_last: bool) -> torch.Tensor | None:
+        """`held` (this end's tensor) at the other end: the first stage's to the last
+        (`to_last`) or back. The sending rank returns None, the receiving one what came;
+        a rank holding both ends keeps it."""
+        sending = self.tie.first if to_last else self.tie.last
+        if sending and self.peer is not None:
+            dist.send(held.contiguous(), self.peer, group=self.group)
+            return None
+        if held is None and (self.tie.last if to_last else self.tie.first):
+            held = torch.empty(self.tie.shape, dtype=self.tie.dtype, device=self.device)
+            dist.recv(held, self.peer, group=self.group)
+        return held
