@@ -145,6 +145,7 @@ class Pipeline:
         losses = self._run(self._step, inputs, target, stage_inputs)
         if self.tied is not None:
             self.tied.return_gradient(self.microbatches if self.schedule.scale_grads else 1)
+            self.tied.release()
         return self._to_all(losses, summed=not self.schedule.scale_grads)
 
     @torch.no_grad()
@@ -160,6 +161,8 @@ class Pipeline:
         if self.tied is not None:
             self.tied.send_weight(train=False)
         losses = self._run(self.schedule.eval, inputs, target, stage_inputs)
+        if self.tied is not None:
+            self.tied.release()
         return self._to_all(losses, summed=True)
 
     def _run(self, run, inputs, target, stage_inputs: dict) -> list[torch.Tensor]:

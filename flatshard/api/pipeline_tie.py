@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatshard import registry
+from flatshard import comm, registry
 from flatshard.dtensor.sharded_param import local_data, shard_spec
+from flatshard.errors import MeshError
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class TiedWeight:
         self.embed = owner(tie.embed) if tie.first else None
         self.head = owner(tie.head) if tie.last else None
         self.device = device
+        self.grad_sum: torch.Tensor | None = None  # the head's micro-batches, in tie.dtype
 
     def send_weight(self, train: bool) -> None:
         """Before a step: the first stage sends the weight as it is now, the last receives
@@ -85,11 +87,33 @@ class TiedWeight:
         if self.tie.first:
             with torch.no_grad():
                 whole = self.embed.weight.full_tensor()  # a collective of the first stage
+            if tuple(whole.shape) != self.tie.shape or whole.dtype != self.tie.dtype:
+                raise MeshError(
+                    f"{self.tie.embed} is {tuple(whole.shape)} {whole.dtype} now, but the last "
+                    f"stage receives it as {self.tie.shape} {self.tie.dtype}, as it was when "
+                    "the model was split: convert the model before flatshard.pipeline"
+                )
         whole = self._hand_over(whole, to_last=True)
         if whole is None:
             return
         weight = whole if self.compute_dtype is None else whole.to(self.compute_dtype)
         self.head.weight = weight.requires_grad_(train and self.tie.trainable)
+        self.grad_sum = None
+        if self.head.weight.requires_grad:  # each micro-batch's gradient summed in tie.dtype
+            self.head.weight.register_post_accumulate_grad_hook(self._sum_gradient)
+
+    def _sum_gradient(self, weight: torch.Tensor) -> None:
+        grad, weight.grad = weight.grad, None
+        if self.grad_sum is None:
+            self.grad_sum = grad.to(self.tie.dtype)
+        else:
+            self.grad_sum.add_(grad)
+
+    def release(self) -> None:
+        """After a step or an evaluation: the last stage lets the weight go (the next one
+        brings it again)."""
+        if self.head is not None:
+            self.head.weight, self.grad_sum = None, None
 
     def return_gradient(self, microbatches: int) -> None:
         """After a step's backwards: the last stage sends the head's gradient (this rank's
@@ -99,11 +123,13 @@ class TiedWeight:
         if not self.tie.trainable:
             return
         grad = None
-        if self.tie.last:
-            grad = self.head.weight.grad
-            grad = torch.zeros_like(self.head.weight) if grad is None else grad
-            grad = grad.to(self.tie.dtype)
-            self.head.weight.grad = None
+        if self.tie.last:  # (a zero-bubble weight pass sets .grad without the hook)
+            weight = self.head.weight
+            if weight.grad is not None:
+                self._sum_gradient(weight)
+            grad = self.grad_sum
+            if grad is None:  # no micro-batch reached the head
+                grad = torch.zeros(self.tie.shape, dtype=self.tie.dtype, device=self.device)
         grad = self._hand_over(grad, to_last=False)
         if grad is None:
             return
@@ -118,7 +144,10 @@ class TiedWeight:
         if param.grad is None:
             param.grad = param.detach().clone()
             local_data(param.grad).zero_()
-        local_data(param.grad).add_(piece.to(param.grad.dtype))
+        local = local_data(param.grad)
+        if local.device != piece.device:  # the shard's rows offloaded to the host
+            piece = comm.to_host_now(piece)
+        local.add_(piece.to(local.dtype))
 
     def _hand_over(self, held: torch.Tensor | None, to_last: bool) -> torch.Tensor | None:
         """`held` (this end's tensor) at the other end: the first stage's to the last

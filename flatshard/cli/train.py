@@ -140,9 +140,11 @@ class Trainer:
         # training mode, as transformers' Trainer sets it, runs its dropout, LoRA's dropout
         # and MoE routers' jitter and counting (evaluation switches and restores it)
         self.model.train()
-        # the run's random draws (dropout) from its seed, the same on every rank (TP ranks
-        # then drop the same features); a resume restores the checkpoint's RNG state
-        torch.manual_seed(train.seed)
+        # the run's random draws (dropout) from its seed: one stream per rank holding other
+        # tokens (the TP ranks of a group, which hold the same ones, drop the same
+        # features); a resume restores the checkpoint's RNG state
+        token_rank = self.dims.build(ranks.device.type).token_ranks.get_local_rank()
+        torch.manual_seed(train.seed + 1 + token_rank)
         self.optimizer = make_optimizer(train, self.model)
         # what checkpoints keep besides the weights, for sampling and a complete export
         records = checkpoint_records(self.data, config.model.hf)

@@ -256,7 +256,8 @@ def _pipeline_plan(spec: ModelSpec, setup: Setup, hidden: int, vocab: int, muon)
         by_ac = {
             mode: split_memory(
                 _memory(part.whole, units, replace(setup, ac=mode), part.in_flight,
-                        part.transient, part.tied_held),
+                        part.transient, *((part.tied.held, part.tied.held_at_end)
+                                          if part.tied else ())),
                 share, setup.offload_disk,
             )
             for mode in AC_MODES
@@ -275,14 +276,11 @@ def _pipeline_plan(spec: ModelSpec, setup: Setup, hidden: int, vocab: int, muon)
         communication.update(tp_communication(part.whole, setup, hidden, vocab))
         communication.update(ep_communication(part.whole, setup, hidden))
         communication.update(cp_communication(part.whole, setup))
-        communication["pipeline_send"] = part.sent + part.tied_sent
-        if part.tied_collectives:  # the first stage's tied weight: gathered, gradient summed
-            shards = setup.dp_shard * setup.dp_replicate
-            communication["tied_embedding"] = part.tied_collectives
-            communication["total"] += part.tied_collectives
-            # an all-gather's (n-1)/n of the weight, a ring all-reduce's 2(n-1)/n
-            communication["wire_per_rank"] += 3 * (shards - 1) * part.tied_collectives // (
-                2 * shards)
+        communication["pipeline_send"] = part.sent + (part.tied.sent if part.tied else 0)
+        if part.tied and part.tied.collectives:  # the first stage's tied weight and gradient
+            communication["tied_embedding"] = part.tied.collectives
+            communication["total"] += part.tied.collectives
+            communication["wire_per_rank"] += part.tied.wire
         blocks = part.whole.n_layers
         ranks.append(dict(rank=part.rank, blocks=blocks, in_flight=part.in_flight, units=units,
                           memory=by_ac[setup.ac], peaks={m: f["device"] for m, f in by_ac.items()},
@@ -311,11 +309,12 @@ def _pipeline_plan(spec: ModelSpec, setup: Setup, hidden: int, vocab: int, muon)
 
 def _memory(
     spec: ModelSpec, units: tuple[UnitFigures, ...], setup: Setup, in_flight: float = 1.0,
-    once: int = 0, held: int = 0,
+    once: int = 0, held: int = 0, held_at_end: int = 0,
 ) -> dict[str, int]:
     """`in_flight`: micro-batches whose activations a pipeline stage holds at once; `once`:
-    activation bytes it holds besides, once (its loss's backward); `held`: bytes it holds
-    through the step besides (a tied embedding moved between pipeline stages)."""
+    activation bytes it holds besides, once (its loss's backward); `held`, `held_at_end`:
+    bytes it holds besides through the step, and at its end (a tied embedding moved
+    between pipeline stages)."""
     pb, rb = DTYPE_BYTES[setup.param_dtype], DTYPE_BYTES[setup.reduce_dtype]
     total = lambda f: sum(f(u) * u.count for u in units)
     params = total(lambda u: u.shard) * FP32 + total(lambda u: u.nf4) // setup.dp_shard
@@ -367,7 +366,7 @@ def _memory(
     # gradient shards are freed by the next forward, activations by the backward: at the
     # start of backward there are activations and no gradient shards, at its end the reverse
     start_of_backward = persistent + activations + start + held
-    end_of_backward = persistent + grads + end + held
+    end_of_backward = persistent + grads + end + held + held_at_end
     return {
         "params": params,
         "grads": grads,

@@ -44,13 +44,22 @@ class RankPart:
     # bytes held at the peak besides the in-flight activations: the loss's backward on the
     # last stage; with two stages a rank, all else the walk of torch's action list finds
     transient: int
-    # a tied embedding (api/pipeline_tie.py): the bytes it holds through the step (the last
-    # stage: the weight received and its gradient; the first: the weight gathered to send,
-    # then the gradient received), the bytes its collectives move (the first stage's
-    # all-gather of the weight and all-reduce of the gradient) and what it sends on
-    tied_held: int = 0
-    tied_collectives: int = 0
-    tied_sent: int = 0
+    tied: TiedCost | None = None  # a tied embedding's share (api/pipeline_tie.py)
+
+
+@dataclass(frozen=True)
+class TiedCost:
+    """What a tied embedding costs a pipeline rank a step, in bytes: held through the step
+    (the last stage: the weight it receives, a micro-batch's gradient and their fp32 sum),
+    held at its end (the first stage: the gradient received), the first stage's all-gather
+    of the weight and all-reduce of the gradient (fp32, as the payloads `flatshard plan`
+    counts), their bytes on the wire, and what goes to the other end."""
+
+    held: int
+    held_at_end: int
+    collectives: int
+    wire: int
+    sent: int
 
 
 def stages_per_rank(schedule: str) -> int:
@@ -113,18 +122,11 @@ def rank_parts(spec: ModelSpec, setup, hidden: int, activation_bytes: int) -> li
         if held is not None:
             in_flight, transient = held[0], tokens * held[1]
         first, last = 0 in mine, stages - 1 in mine
-        held_tied = collectives = 0
-        if first and whole_tied:  # the weight gathered whole, then the gradient summed
-            held_tied = whole_tied
-            shards = setup.dp_shard * setup.dp_replicate
-            collectives = whole_tied * 2 if shards > 1 else 0
-        if last and whole_tied:  # the weight and its gradient, the gradient in fp32 to send
-            held_tied += 2 * tied.numel * activation_bytes
-            held_tied += whole_tied if activation_bytes != FP32 else 0
-        sent = whole_tied if first != last else 0  # a V's first rank: both ends, in place
+        cost = None
+        if whole_tied and (first or last):
+            cost = _tied_cost(whole_tied, tied.numel * activation_bytes, first, last, setup)
         parts.append(RankPart(rank, specs, together, in_flight,
-                              sends * setup.grad_accum * boundary, transient, held_tied,
-                              collectives, sent))  # fmt: skip
+                              sends * setup.grad_accum * boundary, transient, cost))  # fmt: skip
     return parts
 
 
@@ -229,6 +231,22 @@ def _layer_counts(spec: ModelSpec, blocks) -> list[int]:
     return counts
 
 
+def _tied_cost(whole: int, compute: int, first: bool, last: bool, setup) -> TiedCost:
+    """`whole`: the weight in fp32; `compute`: in the compute dtype. The first stage
+    gathers it over its shard group (dp_shard x cp) and sums the gradient over that group
+    and the replicas (HSDP); a rank holding both ends (a V's first) sends nothing."""
+    shards, replicas = setup.dp_shard * setup.cp, setup.dp_replicate
+    collectives = wire = 0
+    if first:
+        gathered = whole if shards > 1 else 0
+        reduced = whole if shards * replicas > 1 else 0
+        collectives = gathered + reduced
+        wire = (shards - 1) * whole // shards + 2 * (shards - 1) * whole // shards
+        wire += 2 * (replicas - 1) * whole // replicas
+    held = 2 * compute + whole if last else 0
+    return TiedCost(held, whole if first else 0, collectives, wire, whole if first != last else 0)
+
+
 def tied_embedding(spec: ModelSpec):
     """The embedding's ParamInfo where a root unit holds it as the head too (tied: no
     `lm_head.weight` anywhere), else None."""
@@ -243,7 +261,7 @@ def _stage_units(spec: ModelSpec, blocks, first: bool, last: bool) -> tuple[Unit
     """The units of `blocks` (and the ends): a run of layers cut to those it holds, the
     experts unit after it (expert parallelism, ep_local) cut alike. A root holding a tied
     embedding is split: the embedding (a unit of its own) on the first stage, the rest on
-    the last (which receives the weight each step: `RankPart.tied_held`)."""
+    the last (which receives the weight each step: `RankPart.tied`)."""
     chosen, units, start, held = sorted(set(blocks)), [], 0, []
     tied = tied_embedding(spec)
     for unit in spec.units:
