@@ -68,6 +68,12 @@ class PipelineStage(pipelining.PipelineStage):
         with registry.shape_inference():
             return super()._shape_inference(*args, **kwargs)
 
+    def _backward_metadata_inference(self, *args, **kwargs):
+        """torch's backward shape inference (2.13 on): the last stage's loss on the outputs
+        of that forward, whose inputs may have been empty tensors (any values)."""
+        with registry.shape_inference():
+            return super()._backward_metadata_inference(*args, **kwargs)
+
     # modules whose `weight` is lent to this stage for a step, not a parameter of it (the
     # last stage's head under tied embeddings: pipeline_tie.py)
     lent: tuple[nn.Module, ...] = ()

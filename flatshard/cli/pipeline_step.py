@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from flatshard import registry
 from flatshard.data.sequences import IGNORE
 from flatshard.models.moe import load_balancing_loss
 from flatshard.models.moe.router import RouterStats
@@ -32,6 +33,8 @@ class StepLoss:
         if self.balance is None or not torch.is_grad_enabled():  # evaluation: tokens only
             return loss
         weight, microbatches, group = self.balance
+        if registry.in_shape_inference():  # torch's, on empty tensors: their values are any
+            totals = totals.nan_to_num(0.0, 0.0, 0.0)
         stats = [RouterStats.from_totals(totals)]
         return loss + weight * load_balancing_loss(stats, group) / microbatches
 
