@@ -39,6 +39,7 @@ from flatshard.cli.run_header import run_header
 from flatshard.cli.run_model import build_run_model
 from flatshard.cli.saved_model import check_hf_vocab
 from flatshard.cli.schedule import learning_rate
+from flatshard.cli.step_record import seed_random_draws, step_record
 from flatshard.cli.stop import StopRequest
 from flatshard.cli.weight_push import WeightPush
 from flatshard.data.sequences import IGNORE, sequence_order
@@ -140,11 +141,7 @@ class Trainer:
         # training mode, as transformers' Trainer sets it, runs its dropout, LoRA's dropout
         # and MoE routers' jitter and counting (evaluation switches and restores it)
         self.model.train()
-        # the run's random draws (dropout) from its seed: one stream per rank holding other
-        # tokens (the TP ranks of a group, which hold the same ones, drop the same
-        # features); a resume restores the checkpoint's RNG state
-        token_rank = self.dims.build(ranks.device.type).token_ranks.get_local_rank()
-        torch.manual_seed(train.seed + 1 + token_rank)
+        seed_random_draws(train.seed, self.dims, ranks.device)
         self.optimizer = make_optimizer(train, self.model)
         # what checkpoints keep besides the weights, for sampling and a complete export
         records = checkpoint_records(self.data, config.model.hf)
@@ -226,7 +223,7 @@ class Trainer:
         grad_norm = _clip(self.model, train.grad_clip, stages)
         shared = share_step(loss_sum, self.stop, self.memory.peak(), self.ranks.world_size)
         shared["grad_norm"] = grad_norm
-        loss, stop = shared["loss"], shared["stop"]
+        loss = shared["loss"]
         if not (math.isfinite(loss) and math.isfinite(shared["grad_norm"])):
             self._non_finite(loss, shared["grad_norm"], lr)
         self.optimizer.step()
@@ -241,31 +238,8 @@ class Trainer:
         self.step += 1
         self.position += train.global_batch
         elapsed = time.perf_counter() - step_started
-        all_gather, reduce_scatter, all_reduce, _ = comm.traffic.take()
-        tokens = train.global_batch * config.data.seq_len
-        return {
-            "step": self.step,
-            "loss": loss,
-            "lr": lr,
-            "grad_norm": shared["grad_norm"],
-            "tokens": self.step * tokens,
-            **({} if labelled is None else {"loss_tokens": labelled}),
-            "tokens_per_s": tokens / elapsed,
-            "step_s": elapsed,
-            "elapsed_s": time.perf_counter() - started,
-            "peak_mem_bytes": shared["peak_mem_bytes"],
-            "peak_rss_bytes": self.memory.peak_resident(),
-            "all_gather_bytes": all_gather,
-            "reduce_scatter_bytes": reduce_scatter,
-            "replica_all_reduce_bytes": all_reduce,
-            # expert parallelism: the mean over ranks (each sends what its router chose)
-            "all_to_all_bytes": shared["all_to_all_bytes"],
-            "comm_bytes": all_gather + reduce_scatter + all_reduce,
-            # optimizer offload (this rank's): weights, gradients and state off the device
-            "offload_host_bytes": host_bytes,
-            "offload_disk_bytes": disk_bytes,
-            "stop": stop,
-        }
+        return step_record(self, shared, lr, labelled, elapsed, time.perf_counter() - started,
+                           (host_bytes, disk_bytes))  # fmt: skip
 
     def _non_finite(self, loss: float, grad_norm: float, lr: float) -> None:
         latest = self.saves.latest()  # every rank gets here: the decision was shared
