@@ -138,6 +138,7 @@ def _sharded(zero_stage: int, variant: str = "", torch_muon: bool = False, split
     )  # fmt: skip
     collectives.traffic.optimizer = 0
     losses, same_gradients = [], 0.0
+    joins = _check_tp_joins() if variant == "tp2" else None
     for tokens in batches(model.config, STEPS):
         loss = loss_fn(model, rank_slice(tokens, rank, world))
         loss.backward()
@@ -152,7 +153,51 @@ def _sharded(zero_stage: int, variant: str = "", torch_muon: bool = False, split
     matrix_bytes = sum(p.numel() * 4 for p in groups[0]["params"])  # fp32, global
     tp_matrices = sum(tensor_parallel_of(p)[0] is not None for p in groups[0]["params"])
     experts = sum(p.ndim == 3 for p in groups[0]["params"])  # grouped, a matrix per expert
-    return losses, full_state(model), sent, matrix_bytes, same_gradients, (tp_matrices, experts)
+    out_of_order = joins.finish() if joins else 0
+    kinds = (tp_matrices, experts, out_of_order)
+    return losses, full_state(model), sent, matrix_bytes, same_gradients, kinds
+
+
+class _check_tp_joins:
+    """Counts the TP-global matrices Muon orthogonalised whose rows were not the TP ranks'
+    blocks joined in rank order, a whole fused weight's aside. A fused component's were
+    permuted: bitwise harmless on torch 2.13, but for the norm's summation order it was
+    6e-5 off torch's Muon on torch 2.11 (a lent GPU machine's CPU suite)."""
+
+    def __init__(self):
+        from flatshard.optim import muon
+
+        self.muon, self.whole, self.count = muon, muon._whole, 0
+        muon._whole = self._whole
+
+    def _whole(self, param, orthogonalise, shape, matrix):
+        tp_mesh, placement = tensor_parallel_of(param)
+        seen = []
+        inner = self.whole(
+            param, lambda m: orthogonalise(seen.append(m.clone()) or m), shape, matrix
+        )
+        if tp_mesh is None or (
+            matrix.component is None
+            and placement.dim == 0
+            and type(placement).__name__ == "_StridedShard"
+        ):
+            return inner  # (a whole fused weight: its parts interleave, as torch places them)
+
+        def checked(block):
+            block = block.float()  # (gloo gathers no bf16)
+            blocks = [torch.empty_like(block) for _ in range(tp_mesh.size())]
+            dist.all_gather(blocks, block, group=tp_mesh.get_group())
+            result = inner(block)
+            self.count += not torch.equal(
+                seen[-1], torch.cat(blocks, placement.dim).to(seen[-1].dtype)
+            )
+            return result
+
+        return checked
+
+    def finish(self) -> int:
+        self.muon._whole = self.whole  # the pool's workers outlive this test
+        return self.count
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +231,7 @@ def test_muon_equals_torch_muon_and_adamw_in_one_process(reference, world, zero_
     ours_losses, ours_weights, _, matrix_bytes, same_gradients, kinds = results[0]
     assert (kinds[0] == 6 * CONFIG.n_layers) == (variant == "tp2")  # q k v o gate_up down
     assert (kinds[1] > 0) == (variant in ("ep2", "finer"))
+    assert kinds[2] == 0  # TP-global matrices joined in rank order
     # torch's Muon on the gathered gradients gives these weights bit for bit
     assert same_gradients == 0.0
     # Against one process: its gradients differ from the sharded run's in the last fp32
@@ -221,10 +267,11 @@ def test_split_fused_orthogonalises_each_component(reference, world, variant):
     # split_fused=True: SwiGLU's [gate; up] is two matrices, as two separate weights in one
     # process (under TP: each component's TP-global matrix, from the TP ranks' [gate_r; up_r])
     losses, _ = reference
-    ours_losses, _, sent, matrix_bytes, same_gradients, _ = run_distributed(
+    ours_losses, _, sent, matrix_bytes, same_gradients, kinds = run_distributed(
         _sharded, world, 3, variant, False, True
     )[0]
     assert same_gradients == 0.0  # torch's Muon over the components' rows, bitwise
+    assert kinds[2] == 0  # each component's TP blocks joined in rank order
     assert 0 < rel_losses(ours_losses, losses) <= 1e-2  # another optimizer than the fused one
 
 

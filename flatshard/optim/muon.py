@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim._muon import (
     DEFAULT_A,
     DEFAULT_B,
@@ -157,7 +158,7 @@ class Muon(AdamW):
             matrices, me = shard_group.matrices, shard_group.me
             params = [spread[indices[m.param]] for m in matrices]
             shapes = [_one_process_shape(p, m) for p, m in zip(params, matrices)]
-            fns = [_whole(p, orthogonalise, shape) for p, shape in zip(params, shapes)]
+            fns = [_whole(p, orthogonalise, s, m) for p, s, m in zip(params, shapes, matrices)]
             ins = [_rows(updates[indices[m.param]], m, me) for m in matrices]
             updated = shard_group.transform(ins, fns)
             for matrix, param, shape, update in zip(matrices, params, shapes, updated):
@@ -288,14 +289,18 @@ def _splittable(param) -> bool:
     return tp_mesh is None or info.split_by_components or placement.dim == 1
 
 
-def _whole(param, orthogonalise, shape: tuple[int, int]):
-    """What the owner runs on a matrix it rebuilt from the rows (of `shape` in one
-    process): `orthogonalise`; under TP, on the TP-global matrix (the TP group's blocks
-    joined, each owner of the group computing it, as torch's Muon sees the parameter in one
-    process), keeping its block."""
+def _whole(param, orthogonalise, shape: tuple[int, int], matrix):
+    """What the owner runs on `matrix`, rebuilt from the rows (of `shape` in one process):
+    `orthogonalise`; under TP, on the TP-global matrix (the TP group's blocks joined, each
+    owner of the group computing it, as torch's Muon sees the parameter in one process),
+    keeping its block."""
     tp_mesh, placement = tensor_parallel_of(param)
     if tp_mesh is None:
         return orthogonalise
+    if matrix.component is not None and isinstance(placement, _StridedShard):
+        # a fused weight's component (gate of `[gate_r; up_r]`): each rank holds one
+        # block of it, in rank order; the fused placement would join its rows permuted
+        placement = Shard(placement.dim)
     shape, stride = torch.Size(shape), (shape[1], 1)
 
     def tp_global(block):
