@@ -81,6 +81,45 @@ def test_forward_shape_and_causality(overrides):
     assert not torch.allclose(new[:, 7], logits[:, 7])
 
 
+@pytest.mark.parametrize("kv_heads", [2, 1])  # GQA, MQA
+def test_grouped_keys_attend_as_repeated_ones(monkeypatch, kv_heads):
+    # CUDA's half-precision path hands SDPA the grouped keys and values (`enable_gqa`);
+    # forced here on the CPU, the logits and gradients are those of the repeats
+    from flatshard.comm import devices
+
+    cfg = LlamaConfig.tiny(n_kv_heads=kv_heads)
+    torch.manual_seed(0)
+    model, tokens = Llama(cfg), _tokens(cfg)
+    runs = []
+    for grouped in (False, True):
+        monkeypatch.setattr(devices, "attends_grouped_kv", lambda q, mask, grouped=grouped: grouped)
+        model.zero_grad()
+        logits = model(tokens)
+        logits.square().mean().backward()
+        runs.append([logits.detach()] + [p.grad.clone() for p in model.parameters()])
+    for repeated, grouped in zip(*runs):
+        torch.testing.assert_close(grouped, repeated, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "device, dtype, mask, grouped",
+    [
+        ("cuda", torch.bfloat16, None, True),  # the flash kernel reads the groups
+        ("cuda", torch.float16, None, True),
+        ("cuda", torch.float32, None, False),  # memory-efficient: takes no groups
+        ("cuda", torch.bfloat16, "mask", False),  # packed documents: no flash
+        ("cpu", torch.bfloat16, None, False),  # bitwise transformers' logits
+    ],
+)
+def test_grouped_keys_go_to_sdpa_where_its_kernel_takes_them(device, dtype, mask, grouped):
+    from types import SimpleNamespace
+
+    from flatshard.comm import devices
+
+    query = SimpleNamespace(is_cuda=device == "cuda", dtype=dtype)  # (no GPU here)
+    assert devices.attends_grouped_kv(query, mask) is grouped
+
+
 def test_bf16_forward_keeps_dtype():
     model = Llama(LlamaConfig.tiny()).to(torch.bfloat16)
     assert model(_tokens(model.config)).dtype == torch.bfloat16

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flatshard.comm import devices
 from flatshard.models.llama.rope import apply_rope, rope_at
 
 # GPT-style init scale. nn.Embedding's default N(0, 1) would give huge logits once the
@@ -221,16 +222,17 @@ class Attention(nn.Module):
         if cache is not None:  # generation: attend to every token seen so far
             k, v = cache.extend(layer, k, v)
             mask = cache.attention_mask(t, k.shape[2], x.device)
-        if q.shape[1] != k.shape[1]:
-            # Query head i reads kv head i // group. Repeating explicitly rather than
-            # passing enable_gqa=True keeps every SDPA backend eligible (on CUDA the
-            # memory-efficient kernel does not take enable_gqa and would fall back to math).
+        grouped = q.shape[1] != k.shape[1]  # query head i reads kv head i // group
+        as_grouped = grouped and devices.attends_grouped_kv(q, mask)
+        if grouped and not as_grouped:  # (the kernels that take no groups)
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         # a Python bool: compiled for a second sequence length, the lengths are symbols whose
         # comparison SDPA refuses; without a cache queries and keys are the same tokens
         causal = mask is None and (cache is None or q.shape[2] == k.shape[2])
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=as_grouped
+        )
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
