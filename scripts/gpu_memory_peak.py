@@ -41,10 +41,16 @@ if _out:
 """
 
 
+def _in_torch(frame: dict) -> bool:
+    """A frame of torch's own code (by its place among the installed packages: a virtual
+    environment's path may hold `/torch/` too)."""
+    return frame["filename"].split("site-packages/")[-1].startswith("torch/")
+
+
 def _owner(frames: list[dict]) -> str:
-    """The first frame outside torch (and this file), with the torch call it made."""
-    outside = [f for f in frames if "/torch/" not in f["filename"] and "<" not in f["filename"]]
-    inner = next((f for f in frames if "/torch/" in f["filename"]), None)
+    """The first frame outside torch, with the torch call it made."""
+    outside = [f for f in frames if not _in_torch(f) and "<" not in f["filename"]]
+    inner = next((f for f in frames if _in_torch(f)), None)
     if not outside:
         return f"torch {inner['name'] if inner else '?'}"
     f = outside[0]

@@ -56,3 +56,33 @@ def test_cpu_dry_run(tmp_path):
     assert moved["equal_losses"] and moved["moved_bytes"] > 0 and moved["offload_gb_per_s"] > 0
     summary = (tmp_path / "gpu_check.txt").read_text()
     assert summary.count("ok=True") == len(sections)
+
+
+def test_memory_peak_names_what_is_alive_at_the_peak():
+    # scripts/gpu_memory_peak.py replays a CUDA allocator trace (no GPU here: a made one):
+    # the peak, and what was alive then by the first frame outside torch
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        from gpu_memory_peak import peak_report
+    finally:
+        sys.path.pop(0)
+    packages = "/opt/torch/venv/site-packages/"  # (a path that holds `/torch/` itself)
+    frames = lambda name: [  # innermost first, as torch records them
+        {"filename": packages + "torch/nn/functional.py", "line": 1, "name": "linear"},
+        {"filename": packages + "transformers/llama/model.py", "line": 9, "name": name},
+    ]  # fmt: skip
+    mib = 2**20
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 4 * mib, "frames": frames("a")},
+        {"action": "alloc", "addr": 2, "size": 8 * mib, "frames": frames("b")},
+        {"action": "free_requested", "addr": 1, "size": 4 * mib},
+        {"action": "free_completed", "addr": 1, "size": 4 * mib},
+        {"action": "alloc", "addr": 3, "size": 2 * mib, "frames": frames("b")},
+        {"action": "alloc", "addr": 4, "size": 1 * mib, "frames": []},
+    ]
+    lines = peak_report({"device_traces": [trace]})
+    assert lines[0] == "peak 12 MiB at event 1 of 6 (replayed)"
+    assert [line.split() for line in lines[1:]] == [
+        ["8.0", "MiB", "1", "llama/model.py:9", "b", "->", "linear"],
+        ["4.0", "MiB", "1", "llama/model.py:9", "a", "->", "linear"],
+    ]
