@@ -28,9 +28,9 @@ def attends_grouped_kv(query: torch.Tensor, mask: torch.Tensor | None) -> bool:
     (`enable_gqa`) rather than repeated to the query heads: on CUDA in fp16/bf16 without a
     mask, where the flash kernel reads them as they are (bitwise the repeats' result on a
     lent H200), so the repeats are neither made nor kept for backward (SmolLM2-135M at 16k
-    tokens a step held 1,080 MiB of them at its peak). Elsewhere SDPA would fall back to its math kernel (fp32
-    picks the memory-efficient one, which takes no groups), and on the CPU the repeat keeps
-    logits bitwise transformers'."""
+    tokens a step held 1,080 MiB of them at its peak). Elsewhere SDPA would fall back to
+    its math kernel (fp32 picks the memory-efficient one, which takes no groups), and on
+    the CPU the repeat keeps logits bitwise transformers'."""
     return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and mask is None
 
 
