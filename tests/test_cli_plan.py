@@ -47,19 +47,21 @@ def test_llama3_8b_on_64_ranks(capsys):
     padding = root - (2 * V * d + d)
     assert result["padding_fraction"] == pytest.approx(padding / result["num_params"])
     # activations kept for backward, per token, bf16 except the fp32 parts:
-    # per block: 2 RMSNorms (fp32 input + bf16 output), SDPA q/k/v/out + o_proj input
-    # (5 x 32 heads x 128), fp32 logsumexp (32 heads), SwiGLU 4 x ffn;
+    # per block: 2 RMSNorms (fp32 input + bf16 output), SDPA's q, out and o_proj's input
+    # (3 x 32 heads x 128) with k and v as the 8 KV heads (CUDA's flash kernel reads them
+    # grouped in bf16), fp32 logsumexp (32 heads), SwiGLU 4 x ffn;
     # head: final norm, bf16 logits, and while the loss's backward runs the fp32
     # log-softmax, its gradient and the logits' gradient
-    per_block = 2 * (FP32 + BF16) * d + BF16 * 5 * 32 * 128 + FP32 * 32 + BF16 * 4 * f
+    attention = BF16 * (3 * 32 + 2 * 8) * 128 + FP32 * 32
+    per_block = 2 * (FP32 + BF16) * d + attention + BF16 * 4 * f
     head = (FP32 + BF16) * d + BF16 * V + 3 * FP32 * V
-    assert memory["activations"] == 4096 * (L * per_block + head) == 34_315_698_176
+    assert memory["activations"] == 4096 * (L * per_block + head) == 32_705_085_440
     # at the start of backward: weights + AdamW + activations + the root's parts gathered
     # with their gradient buffers, two blocks gathered, two blocks' bf16 gradients, one fp32
     # copy reducing
     working = BF16 * 2 * root + BF16 * 4 * block + FP32 * block
     expected = FP32 * shard * 3 + memory["activations"] + working
-    assert memory["total"] == expected == 42_642_505_728
+    assert memory["total"] == expected == 41_031_892_992
     # full activation checkpointing: every block's input (bf16), then the head's backward
     # (on Llama-3's vocabulary it outweighs one block recomputed with its gradients);
     # selective: what each block keeps (q, k, v, SDPA's output and logsumexp, o_proj's and
@@ -74,6 +76,18 @@ def test_llama3_8b_on_64_ranks(capsys):
     # offload: the head with the last block (kept on the device)
     offload = plan(capsys, "llama3-8b", "--ac", "offload")["memory"]["activations"]
     assert offload == 4096 * (head + per_block) < full
+
+
+def test_keys_and_values_are_kept_grouped_only_where_cudas_kernel_reads_them_so(capsys):
+    """bf16 on NCCL: SDPA keeps the 8 KV heads' keys and values (the flash kernel reads
+    them grouped); on gloo they are repeated to the 32 query heads, as the CPU's kernels
+    keep them; context parallelism counts its own (a ring's keys: as projected)."""
+    tokens, L = 4096, 32
+    cuda, cpu = (plan(capsys, "llama3-8b", "--backend", b)["memory"] for b in ("nccl", "gloo"))
+    repeats = tokens * L * BF16 * 2 * (32 - 8) * 128  # k and v, the 24 heads' copies
+    assert cpu["activations"] - cuda["activations"] == repeats
+    cp = [plan(capsys, "llama3-8b", "--cp", 2, "--backend", b) for b in ("nccl", "gloo")]
+    assert cp[0]["memory"]["activations"] == cp[1]["memory"]["activations"]
 
 
 def test_what_fits_per_activation_mode(capsys):
@@ -134,7 +148,7 @@ def test_llama3_8b_with_sequence_parallelism(capsys):
     act = [result["memory"]["activations"] for result in (one, tp, sp)]
     # per token and block without AC: norms 2 x (fp32 + bf16) x d and the projection
     # outputs (none kept without AC) split only by SP; attention and SwiGLU by TP
-    split_by_tp = BF16 * 5 * 32 * 128 + FP32 * 32 + BF16 * 4 * 14336  # attention, SwiGLU
+    split_by_tp = BF16 * (3 * 32 + 2 * 8) * 128 + FP32 * 32 + BF16 * 4 * 14336  # (see above)
     assert act[0] - act[1] == tokens * L * (split_by_tp - split_by_tp // 4)
     norms = 2 * (FP32 + BF16) * d  # and the final norm's, in the head
     assert act[1] - act[2] == tokens * (L * (norms - norms // 4) + (FP32 + BF16) * d * 3 // 4)
@@ -156,8 +170,8 @@ def test_context_parallelism_and_a_128k_token_plan_that_fits_80_gb(capsys):
     L, T, q_rows, kv_rows = 32, 8192, 32 * 128, 8 * 128
     one, two = (plan(capsys, "llama3-8b", "--seq-len", T, "--cp", cp) for cp in (1, 2))
     local = T // 2
+    # (keys and values as projected: so cp 1 keeps them in bf16, flash reading them grouped)
     ring = 2 * T * kv_rows * BF16 + local * (q_rows + 2 * kv_rows) * FP32
-    ring -= L * local * 2 * (q_rows - kv_rows) * BF16  # keys and values not repeated
     assert two["memory"]["activations"] == one["memory"]["activations"] // 2 + ring
     kv_bytes = L * T * 2 * kv_rows
     assert two["communication"]["cp_all_gather"] == 2 * kv_bytes * BF16

@@ -167,10 +167,10 @@ class _check_tp_joins:
     def __init__(self):
         from flatshard.optim import muon
 
-        self.muon, self.whole, self.count = muon, muon._whole, 0
-        muon._whole = self._whole
+        self.muon, self.whole, self.count = muon, muon.on_whole_matrix, 0
+        muon.on_whole_matrix = self._checked
 
-    def _whole(self, param, orthogonalise, shape, matrix):
+    def _checked(self, param, orthogonalise, shape, matrix):
         tp_mesh, placement = tensor_parallel_of(param)
         seen = []
         inner = self.whole(
@@ -196,7 +196,7 @@ class _check_tp_joins:
         return checked
 
     def finish(self) -> int:
-        self.muon._whole = self.whole  # the pool's workers outlive this test
+        self.muon.on_whole_matrix = self.whole  # the pool's workers outlive this test
         return self.count
 
 

@@ -158,7 +158,10 @@ class Muon(AdamW):
             matrices, me = shard_group.matrices, shard_group.me
             params = [spread[indices[m.param]] for m in matrices]
             shapes = [_one_process_shape(p, m) for p, m in zip(params, matrices)]
-            fns = [_whole(p, orthogonalise, s, m) for p, s, m in zip(params, shapes, matrices)]
+            fns = [
+                on_whole_matrix(p, orthogonalise, s, m)
+                for p, s, m in zip(params, shapes, matrices)
+            ]
             ins = [_rows(updates[indices[m.param]], m, me) for m in matrices]
             updated = shard_group.transform(ins, fns)
             for matrix, param, shape, update in zip(matrices, params, shapes, updated):
@@ -289,7 +292,7 @@ def _splittable(param) -> bool:
     return tp_mesh is None or info.split_by_components or placement.dim == 1
 
 
-def _whole(param, orthogonalise, shape: tuple[int, int], matrix):
+def on_whole_matrix(param, orthogonalise, shape: tuple[int, int], matrix):
     """What the owner runs on `matrix`, rebuilt from the rows (of `shape` in one process):
     `orthogonalise`; under TP, on the TP-global matrix (the TP group's blocks joined, each
     owner of the group computing it, as torch's Muon sees the parameter in one process),

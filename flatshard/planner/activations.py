@@ -129,12 +129,16 @@ def head_bytes(dim: int, vocab: int, a: int) -> int:
     return norm_bytes(dim, a).all + a * vocab + 3 * FP32 * vocab
 
 
-def attention_bytes(heads: int, kv_heads: int, head_dim: int, qk_norm: bool, a: int) -> Saved:
-    # SDPA keeps q, k, v (kv repeated to all heads), its output and logsumexp; o_proj its
+def attention_bytes(
+    heads: int, kv_heads: int, head_dim: int, qk_norm: bool, a: int, grouped_kv: bool = False
+) -> Saved:
+    # SDPA keeps q, k, v (kv repeated to all heads, or `grouped_kv`: as the KV heads, where
+    # the kernel reads them grouped: Setup.kv_grouped), its output and logsumexp; o_proj its
     # input. Selective AC keeps the q, k, v projections' outputs and SDPA's output and
     # logsumexp, and recomputes RoPE (and the head norms)
+    kv = kv_heads if grouped_kv else heads
     saved = Saved.split_by_tp(
-        a * 5 * heads * head_dim + FP32 * heads,
+        a * (3 * heads + 2 * kv) * head_dim + FP32 * heads,
         a * (2 * heads + 2 * kv_heads) * head_dim + FP32 * heads,
     )
     if qk_norm:  # per-head q and k norms: split with the heads

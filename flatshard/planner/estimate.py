@@ -118,6 +118,14 @@ class Setup:
         return self.cp > 1 and has_kernel and compat.torch_ring_attention() is not None
 
     @property
+    def kv_grouped(self) -> bool:
+        """Whether attention saves keys and values as the KV heads, not repeated to the query
+        heads: on CUDA in half precision, whose flash kernel reads them grouped (flatshard's
+        models: comm/devices.attends_grouped_kv; transformers' alike). Context parallelism's
+        attention is counted apart (context_parallel_keys)."""
+        return self.cp == 1 and self.backend != "gloo" and self.param_dtype in ("bf16", "fp16")
+
+    @property
     def optimizer_name(self) -> str:
         names = {"sgd": "SGD", "torch-adamw": "torch AdamW", "muon": "Muon + AdamW"}
         names["adamw-fused"] = "fused AdamW"
@@ -320,7 +328,8 @@ def _memory(
     params = total(lambda u: u.shard) * FP32 + total(lambda u: u.nf4) // setup.dp_shard
     grads = total(lambda u: u.shard_trainable) * FP32
     optimizer = round(setup.optimizer_states * total(lambda u: u.shard_trainable)) * FP32
-    per_token = spec.activations(pb).on_rank(setup.tp, setup.sp).per_token(setup.ac)
+    per_token = spec.activations(pb, setup.kv_grouped).on_rank(setup.tp, setup.sp)
+    per_token = per_token.per_token(setup.ac)
     activations = round(in_flight * (setup.micro_batch * setup.seq_len // setup.cp * per_token))
     activations += once
     activations += context_parallel_keys(spec, setup)

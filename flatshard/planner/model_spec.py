@@ -58,8 +58,8 @@ class ModelSpec:
     units: tuple[UnitSpec, ...]
     n_layers: int
     # bytes saved for backward per token (layers and head, per AC mode), given the compute
-    # dtype's size
-    activations: Callable[[int], Activations]
+    # dtype's size and whether attention keeps keys and values grouped (Setup.kv_grouped)
+    activations: Callable[..., Activations]
     top_k: int = 0  # experts per token (MoE)
     # (parameter name, shape, tp) -> its shape on each TP rank; None: the reference Llama's plan
     tp_local_shape: Callable[[str, tuple[int, ...], int], tuple[int, ...]] | None = None

@@ -113,7 +113,7 @@ def rank_parts(spec: ModelSpec, setup, hidden: int, activation_bytes: int) -> li
         sends = sum((s < stages - 1) + (s > 0) for s in mine)  # forward out, gradient back
         tokens = setup.micro_batch * setup.seq_len // setup.cp
         in_flight = _in_flight(setup, rank)
-        transient = tokens * spec.activations(activation_bytes).head_transient
+        transient = tokens * spec.activations(activation_bytes, setup.kv_grouped).head_transient
         transient = transient if stages - 1 in mine else 0
         held = None
         if len(mine) > 1:
@@ -143,7 +143,7 @@ def _held_at_peak(setup, rank: int, mine: list[int], specs, together: ModelSpec,
     if not actions:
         return None
     stages = setup.pp * len(mine)
-    per_token = lambda s: s.activations(a).on_rank(setup.tp, setup.sp)  # noqa: E731
+    per_token = lambda s: s.activations(a, setup.kv_grouped).on_rank(setup.tp, setup.sp)  # noqa: E731
     whole = per_token(whole_spec)
     boundary = hidden * a // (setup.tp if setup.sp else 1)
     saved, kept, running = {}, {}, {}
@@ -204,11 +204,11 @@ def _stage(spec: ModelSpec, blocks, first: bool, last: bool) -> ModelSpec:
     """`spec` cut to `blocks` (the embedding when `first`, the norm and head when `last`)."""
     held = _layer_counts(spec, blocks)
 
-    def activations(a: int):
+    def activations(a: int, grouped_kv: bool = False):
         # per micro-batch in flight: its blocks', and the head's (the logits and what the
         # loss saved) on the last stage, the stage's output on the others (the schedule
         # keeps it until its backward); the loss's backward adds `transient` once
-        whole = spec.activations(a)
+        whole = spec.activations(a, grouped_kv)
         layers = tuple((n, saved) for n, (_, saved) in zip(held, whole.layers) if n)
         head, head_norm = (whole.head - whole.head_transient, whole.head_norm) if last else (
             whole.block_input, 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 
 import torch
 
@@ -139,7 +140,7 @@ def from_llama_config(
     units += tuple(_root_part(model, *part) for part in parts)
     activations = ACTIVATIONS[family.name]
     top_k = getattr(cfg, "top_k", 0)
-    return ModelSpec(name, units, cfg.n_layers, lambda a: activations(cfg, a), top_k=top_k)
+    return ModelSpec(name, units, cfg.n_layers, partial(activations, cfg), top_k=top_k)
 
 
 def _layer_units(model) -> tuple[UnitSpec, ...]:
@@ -163,20 +164,24 @@ def _root_part(model: Llama, name: str, prefixes: tuple[str, ...], embedding: bo
     return UnitSpec(name, param_infos(named), is_root=True, embedding=embedding, nf4=nf4)
 
 
-def _dense_activations(cfg: LlamaConfig, a: int) -> Activations:
+def _attention(cfg, a: int, grouped_kv: bool) -> Saved:
+    return attention_bytes(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.qk_norm, a, grouped_kv)
+
+
+def _dense_activations(cfg: LlamaConfig, a: int, grouped_kv: bool = False) -> Activations:
     layer = (
         2 * norm_bytes(cfg.dim, a)
-        + attention_bytes(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.qk_norm, a)
+        + _attention(cfg, a, grouped_kv)
         + swiglu_bytes(cfg.ffn_dim, a)
         + projection_outputs(cfg.dim, a)
     )
     return layer_activations([(cfg.n_layers, layer)], cfg.dim, cfg.vocab_size, a)
 
 
-def _reference_moe_activations(cfg: MoEConfig, a: int) -> Activations:
+def _reference_moe_activations(cfg: MoEConfig, a: int, grouped_kv: bool = False) -> Activations:
     common = (
         2 * norm_bytes(cfg.dim, a)
-        + attention_bytes(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.qk_norm, a)
+        + _attention(cfg, a, grouped_kv)
         + projection_outputs(cfg.dim, a)
     )
     dense = common + swiglu_bytes(cfg.ffn_dim, a)
@@ -244,10 +249,10 @@ def _moe(hf: dict, name: str, experts: int, ffn: int, qk_norm: bool) -> ModelSpe
     params = tuple(attention + _moe_params(d, experts, ffn) + _layer_norms(d))
     layer = UnitSpec(f"layers.0-{layers - 1}", params, layers)
 
-    def activations(a: int) -> Activations:
+    def activations(a: int, grouped_kv: bool = False) -> Activations:
         per_layer = (
             2 * norm_bytes(d, a)
-            + attention_bytes(h, kv, hd, qk_norm, a)
+            + attention_bytes(h, kv, hd, qk_norm, a, grouped_kv)
             + _moe_bytes(d, experts, top_k, ffn, a)
             + projection_outputs(d, a)
         )
@@ -292,7 +297,8 @@ def _deepseek_v3(hf: dict, name: str) -> ModelSpec:
         *_root(vocab, d, hf.get("tie_word_embeddings", False)),
     )
 
-    def activations(a: int) -> Activations:
+    def activations(a: int, grouped_kv: bool = False) -> Activations:
+        # (multi-head latent attention: as many key and value heads as query heads)
         qk = h * (nope + rope)
         # the latents, q, k, v, SDPA's output and o_proj's input; selective AC keeps the
         # projections' outputs and SDPA's

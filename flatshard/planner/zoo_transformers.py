@@ -8,6 +8,8 @@ Llama formulas from the config's widths (an MoE's routed experts as `top_k` MLPs
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from flatshard.errors import ConfigError, MeshError
@@ -65,7 +67,7 @@ def from_transformers_config(hf_config: dict, name: str, lora=None, nf4=False) -
         name,
         tuple(units),
         len(layers),
-        lambda a: _activations(config, a),
+        partial(_activations, config),
         top_k=getattr(config, "num_experts_per_tok", 0) or 0,
         tp_local_shape=tp_local_shape,
     )
@@ -80,7 +82,7 @@ def _splits(model, tp: int) -> dict:
         raise ConfigError(f"--tp {tp}: {error}") from None
 
 
-def _activations(config, a: int) -> Activations:
+def _activations(config, a: int, grouped_kv: bool = False) -> Activations:
     hidden = config.hidden_size
     heads = getattr(config, "num_attention_heads", 1)
     head_dim = getattr(config, "head_dim", None) or hidden // heads
@@ -92,7 +94,8 @@ def _activations(config, a: int) -> Activations:
     layer = (
         2 * norm_bytes(hidden, a)
         + attention_bytes(
-            heads, getattr(config, "num_key_value_heads", heads) or heads, head_dim, False, a
+            heads, getattr(config, "num_key_value_heads", heads) or heads, head_dim, False, a,
+            grouped_kv,
         )  # fmt: skip
         + swiglu_bytes(ffn, a)
         + projection_outputs(hidden, a)
