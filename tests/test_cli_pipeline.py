@@ -189,6 +189,8 @@ def test_pipelined_bytes_per_step_equal_the_plan(tmp_path, zero, schedule, cp, t
     weight = entries["model.embed_tokens.weight"].size.numel() * 4  # moved in fp32
     # a tied weight: gathered by the first stage, its gradient summed there
     assert first.get("tied_embedding", 0) == (2 * weight if tied else 0)
+    assert record["tied_embedding_bytes"] == first.get("tied_embedding", 0)
+    assert record["comm_bytes"] == first["total"]
 
 
 PEAK_SCHEDULES = ["1f1b", "interleaved-1f1b", "zbv"] + [  # the other code paths of these

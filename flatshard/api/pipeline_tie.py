@@ -87,6 +87,9 @@ class TiedWeight:
         if self.tie.first:
             with torch.no_grad():
                 whole = self.embed.weight.full_tensor()  # a collective of the first stage
+            unit, _ = registry.managed_of(self.embed.weight)
+            if _ranks(unit.mesh.shard_group) > 1:
+                comm.traffic.tied_embedding += whole.numel() * whole.element_size()
             if tuple(whole.shape) != self.tie.shape or whole.dtype != self.tie.dtype:
                 raise MeshError(
                     f"{self.tie.embed} is {tuple(whole.shape)} {whole.dtype} now, but the last "
@@ -137,7 +140,8 @@ class TiedWeight:
         unit, _ = registry.managed_of(param)
         # summed where flatshard sums the embedding's own: over its shards and replicas
         for group in (unit.mesh.shard_group, unit.mesh.replicate_group):
-            if group is not None:
+            if _ranks(group) > 1:
+                comm.traffic.tied_embedding += grad.numel() * grad.element_size()
                 dist.all_reduce(grad, group=group)
         grad.div_(unit.grads.divide_factor * microbatches)
         piece = shard_spec(param).piece_of(grad)
@@ -161,3 +165,7 @@ class TiedWeight:
             held = torch.empty(self.tie.shape, dtype=self.tie.dtype, device=self.device)
             dist.recv(held, self.peer, group=self.group)
         return held
+
+
+def _ranks(group) -> int:
+    return 0 if group is None else dist.get_world_size(group)

@@ -15,7 +15,7 @@ def step_record(trainer, shared: dict, lr: float, labelled: int | None, step_s: 
     its labelled targets (None: all), its and the run's seconds, and this rank's optimizer
     bytes offloaded (host, disk). Takes the step's collective bytes from the counters."""
     train = trainer.config.train
-    all_gather, reduce_scatter, all_reduce, _ = comm.traffic.take()
+    moved = comm.traffic.take()
     tokens = train.global_batch * trainer.config.data.seq_len
     return {
         "step": trainer.step,
@@ -29,12 +29,15 @@ def step_record(trainer, shared: dict, lr: float, labelled: int | None, step_s: 
         "elapsed_s": elapsed_s,
         "peak_mem_bytes": shared["peak_mem_bytes"],
         "peak_rss_bytes": trainer.memory.peak_resident(),
-        "all_gather_bytes": all_gather,
-        "reduce_scatter_bytes": reduce_scatter,
-        "replica_all_reduce_bytes": all_reduce,
+        "all_gather_bytes": moved.all_gather,
+        "reduce_scatter_bytes": moved.reduce_scatter,
+        "replica_all_reduce_bytes": moved.all_reduce,
+        # pipeline stages' tied embedding (the first stage's: `flatshard plan`'s alike)
+        "tied_embedding_bytes": moved.tied_embedding,
         # expert parallelism: the mean over ranks (each sends what its router chose)
         "all_to_all_bytes": shared["all_to_all_bytes"],
-        "comm_bytes": all_gather + reduce_scatter + all_reduce,
+        "comm_bytes": moved.all_gather + moved.reduce_scatter + moved.all_reduce
+        + moved.tied_embedding,
         # optimizer offload (this rank's): weights, gradients and state off the device
         "offload_host_bytes": offloaded[0],
         "offload_disk_bytes": offloaded[1],

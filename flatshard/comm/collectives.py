@@ -16,12 +16,23 @@ visible (nccl_shim.py). `traffic` counts the payload bytes of everything issued 
 from __future__ import annotations
 
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from flatshard import compat
 from flatshard.comm import exit_guard, nccl_shim, peer_failure
+
+
+class Counts(NamedTuple):
+    """Payload bytes of each kind since `Traffic.take` was last called."""
+
+    all_gather: int
+    reduce_scatter: int
+    all_reduce: int
+    all_to_all: int
+    tied_embedding: int
 
 
 class Traffic:
@@ -32,13 +43,18 @@ class Traffic:
         self.reduce_scatter = 0
         self.all_reduce = 0
         self.all_to_all = 0  # expert parallelism's token rows (sent), forward and backward
+        # pipeline stages' tied embedding: the first stage's gather of the weight and sums
+        # of its gradient (api/pipeline_tie.py)
+        self.tied_embedding = 0
         self.optimizer = 0  # an optimizer's own exchanges (Muon's matrices to their owners)
         self.all_gather_by_group_size: dict[int, int] = {}  # e.g. hpZ's small groups
 
-    def take(self) -> tuple[int, int, int, int]:
-        """(all-gather, reduce-scatter, all-reduce, all-to-all) bytes since the last call."""
-        counts = (self.all_gather, self.reduce_scatter, self.all_reduce, self.all_to_all)
+    def take(self) -> Counts:
+        """The step's bytes (all but the optimizer's) since the last call."""
+        counts = Counts(self.all_gather, self.reduce_scatter, self.all_reduce, self.all_to_all,
+                        self.tied_embedding)  # fmt: skip
         self.all_gather = self.reduce_scatter = self.all_reduce = self.all_to_all = 0
+        self.tied_embedding = 0
         return counts
 
 

@@ -233,13 +233,13 @@ def _layer_counts(spec: ModelSpec, blocks) -> list[int]:
 
 def _tied_cost(whole: int, compute: int, first: bool, last: bool, setup) -> TiedCost:
     """`whole`: the weight in fp32; `compute`: in the compute dtype. The first stage
-    gathers it over its shard group (dp_shard x cp) and sums the gradient over that group
-    and the replicas (HSDP); a rank holding both ends (a V's first) sends nothing."""
+    gathers it over its shard group (dp_shard x cp) and sums the gradient over that group,
+    then over the replicas (HSDP); a rank holding both ends (a V's first) sends nothing."""
     shards, replicas = setup.dp_shard * setup.cp, setup.dp_replicate
     collectives = wire = 0
     if first:
         gathered = whole if shards > 1 else 0
-        reduced = whole if shards * replicas > 1 else 0
+        reduced = whole * ((shards > 1) + (replicas > 1))  # an all-reduce per group
         collectives = gathered + reduced
         wire = (shards - 1) * whole // shards + 2 * (shards - 1) * whole // shards
         wire += 2 * (replicas - 1) * whole // replicas
