@@ -19,13 +19,15 @@ import sys
 import tempfile
 from collections import defaultdict
 
+MAX_ENTRIES = 4_000_000  # the allocator's ring of events: the oldest go once it is full
+
 _SITECUSTOMIZE = """
 import atexit, os
 _out = os.environ.get("MEMORY_PEAK_OUT")
 if _out:
     import torch
     if torch.cuda.is_available():
-        torch.cuda.memory._record_memory_history(stacks="python", max_entries=4_000_000)
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=MAX_ENTRIES)
         _done = []
         def _dump():
             if torch.cuda.is_initialized() and not _done:
@@ -80,6 +82,10 @@ def peak_report(snapshot: dict, top: int = 25) -> list[str]:
         group[0] += event["size"]
         group[1] += 1
     lines = [f"peak {peak / 2**20:.0f} MiB at event {peak_at} of {len(events)} (replayed)"]
+    if len(events) >= MAX_ENTRIES:
+        lines[0] += (
+            ": the trace is full, its oldest events dropped, so this may be wrong (fewer steps)"
+        )
     for key, (size, count) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"  {size / 2**20:9.1f} MiB  {count:5d}  {key}")
     return lines
@@ -95,7 +101,7 @@ def main(argv=None) -> int:
     os.makedirs(out, exist_ok=True)
     site = tempfile.mkdtemp(prefix="memory-site-")
     with open(os.path.join(site, "sitecustomize.py"), "w") as handle:
-        handle.write(_SITECUSTOMIZE)
+        handle.write(_SITECUSTOMIZE.replace("MAX_ENTRIES", str(MAX_ENTRIES)))
     env = dict(os.environ, MEMORY_PEAK_OUT=out)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (site, env.get("PYTHONPATH")) if p)
     code = subprocess.run(command, env=env).returncode

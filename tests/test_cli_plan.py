@@ -80,12 +80,15 @@ def test_llama3_8b_on_64_ranks(capsys):
 
 def test_keys_and_values_are_kept_grouped_only_where_cudas_kernel_reads_them_so(capsys):
     """bf16 on NCCL: SDPA keeps the 8 KV heads' keys and values (the flash kernel reads
-    them grouped); on gloo they are repeated to the 32 query heads, as the CPU's kernels
-    keep them; context parallelism counts its own (a ring's keys: as projected)."""
+    them grouped); on gloo, and under packed documents' mask, they are repeated to the 32
+    query heads, as the kernels there keep them; context parallelism counts its own (a
+    ring's keys: as projected)."""
     tokens, L = 4096, 32
     cuda, cpu = (plan(capsys, "llama3-8b", "--backend", b)["memory"] for b in ("nccl", "gloo"))
     repeats = tokens * L * BF16 * 2 * (32 - 8) * 128  # k and v, the 24 heads' copies
     assert cpu["activations"] - cuda["activations"] == repeats
+    packed = plan(capsys, "llama3-8b", "--pack")["memory"]  # masked: no flash, repeated
+    assert packed["activations"] == cpu["activations"]
     cp = [plan(capsys, "llama3-8b", "--cp", 2, "--backend", b) for b in ("nccl", "gloo")]
     assert cp[0]["memory"]["activations"] == cp[1]["memory"]["activations"]
 
@@ -260,6 +263,14 @@ def test_plan_of_a_hugging_face_config(tmp_path, capsys):
                      "--pp-schedule", schedule)  # fmt: skip
         first, last = (stage["communication"] for stage in piped["pipeline"]["stages"])
         assert first["tied_embedding"] == 2 * 1000 * 64 * 4 and "tied_embedding" not in last
+    # frozen under LoRA: gathered and sent on, no gradient summed nor sent back; HSDP's
+    # replicas sum a trained one's once more
+    layout = ("--pp", 2, "--param-dtype", "fp32")
+    lora = plan(capsys, deeper, "--world-size", 4, *layout, "--lora", 4)["pipeline"]["stages"]
+    assert lora[0]["communication"]["tied_embedding"] == 1000 * 64 * 4
+    assert lora[1]["communication"]["pipeline_send"] < lora[0]["communication"]["pipeline_send"]
+    hsdp = plan(capsys, deeper, "--world-size", 8, *layout, "--dp-shard", 2)["pipeline"]
+    assert hsdp["stages"][0]["communication"]["tied_embedding"] == 3 * 1000 * 64 * 4
     assert main(["plan", "gpt-5"]) == 2
     assert "unknown model 'gpt-5'" in capsys.readouterr().err
     assert main(["plan", "llama3-8b", "--world-size", "6", "--dp-shard", "4"]) == 2

@@ -92,7 +92,8 @@ def test_grouped_keys_attend_as_repeated_ones(monkeypatch, kv_heads):
     model, tokens = Llama(cfg), _tokens(cfg)
     runs = []
     for grouped in (False, True):
-        monkeypatch.setattr(devices, "attends_grouped_kv", lambda q, mask, grouped=grouped: grouped)
+        decide = lambda q, k, mask, grouped=grouped: grouped  # noqa: E731
+        monkeypatch.setattr(devices, "attends_grouped_kv", decide)
         model.zero_grad()
         logits = model(tokens)
         logits.square().mean().backward()
@@ -102,22 +103,33 @@ def test_grouped_keys_attend_as_repeated_ones(monkeypatch, kv_heads):
 
 
 @pytest.mark.parametrize(
-    "device, dtype, mask, grouped",
+    "device, dtype, mask, flash, grouped",
     [
-        ("cuda", torch.bfloat16, None, True),  # the flash kernel reads the groups
-        ("cuda", torch.float16, None, True),
-        ("cuda", torch.float32, None, False),  # memory-efficient: takes no groups
-        ("cuda", torch.bfloat16, "mask", False),  # packed documents: no flash
-        ("cpu", torch.bfloat16, None, False),  # bitwise transformers' logits
+        ("cuda", torch.bfloat16, None, True, True),  # the flash kernel reads the groups
+        ("cuda", torch.float16, None, True, True),
+        ("cuda", torch.bfloat16, None, False, False),  # no flash here (GPU, head size,
+        # disabled): the memory-efficient kernel takes no groups
+        ("cuda", torch.float32, None, True, False),  # fp32: no flash
+        ("cuda", torch.bfloat16, "mask", True, False),  # packed documents: no flash
+        ("cpu", torch.bfloat16, None, True, False),  # bitwise transformers' logits
     ],
 )
-def test_grouped_keys_go_to_sdpa_where_its_kernel_takes_them(device, dtype, mask, grouped):
+def test_grouped_keys_go_to_sdpa_where_its_flash_kernel_runs(
+    monkeypatch, device, dtype, mask, flash, grouped
+):
     from types import SimpleNamespace
 
     from flatshard.comm import devices
 
-    query = SimpleNamespace(is_cuda=device == "cuda", dtype=dtype)  # (no GPU here)
-    assert devices.attends_grouped_kv(query, mask) is grouped
+    asked = []
+    monkeypatch.setattr(devices, "flash_reads_groups", lambda *a: asked.append(a) or flash)
+    query = SimpleNamespace(  # (no GPU here)
+        is_cuda=device == "cuda", dtype=dtype, device=SimpleNamespace(index=0), shape=(2, 8, 5, 64)
+    )
+    key = SimpleNamespace(shape=(2, 2, 5, 64))
+    assert devices.attends_grouped_kv(query, key, mask) is grouped
+    if asked:  # torch's check is asked of the GPU, dtype, head size and heads
+        assert asked == [(0, dtype, 64, 8, 2, torch.is_grad_enabled())]
 
 
 def test_bf16_forward_keeps_dtype():
@@ -325,3 +337,16 @@ def test_meta_init_replay_matches_eager(tie):
 
     tokens = _tokens(cfg)
     torch.testing.assert_close(replayed(tokens), eager(tokens), rtol=0, atol=0)
+
+
+def test_the_flash_check_is_a_constant_in_a_compiled_block(monkeypatch):
+    # compiled blocks on CUDA ask once, at trace time, and keep the answer (no graph break)
+    from flatshard.comm import devices
+
+    monkeypatch.setattr(torch.backends.cuda, "flash_sdp_enabled", lambda: False)  # (no GPU)
+
+    def attend(q):
+        return q * 2 if devices.flash_reads_groups(0, torch.bfloat16, 64, 8, 2, True) else q
+
+    q = torch.ones(3)
+    assert torch.equal(torch.compile(attend, backend="eager", fullgraph=True)(q), q)

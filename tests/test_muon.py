@@ -139,21 +139,23 @@ def _sharded(zero_stage: int, variant: str = "", torch_muon: bool = False, split
     collectives.traffic.optimizer = 0
     losses, same_gradients = [], 0.0
     joins = _check_tp_joins() if variant == "tp2" else None
-    for tokens in batches(model.config, STEPS):
-        loss = loss_fn(model, rank_slice(tokens, rank, world))
-        loss.backward()
-        for name, param in named.items():
-            copy[name].grad = param.grad.full_tensor()
-        optimizer.step()
-        optimizer.zero_grad()
-        torch_optimizer.step()
-        same_gradients = max(same_gradients, rel_diff(full_state(model), copy))
-        losses.append(mean_over_ranks(loss.item(), dist.get_world_size()))
+    try:
+        for tokens in batches(model.config, STEPS):
+            loss = loss_fn(model, rank_slice(tokens, rank, world))
+            loss.backward()
+            for name, param in named.items():
+                copy[name].grad = param.grad.full_tensor()
+            optimizer.step()
+            optimizer.zero_grad()
+            torch_optimizer.step()
+            same_gradients = max(same_gradients, rel_diff(full_state(model), copy))
+            losses.append(mean_over_ranks(loss.item(), dist.get_world_size()))
+    finally:  # the pool's workers outlive this test
+        out_of_order = joins.finish() if joins else 0
     sent = collectives.traffic.optimizer / STEPS
     matrix_bytes = sum(p.numel() * 4 for p in groups[0]["params"])  # fp32, global
     tp_matrices = sum(tensor_parallel_of(p)[0] is not None for p in groups[0]["params"])
     experts = sum(p.ndim == 3 for p in groups[0]["params"])  # grouped, a matrix per expert
-    out_of_order = joins.finish() if joins else 0
     kinds = (tp_matrices, experts, out_of_order)
     return losses, full_state(model), sent, matrix_bytes, same_gradients, kinds
 
@@ -196,7 +198,7 @@ class _check_tp_joins:
         return checked
 
     def finish(self) -> int:
-        self.muon.on_whole_matrix = self.whole  # the pool's workers outlive this test
+        self.muon.on_whole_matrix = self.whole
         return self.count
 
 

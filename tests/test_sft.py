@@ -11,7 +11,6 @@ import json
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from test_cli_helpers import check_ok, flatshard, metrics, run_in_process
 from tiny_tokenizer import make_llama_dir, make_tokenizer_dir
 
@@ -166,27 +165,6 @@ def test_packed_windows_give_each_token_its_place_in_its_conversation(model_dir,
         assert positions.tolist() == expected
     assert SequenceOrder(data.tokens, 16, 0, data.loss_mask).positions(0, 2) is None
     assert RecordOrder(data, 64, 0, tokenizer.eos_id).positions(0, 2) is None
-
-
-def test_a_transformers_loss_builds_no_kv_cache(model_dir):
-    """A loss reads no KV cache; a transformers model builds one by default (its config's
-    `use_cache`), copying each layer's keys and values. The loss without one is the same."""
-    model = model_dir[1]
-    tokens = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator())
-    calls = []
-    record = lambda module, args, kwargs, out: calls.append(
-        (kwargs.get("use_cache"), out.past_key_values)
-    )  # fmt: skip
-    handle = model.register_forward_hook(record, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            loss = next_token_loss(model, tokens)
-            cached = model(tokens[:, :-1])  # as a plain call does: with a cache
-    finally:
-        handle.remove()
-    assert model.config.use_cache and calls[0] == (False, None) and calls[1][1] is not None
-    expected = F.cross_entropy(cached.logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-    assert loss.item() == expected.item()
 
 
 @pytest.mark.parametrize("family", ["llama", "moe", "transformers"])

@@ -88,7 +88,7 @@ class TiedWeight:
             with torch.no_grad():
                 whole = self.embed.weight.full_tensor()  # a collective of the first stage
             unit, _ = registry.managed_of(self.embed.weight)
-            if _ranks(unit.mesh.shard_group) > 1:
+            if train and _ranks(unit.mesh.shard_group) > 1:  # (a step's: the plan's)
                 comm.traffic.tied_embedding += whole.numel() * whole.element_size()
             if tuple(whole.shape) != self.tie.shape or whole.dtype != self.tie.dtype:
                 raise MeshError(

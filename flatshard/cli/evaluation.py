@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from flatshard import comm
 from flatshard.data.sequences import IGNORE
-from flatshard.models.registry import forward_kwargs, model_inputs
+from flatshard.models.registry import model_inputs, position_kwargs
 
 
 class Evaluation:
@@ -67,7 +67,7 @@ class Evaluation:
                 stage_inputs = {} if packed is None else {"position_ids": packed}
                 sums[0] += pipe.evaluate(inputs, targets, **stage_inputs).double().cpu()
             else:
-                output = model(inputs, **forward_kwargs(model, positions))
+                output = model(inputs, **position_kwargs(model, positions))
                 logits = getattr(output, "logits", output)  # transformers: an output object
                 losses = F.cross_entropy(
                     logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE,

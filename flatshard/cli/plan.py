@@ -165,6 +165,10 @@ def add_arguments(parser) -> None:
         "--grad-accum", type=int, default=None, metavar="N", help="micro-batches per step"
     )
     parser.add_argument(
+        "--pack", action="store_const", const=True, default=None,
+        help="sequences packed from several documents (train's data.pack): attention masked",
+    )  # fmt: skip
+    parser.add_argument(
         "--backend",
         default=None,
         choices=("nccl", "gloo"),
@@ -255,7 +259,7 @@ def _model_and_defaults(args):
         ep=1, cp=1,
         offload=0.0, offload_disk=False, ac="none", optimizer="adamw", write_gbps=1.0,
         quantize_weights="none", quantize_grads="none", muon_split_fused=False, sync_wire="none",
-        pp=1, pp_schedule="1f1b",
+        pp=1, pp_schedule="1f1b", pack=False,
     )  # fmt: skip
     if args.model is not None:
         lora = lora_spec(args.lora or 0, 0.0, 0.0, LORA_TARGETS)
@@ -294,6 +298,7 @@ def _model_and_defaults(args):
             train.global_batch // (train.micro_batch * world // (train.tp * train.cp * train.pp)),
         ),
         backend="nccl" if _uses_cuda(config.run.device) else "gloo",
+        pack=config.data.pack,
     )
     if config.model.hf:  # the Hugging Face model train --hf would fine-tune
         rank = train.lora_rank if args.lora is None else args.lora

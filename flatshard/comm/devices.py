@@ -7,6 +7,7 @@ same size (CUDA's caching allocator does this by itself).
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -23,15 +24,40 @@ def compute_device(device_type: str) -> torch.device:
     return torch.device(device_type)
 
 
-def attends_grouped_kv(query: torch.Tensor, mask: torch.Tensor | None) -> bool:
+def attends_grouped_kv(query: torch.Tensor, key: torch.Tensor, mask) -> bool:
     """Whether attention gives SDPA grouped-query keys and values as they are
-    (`enable_gqa`) rather than repeated to the query heads: on CUDA in fp16/bf16 without a
-    mask, where the flash kernel reads them as they are (bitwise the repeats' result on a
-    lent H200), so the repeats are neither made nor kept for backward (SmolLM2-135M at 16k
-    tokens a step held 1,080 MiB of them at its peak). Elsewhere SDPA would fall back to
-    its math kernel (fp32 picks the memory-efficient one, which takes no groups), and on
-    the CPU the repeat keeps logits bitwise transformers'."""
-    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and mask is None
+    (`enable_gqa`) rather than repeated to the query heads: where CUDA's flash kernel runs
+    (fp16/bf16, no mask, a GPU and head size it supports), which reads them as they are
+    (bitwise the repeats' result on a lent H200), so the repeats are neither made nor kept
+    for backward (SmolLM2-135M at 16k tokens a step held 1,080 MiB of them at its peak).
+    Elsewhere SDPA would fall back to its math kernel, which keeps the whole score matrix:
+    the memory-efficient kernel (fp32, older GPUs, larger heads) takes no groups. On the CPU
+    the repeat keeps logits bitwise transformers'."""
+    if not (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and mask is None):
+        return False
+    shape = (query.device.index, query.dtype, query.shape[-1], query.shape[1], key.shape[1])
+    return flash_reads_groups(*shape, torch.is_grad_enabled())
+
+
+@torch.compiler.assume_constant_result  # (a compiled block bakes the answer in)
+def flash_reads_groups(index, dtype, head_dim: int, heads: int, kv_heads: int, grad: bool) -> bool:
+    """Whether CUDA's flash kernel takes `heads` query heads over `kv_heads` key and value
+    heads of `head_dim` on GPU `index`, as the backends enabled now allow (torch's own
+    check, on one token; once per kind)."""
+    enabled = torch.backends.cuda.flash_sdp_enabled()
+    return enabled and _flash_takes(index, dtype, head_dim, heads, kv_heads, grad)
+
+
+@functools.cache
+def _flash_takes(index, dtype, head_dim: int, heads: int, kv_heads: int, grad: bool) -> bool:
+    device = torch.device("cuda", index)
+    query = torch.empty(1, heads, 1, head_dim, device=device, dtype=dtype, requires_grad=grad)
+    key = torch.empty(1, kv_heads, 1, head_dim, device=device, dtype=dtype, requires_grad=grad)
+    try:
+        params = torch.backends.cuda.SDPAParams(query, key, key, None, 0.0, True, True)
+    except TypeError:  # a torch whose SDPAParams takes no enable_gqa: repeat
+        return False
+    return torch.backends.cuda.can_use_flash_attention(params)
 
 
 def process_start_method() -> str:

@@ -28,9 +28,9 @@ def next_token_loss(
     """Cross-entropy of each token's prediction of the next (a transformers model's output
     object included; plus a transformers MoE's load-balancing loss where its config sets
     output_router_logits); see `token_loss` for `labels` and `divisor`. `position_ids`
-    [B, T]: packed documents (see `forward_kwargs`)."""
+    [B, T]: packed documents (see `position_kwargs`)."""
     inputs, targets, position_ids = model_inputs(model, batch, labels, position_ids)
-    output = model(inputs, **forward_kwargs(model, position_ids))
+    output = model(inputs, **position_kwargs(model, position_ids))
     loss = token_loss(getattr(output, "logits", output), targets, divisor)
     router_logits = getattr(output, "router_logits", None)
     if router_logits:  # a transformers MoE whose config asks for its load-balancing loss
@@ -57,15 +57,16 @@ def model_inputs(model: nn.Module, batch: torch.Tensor, labels=None, position_id
     return context.split(inputs), context.split(targets), context.split(positions)
 
 
-def forward_kwargs(model: nn.Module, position_ids) -> dict:
-    """The keywords of a loss's forward of `model`. A transformers model gets
-    `use_cache=False`: a loss reads no KV cache, yet one is built by default (the config's
-    `use_cache`), a copy of every layer's keys and values a step; and only without one
-    does it read packed documents' `position_ids` (positions that restart where a document
-    starts, so it attends within documents): given a cache, even an empty one, it masks
-    causally."""
-    kwargs = {"use_cache": False} if _takes_use_cache(type(model)) else {}
-    return kwargs if position_ids is None else {**kwargs, "position_ids": position_ids}
+def position_kwargs(model: nn.Module, position_ids) -> dict:
+    """The keywords that make `model` read packed documents' positions, which restart where
+    a document starts, so it attends within documents only. A transformers model does so
+    only without a KV cache (given one, even an empty one, it builds a plain causal mask):
+    `use_cache=False`. Nothing without positions, so the plain call stays as it was."""
+    if position_ids is None:
+        return {}
+    if _takes_use_cache(type(model)):
+        return {"position_ids": position_ids, "use_cache": False}
+    return {"position_ids": position_ids}
 
 
 @functools.cache

@@ -101,6 +101,7 @@ class Setup:
     sync_wire: str = "none"  # weight sync's wire dtype (sync_cost.py)
     pp: int = 1  # pipeline stages, a rank each (outermost; pipeline_cost.py)
     pp_schedule: str = "1f1b"  # gpipe, 1f1b, interleaved-1f1b or looped-bfs
+    pack: bool = False  # packed documents: attention masked by their positions (data.pack)
 
     @property
     def optimizer_states(self) -> float:
@@ -121,9 +122,12 @@ class Setup:
     def kv_grouped(self) -> bool:
         """Whether attention saves keys and values as the KV heads, not repeated to the query
         heads: on CUDA in half precision, whose flash kernel reads them grouped (flatshard's
-        models: comm/devices.attends_grouped_kv; transformers' alike). Context parallelism's
-        attention is counted apart (context_parallel_keys)."""
-        return self.cp == 1 and self.backend != "gloo" and self.param_dtype in ("bf16", "fp16")
+        models: comm/devices.attends_grouped_kv; transformers' alike), on a GPU where flash
+        runs (Ampere or newer, a head size it takes: assumed). Packed documents' mask keeps
+        them repeated; context parallelism's attention is counted apart
+        (context_parallel_keys)."""
+        half = self.param_dtype in ("bf16", "fp16")
+        return self.cp == 1 and self.backend != "gloo" and half and not self.pack
 
     @property
     def optimizer_name(self) -> str:

@@ -124,7 +124,8 @@ def rank_parts(spec: ModelSpec, setup, hidden: int, activation_bytes: int) -> li
         first, last = 0 in mine, stages - 1 in mine
         cost = None
         if whole_tied and (first or last):
-            cost = _tied_cost(whole_tied, tied.numel * activation_bytes, first, last, setup)
+            cost = _tied_cost(whole_tied, tied.numel * activation_bytes, first, last, setup,
+                              tied.requires_grad)  # fmt: skip
         parts.append(RankPart(rank, specs, together, in_flight,
                               sends * setup.grad_accum * boundary, transient, cost))  # fmt: skip
     return parts
@@ -231,20 +232,23 @@ def _layer_counts(spec: ModelSpec, blocks) -> list[int]:
     return counts
 
 
-def _tied_cost(whole: int, compute: int, first: bool, last: bool, setup) -> TiedCost:
+def _tied_cost(whole: int, compute: int, first: bool, last: bool, setup,
+               trainable: bool = True) -> TiedCost:  # fmt: skip
     """`whole`: the weight in fp32; `compute`: in the compute dtype. The first stage
-    gathers it over its shard group (dp_shard x cp) and sums the gradient over that group,
-    then over the replicas (HSDP); a rank holding both ends (a V's first) sends nothing."""
+    gathers it over its shard group (dp_shard x cp) and, `trainable`, sums the gradient over
+    that group, then over the replicas (HSDP; a frozen weight, LoRA's, has none to send
+    back); a rank holding both ends (a V's first) sends nothing."""
     shards, replicas = setup.dp_shard * setup.cp, setup.dp_replicate
     collectives = wire = 0
     if first:
-        gathered = whole if shards > 1 else 0
-        reduced = whole * ((shards > 1) + (replicas > 1))  # an all-reduce per group
-        collectives = gathered + reduced
-        wire = (shards - 1) * whole // shards + 2 * (shards - 1) * whole // shards
-        wire += 2 * (replicas - 1) * whole // replicas
-    held = 2 * compute + whole if last else 0
-    return TiedCost(held, whole if first else 0, collectives, wire, whole if first != last else 0)
+        collectives = whole if shards > 1 else 0  # the gather
+        wire = (shards - 1) * whole // shards
+        if trainable:  # an all-reduce per group
+            collectives += whole * ((shards > 1) + (replicas > 1))
+            wire += 2 * (shards - 1) * whole // shards + 2 * (replicas - 1) * whole // replicas
+    held = (2 * compute + whole if trainable else compute) if last else 0
+    sends = (first and not last) or (last and not first and trainable)  # weight; gradient
+    return TiedCost(held, whole * trainable if first else 0, collectives, wire, whole * sends)
 
 
 def tied_embedding(spec: ModelSpec):

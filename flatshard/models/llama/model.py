@@ -223,7 +223,7 @@ class Attention(nn.Module):
             k, v = cache.extend(layer, k, v)
             mask = cache.attention_mask(t, k.shape[2], x.device)
         grouped = q.shape[1] != k.shape[1]  # query head i reads kv head i // group
-        as_grouped = grouped and devices.attends_grouped_kv(q, mask)
+        as_grouped = grouped and devices.attends_grouped_kv(q, k, mask)
         if grouped and not as_grouped:  # (the kernels that take no groups)
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)

@@ -24,8 +24,8 @@ from flatshard.models.moe.parallel import parallelize_moe, split_experts
 from flatshard.models.moe.router import RouterStats
 from flatshard.models.registry import (
     ModelFamily,
-    forward_kwargs,
     model_inputs,
+    position_kwargs,
     register,
     token_loss,
 )
@@ -38,7 +38,7 @@ def moe_training_loss(
     router statistics are summed over `group` (default: every rank; each holds another
     slice of the batch), so the loss and its gradients are the global batch's."""
     inputs, targets, position_ids = model_inputs(model, batch, labels, position_ids)
-    positions = forward_kwargs(model, position_ids)
+    positions = position_kwargs(model, position_ids)
     logits, stats = model(inputs, return_router_stats=True, **positions)
     loss = token_loss(logits, targets, divisor)
     group = group if group is not None else dist.group.WORLD
