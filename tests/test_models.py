@@ -338,15 +338,3 @@ def test_meta_init_replay_matches_eager(tie):
     tokens = _tokens(cfg)
     torch.testing.assert_close(replayed(tokens), eager(tokens), rtol=0, atol=0)
 
-
-def test_the_flash_check_is_a_constant_in_a_compiled_block(monkeypatch):
-    # compiled blocks on CUDA ask once, at trace time, and keep the answer (no graph break)
-    from flatshard.comm import devices
-
-    monkeypatch.setattr(torch.backends.cuda, "flash_sdp_enabled", lambda: False)  # (no GPU)
-
-    def attend(q):
-        return q * 2 if devices.flash_reads_groups(0, torch.bfloat16, 64, 8, 2, True) else q
-
-    q = torch.ones(3)
-    assert torch.equal(torch.compile(attend, backend="eager", fullgraph=True)(q), q)

@@ -268,8 +268,7 @@ def _pipeline_plan(spec: ModelSpec, setup: Setup, hidden: int, vocab: int, muon)
         by_ac = {
             mode: split_memory(
                 _memory(part.whole, units, replace(setup, ac=mode), part.in_flight,
-                        part.transient, *((part.tied.held, part.tied.held_at_end)
-                                          if part.tied else ())),
+                        part.transient, part.tied),
                 share, setup.offload_disk,
             )
             for mode in AC_MODES
@@ -321,12 +320,13 @@ def _pipeline_plan(spec: ModelSpec, setup: Setup, hidden: int, vocab: int, muon)
 
 def _memory(
     spec: ModelSpec, units: tuple[UnitFigures, ...], setup: Setup, in_flight: float = 1.0,
-    once: int = 0, held: int = 0, held_at_end: int = 0,
+    once: int = 0, tied=None,
 ) -> dict[str, int]:
     """`in_flight`: micro-batches whose activations a pipeline stage holds at once; `once`:
-    activation bytes it holds besides, once (its loss's backward); `held`, `held_at_end`:
-    bytes it holds besides through the step, and at its end (a tied embedding moved
-    between pipeline stages)."""
+    activation bytes it holds besides, once (its loss's backward); `tied`: a tied
+    embedding moved between pipeline stages (its TiedCost: bytes held through the step,
+    and at its end)."""
+    held, held_at_end = (tied.held, tied.held_at_end) if tied is not None else (0, 0)
     pb, rb = DTYPE_BYTES[setup.param_dtype], DTYPE_BYTES[setup.reduce_dtype]
     total = lambda f: sum(f(u) * u.count for u in units)
     params = total(lambda u: u.shard) * FP32 + total(lambda u: u.nf4) // setup.dp_shard
